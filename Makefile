@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.shardline-installed
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export RAY_USAGE_STATS_ENABLED ?= 0
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export DO_NOT_TRACK ?= 1
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml tests/services/package.json
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	npm install --prefix tests/services --no-audit --no-fund --loglevel=error
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/shardline run --config configs/demo.toml
+
+test: install
+	$(BIN)/python -m pytest tests
+
+bench: install
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf .shardline

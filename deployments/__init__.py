@@ -1,0 +1,1 @@
+"""Serving and rollout of models: the MLflow registry, the Ray Serve app and router, the canary policy."""

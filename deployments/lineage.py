@@ -1,0 +1,63 @@
+"""`shardline lineage`: follow one chain from a registered model version back to the dataset digest."""
+from __future__ import annotations
+
+from typing import Any
+
+from infra.tracking import (
+    TAG_CHECKPOINT_URI,
+    TAG_DATA_RUN_ID,
+    TAG_DATASET_DIGEST,
+    TAG_FLOW_RUN_ID,
+    TAG_GIT_COMMIT,
+    TAG_MANIFEST_URI,
+    TAG_PARENT,
+    TAG_VALIDATION_RUN_ID,
+    resolve_tracking_uri,
+)
+
+
+class LineageError(LookupError):
+    """The model, version or alias does not exist, or a link in the chain is missing."""
+
+
+def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str = "") -> dict[str, Any]:
+    """Resolve a version (or alias) and return its chain: flow run -> data run/digest -> training run -> version.
+
+    The dataset digest is read twice, from the version's tag and from the data run's logged dataset input,
+    and `consistent` says whether they agree.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    try:
+        if version_or_alias.isdigit():
+            mv = client.get_model_version(model_name, version_or_alias)
+        else:
+            mv = client.get_model_version_by_alias(model_name, version_or_alias)
+    except MlflowException as e:
+        raise LineageError(f"model {model_name!r} {version_or_alias!r}: {e.message.splitlines()[0]}") from None
+    tags = mv.tags
+    data_run_id = tags.get(TAG_DATA_RUN_ID, "")
+    logged_digests: list[str] = []
+    if data_run_id:
+        data_run = client.get_run(data_run_id)
+        logged_digests = [d.dataset.digest for d in data_run.inputs.dataset_inputs]
+    train_run = client.get_run(mv.run_id) if mv.run_id else None
+    return {
+        "model": model_name,
+        "version": mv.version,
+        "aliases": ",".join(mv.aliases),
+        "status": "rejected" if "rejected" in tags else "ok",
+        "dataset_digest": tags.get(TAG_DATASET_DIGEST, ""),
+        "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
+        "data_run_id": data_run_id,
+        "train_run_id": mv.run_id or "",
+        "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),
+        "validation_run_id": tags.get(TAG_VALIDATION_RUN_ID, ""),
+        "parent_run_id": train_run.data.tags.get(TAG_PARENT, "") if train_run else "",
+        "prefect_flow_run_id": tags.get(TAG_FLOW_RUN_ID, ""),
+        "git_commit": tags.get(TAG_GIT_COMMIT, ""),
+        "consistent": bool(logged_digests) and tags.get(TAG_DATASET_DIGEST) in logged_digests,
+    }

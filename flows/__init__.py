@@ -1,0 +1,1 @@
+"""The DAG: the Prefect flow, its typed parameters (PipelineConfig) and the `shardline` command."""

@@ -1,0 +1,110 @@
+"""The `shardline` command: `run` the pipeline from a TOML config, or show a model's `lineage`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from flows.config import ConfigError, load_config
+
+
+def _prepare_environment() -> None:
+    """Telemetry off; with no Prefect server configured, keep Prefect's own state under $SHARDLINE_HOME."""
+    from infra.paths import quiet_telemetry, shardline_home
+
+    quiet_telemetry()
+    if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
+        os.environ["PREFECT_HOME"] = str(shardline_home() / "prefect")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * 66 + "+"
+    body = [f"| {k.ljust(width)} | {str(v)[:64].ljust(64)} |" for k, v in rows]
+    return "\n".join([line, *body, line])
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
+    _prepare_environment()
+    from flows.pipeline import shardline_pipeline
+
+    try:
+        summary = shardline_pipeline(config)
+    except KeyboardInterrupt:
+        print("shardline: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the stage already logged its traceback; the user gets one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"shardline: pipeline failed: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    rows = [
+        ("model", f"{summary.model_name} v{summary.model_version}"),
+        ("decision", summary.decision),
+        ("reason", summary.reason),
+        ("champion", f"v{summary.champion_version}"),
+        ("val bits/byte", f"{summary.val_bits_per_byte:.4f}"),
+        ("MLflow run", summary.parent_run_id),
+        ("dataset digest", summary.dataset_digest),
+        ("checkpoint", summary.checkpoint_uri),
+    ]
+    print(_table(rows), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(summary.model_dump()), flush=True)
+    return 0
+
+
+def _cmd_lineage(args: argparse.Namespace) -> int:
+    _prepare_environment()
+    from deployments.lineage import LineageError, describe_lineage
+
+    try:
+        chain = describe_lineage(args.model, args.version or args.alias, args.tracking_uri)
+    except LineageError as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(chain), flush=True)
+    else:
+        print(_table([(k, v) for k, v in chain.items()]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every pipeline setting lives in the TOML config, not in flags."""
+    parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the whole pipeline once")
+    run.add_argument("--config", metavar="FILE.toml", help="pipeline config (default: built-in defaults)")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set train.steps=50 (repeatable)",
+    )
+    run.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
+    run.set_defaults(func=_cmd_run)
+
+    lineage = sub.add_parser("lineage", help="show the chain from dataset digest to a registered model version")
+    lineage.add_argument("--model", default="shardline-gpt", help="registered model name")
+    lineage.add_argument("--version", default="", help="model version (default: the alias)")
+    lineage.add_argument("--alias", default="champion", help="alias to resolve when no version is given")
+    lineage.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default as for `run`)")
+    lineage.add_argument("--json", action="store_true", help="print one JSON object")
+    lineage.set_defaults(func=_cmd_lineage)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `shardline` console script."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""PipelineConfig: the six stage configs in one model; the TOML file, the flow parameter and the UI form."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deployments.config import CanaryConfig, RegistryConfig
+from infra.config import ClusterConfig
+from training.config import TrainConfig, ValidationConfig
+from training.data.config import DataConfig
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; its message is one line per problem."""
+
+
+class PipelineConfig(BaseModel):
+    """Everything one pipeline run needs, one section per stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: DataConfig = Field(default_factory=DataConfig, description="shard_dataset: corpus, split, shards.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="provision_cluster: which Ray.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="train_fsdp: model and optimisation.")
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig, description="validate_checkpoint: the quality gate."
+    )
+    registry: RegistryConfig = Field(default_factory=RegistryConfig, description="promote_model: MLflow registry.")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="canary_deploy: ramp and gates.")
+
+
+def _parse_value(text: str) -> Any:
+    """Read an override value as TOML (numbers, booleans, arrays, quoted strings), else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `section.key=value` override to a raw config dict, in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+    dotted, value = assignment.split("=", 1)
+    parts = [p for p in dotted.strip().split(".") if p]
+    if len(parts) < 2:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. train.steps=50")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: {part!r} is not a section")
+    node[parts[-1]] = _parse_value(value.strip())
+
+
+def describe_errors(err: ValidationError, origin: str) -> str:
+    """One line per problem, naming the dotted key and the value, e.g. `demo.toml: train.stepz: unknown key`."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{origin}: unknown key '{key}'")
+        else:
+            lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
+    """
+    raw: dict[str, Any] = {}
+    origin = "config"
+    if path is not None:
+        origin = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    if overrides:
+        origin = f"{origin} (with --set)"
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(describe_errors(e, origin)) from None

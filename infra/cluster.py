@@ -1,0 +1,152 @@
+"""Ray cluster provisioning: start Ray on this machine (one or several nodes) or connect to a running cluster."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from infra.config import ClusterConfig
+from infra.paths import quiet_telemetry
+
+
+class ClusterError(RuntimeError):
+    """Ray could not be started or reached; the message says which address and why."""
+
+
+class ClusterInfo(BaseModel):
+    """The Ray cluster a pipeline run uses, and whether this run owns it (and must stop it)."""
+
+    address: str
+    mode: str
+    resources: dict[str, float]
+    nodes: int
+    started_here: bool
+    # GCS address of nodes started as separate processes (mode=local-multinode), for `ray stop`.
+    gcs_address: str = ""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
+
+
+def _run_ray(args: list[str]) -> None:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run([_ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ClusterError(f"`ray {' '.join(args[:2])}` failed: {tail[0]}")
+
+
+def start_local_nodes(cfg: ClusterConfig) -> str:
+    """Start a head and `cfg.worker_nodes` worker nodes as separate processes; return the GCS address."""
+    port = free_port(cfg.host)
+    gcs = f"{cfg.host}:{port}"
+    common = ["--disable-usage-stats", f"--object-store-memory={cfg.object_store_mb * 1024 * 1024}"]
+    _run_ray(
+        ["start", "--head", f"--node-ip-address={cfg.host}", f"--port={port}", f"--num-cpus={cfg.num_cpus}",
+         f"--num-gpus={cfg.num_gpus}", "--include-dashboard=false", *common]
+    )
+    for _ in range(cfg.worker_nodes):
+        _run_ray(
+            ["start", f"--address={gcs}", f"--node-ip-address={cfg.host}",
+             f"--num-cpus={cfg.cpus_per_worker_node}", "--num-gpus=0", *common]
+        )
+    return gcs
+
+
+def stop_local_nodes() -> None:
+    """Stop the Ray processes `start_local_nodes` started on this machine."""
+    subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
+
+
+def provision(cfg: ClusterConfig) -> ClusterInfo:
+    """Start or connect to Ray per `cfg.mode`; this process becomes the driver.
+
+    Raises:
+        ClusterError: the remote address is empty or unreachable, or local nodes failed to start.
+    """
+    quiet_telemetry()
+    import ray
+
+    if ray.is_initialized():  # a retried task, or a caller that already connected
+        return _describe(cfg.mode, started_here=False)
+    gcs = ""
+    if cfg.mode == "remote":
+        if not cfg.address:
+            raise ClusterError("cluster.address is empty; mode=remote needs e.g. 'ray://head:10001'")
+        try:
+            ray.init(address=cfg.address, log_to_driver=False)
+        except Exception as e:  # noqa: BLE001 - Ray raises many types; the user needs the address and cause
+            raise ClusterError(f"cannot reach Ray at cluster.address={cfg.address!r}: {e}") from None
+        return _describe(cfg.mode, started_here=False)
+    if cfg.mode == "local-multinode":
+        gcs = start_local_nodes(cfg)
+        ray.init(address=gcs, log_to_driver=False)
+        _wait_for_nodes(1 + cfg.worker_nodes)
+    else:
+        ray.init(
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            include_dashboard=False,
+            object_store_memory=cfg.object_store_mb * 1024 * 1024,
+            _node_ip_address=cfg.host,
+            log_to_driver=False,
+        )
+    info = _describe(cfg.mode, started_here=True)
+    info.gcs_address = gcs
+    return info
+
+
+def _wait_for_nodes(expected: int, timeout_s: float = 60.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for n in ray.nodes() if n["Alive"]) < expected:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"only {sum(1 for n in ray.nodes() if n['Alive'])} of {expected} Ray nodes came up")
+        time.sleep(0.5)
+
+
+def _describe(mode: str, started_here: bool) -> ClusterInfo:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    address = getattr(ctx, "gcs_address", "") or ""
+    return ClusterInfo(
+        address=address,
+        mode=mode,
+        resources={k: float(v) for k, v in ray.cluster_resources().items() if not k.startswith("node:")},
+        nodes=sum(1 for n in ray.nodes() if n["Alive"]),
+        started_here=started_here,
+    )
+
+
+def teardown(info: ClusterInfo | None) -> None:
+    """Disconnect; stop the cluster if this run started it. Safe to call twice and on failure paths."""
+    import ray
+
+    if ray.is_initialized():
+        try:
+            from ray import serve
+
+            if info is not None and info.started_here:
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - Serve was never started, or already gone
+            pass
+        ray.shutdown()
+    if info is not None and info.started_here and info.gcs_address:
+        stop_local_nodes()

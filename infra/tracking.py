@@ -1,0 +1,164 @@
+"""The MLflow run tree: one parent run per flow run, one child run per stage, and the lineage tag names."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from infra.paths import quiet_telemetry, shardline_home
+
+# Lineage tags. Every stage tags what it produced with the ids of what it consumed, under these names.
+TAG_STAGE = "shardline.stage"
+TAG_FLOW_RUN_ID = "shardline.prefect_flow_run_id"
+TAG_PARENT = "mlflow.parentRunId"
+TAG_DATASET_DIGEST = "shardline.dataset_digest"
+TAG_MANIFEST_URI = "shardline.manifest_uri"
+TAG_DATA_RUN_ID = "shardline.data_run_id"
+TAG_TRAIN_RUN_ID = "shardline.train_run_id"
+TAG_CHECKPOINT_URI = "shardline.checkpoint_uri"
+TAG_VALIDATION_RUN_ID = "shardline.validation_run_id"
+TAG_MODEL_URI = "shardline.model_uri"
+TAG_MODEL_VERSION = "shardline.model_version"
+TAG_GIT_COMMIT = "shardline.git_commit"
+TAG_CLUSTER_ADDRESS = "shardline.ray_address"
+
+class Lineage(BaseModel):
+    """What every stage receives to log under the flow run's MLflow run tree."""
+
+    tracking_uri: str
+    experiment: str
+    parent_run_id: str
+    flow_run_id: str = ""
+
+
+STAGES = ("shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoint", "promote_model", "canary_deploy")
+
+
+def resolve_tracking_uri(configured: str = "") -> str:
+    """The tracking URI: the configured one, else $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME."""
+    if configured:
+        return configured
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{shardline_home() / 'mlflow.db'}"
+
+
+def setup_tracking(tracking_uri: str, experiment: str) -> str:
+    """Point this process's MLflow at `tracking_uri` and make sure `experiment` exists; return its id.
+
+    A new experiment on a local (SQLite/file) store keeps artifacts in $SHARDLINE_HOME/mlartifacts, not ./mlruns.
+    """
+    quiet_telemetry()
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri:
+        location = (shardline_home() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(experiment, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _find_run(client: Any, experiment_id: str, filter_string: str) -> Any | None:
+    runs = client.search_runs([experiment_id], filter_string=filter_string, max_results=1)
+    return runs[0] if runs else None
+
+
+def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_run_name: str) -> str:
+    """Get or create the parent run of a Prefect flow run (idempotent on the flow run id); return its id."""
+    import mlflow
+
+    experiment_id = setup_tracking(tracking_uri, experiment)
+    client = mlflow.MlflowClient(tracking_uri)
+    found = _find_run(client, experiment_id, f"tags.`{TAG_FLOW_RUN_ID}` = '{flow_run_id}' and tags.`{TAG_STAGE}` = 'pipeline'")
+    if found is not None:
+        return found.info.run_id
+    run = client.create_run(
+        experiment_id,
+        run_name=flow_run_name,
+        tags={TAG_FLOW_RUN_ID: flow_run_id, TAG_STAGE: "pipeline", **git_tags()},
+    )
+    return run.info.run_id
+
+
+def close_run(tracking_uri: str, run_id: str, ok: bool) -> None:
+    """Mark a run FINISHED or FAILED."""
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def child_run_id(tracking_uri: str, parent_run_id: str, stage: str) -> str:
+    """Get or create the child run of `stage` under `parent_run_id`: a retried stage reuses its run."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    parent = client.get_run(parent_run_id)
+    found = _find_run(
+        client,
+        parent.info.experiment_id,
+        f"tags.`{TAG_PARENT}` = '{parent_run_id}' and tags.`{TAG_STAGE}` = '{stage}'",
+    )
+    if found is not None:
+        return found.info.run_id
+    tags = {TAG_PARENT: parent_run_id, TAG_STAGE: stage}
+    flow_run = parent.data.tags.get(TAG_FLOW_RUN_ID)
+    if flow_run:
+        tags[TAG_FLOW_RUN_ID] = flow_run
+    return client.create_run(parent.info.experiment_id, run_name=stage, tags=tags).info.run_id
+
+
+@contextlib.contextmanager
+def stage_run(lineage: Lineage, stage: str) -> Iterator[str]:
+    """Make the stage's child run the active MLflow run of this thread; FINISHED on exit, FAILED on error.
+
+    Yields:
+        The child run id, to tag downstream products with.
+    """
+    import mlflow
+
+    mlflow.set_tracking_uri(lineage.tracking_uri)
+    mlflow.set_registry_uri(lineage.tracking_uri)
+    run_id = child_run_id(lineage.tracking_uri, lineage.parent_run_id, stage)
+    with mlflow.start_run(run_id=run_id) as run:
+        try:
+            yield run.info.run_id
+        except BaseException:
+            mlflow.end_run("FAILED")
+            raise
+
+
+def git_tags() -> dict[str, str]:
+    """The git commit the code runs from, when it runs from a git checkout; {} otherwise."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {TAG_GIT_COMMIT: sha} if len(sha) == 40 else {}
+
+
+def flat_params(prefix: str, model: Any) -> dict[str, str]:
+    """A pydantic config as MLflow params `prefix.key`. Configs hold no credentials by design."""
+    out = {}
+    for key, value in model.model_dump().items():
+        out[f"{prefix}.{key}"] = str(value)[:500]
+    return out

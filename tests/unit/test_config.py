@@ -1,0 +1,97 @@
+"""PipelineConfig: TOML + overrides, unknown keys and bad values named, the keys scripts rely on."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import ConfigError, PipelineConfig, apply_override, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_embedded_single_machine_setup():
+    cfg = PipelineConfig()
+    assert cfg.data.source == "stdlib"
+    assert cfg.data.output == ""
+    assert cfg.cluster.mode == "local"
+    assert cfg.train.workers == 2
+    assert cfg.canary.steps == [10, 50, 100]
+    assert cfg.cluster.host == "127.0.0.1" and cfg.canary.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "debug.toml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.train.steps >= cfg.train.checkpoint_every
+
+
+def test_stable_key_names_exist():
+    # Scripts and other tools rely on these names (issue 2); renaming one is a breaking change.
+    cfg = PipelineConfig().model_dump()
+    for dotted in ["data.source", "data.output", "cluster.mode", "train.steps", "train.workers",
+                   "train.checkpoint_every", "registry.model_name", "canary.steps"]:
+        section, key = dotted.split(".")
+        assert key in cfg[section], dotted
+
+
+def test_overrides_parse_toml_values():
+    cfg = load_config(REPO / "configs" / "debug.toml",
+                      ["train.steps=7", "canary.steps=[20, 100]", "data.source=/tmp/corpus", "train.use_gpu=false"])
+    assert cfg.train.steps == 7
+    assert cfg.canary.steps == [20, 100]
+    assert cfg.data.source == "/tmp/corpus"
+    assert cfg.train.use_gpu is False
+
+
+def test_unknown_key_is_named(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value) == f"{bad}: unknown key 'train.stepz'"
+
+
+def test_unknown_section_is_named():
+    with pytest.raises(ConfigError, match="unknown key 'trian'"):
+        load_config(None, ["trian.steps=3"])
+
+
+def test_bad_value_names_key_and_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.workers=0"])
+    assert "train.workers" in str(e.value) and "0" in str(e.value)
+    with pytest.raises(ConfigError, match=r"cluster.mode.*'moon'"):
+        load_config(None, ["cluster.mode=moon"])
+
+
+def test_canary_steps_must_ascend():
+    with pytest.raises(ConfigError, match="canary.steps"):
+        load_config(None, ["canary.steps=[50, 10]"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        apply_override({}, "train.steps")
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        apply_override({}, "steps=3")
+
+
+def test_every_field_is_described():
+    # The same model is the Prefect UI form: every field needs a description there.
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann, f"{prefix}{name}.")
+    walk(PipelineConfig)

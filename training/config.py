@@ -1,0 +1,81 @@
+"""Configuration of training and of checkpoint validation."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainConfig(BaseModel):
+    """Model size, optimisation, parallelism and checkpointing of the training stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(2, ge=1, description="Ray Train workers (= data-parallel ranks).")
+    steps: int = Field(300, ge=1, description="Optimizer steps; the run ends at exactly this step, resumes included.")
+    checkpoint_every: int = Field(100, ge=1, description="Save a DCP checkpoint every this many steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints Ray Train keeps (the latest N).")
+    max_failures: int = Field(2, ge=1, description="Worker-group restarts Ray Train allows before failing the stage.")
+    seed: int = Field(1337, description="Seed of initialisation and data order.")
+
+    # model
+    model_factory: str = Field(
+        "training.model:build_gpt",
+        description="Import path 'module:function' that takes this TrainConfig and returns an nn.Module.",
+    )
+    batch_format: str = Field(
+        "training.data.loader:byte_blocks",
+        description="Import path 'module:function' that turns a stream of records into (input, target) batches.",
+    )
+    seq_len: int = Field(128, ge=8, description="Context length in bytes.")
+    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
+    n_head: int = Field(4, ge=1, description="Attention heads.")
+    d_model: int = Field(128, ge=8, description="Model width.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+
+    # optimisation
+    micro_batch: int = Field(8, ge=1, description="Sequences per rank per forward pass.")
+    grad_accum: int = Field(1, ge=1, description="Micro batches accumulated per optimizer step.")
+    global_batch: int = Field(
+        0, ge=0, description="Sequences per optimizer step over all ranks; 0 derives it. Checked against "
+        "micro_batch x grad_accum x workers."
+    )
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global grad norm to this (0 disables).")
+
+    # parallelism and precision
+    parallelism: Literal["fsdp", "ddp"] = Field("fsdp", description="FSDP2 fully_shard, or DDP for comparison.")
+    powersgd_rank: int = Field(0, ge=0, description="DDP only: PowerSGD gradient compression rank (0 = off).")
+    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after forward.")
+    activation_checkpointing: bool = Field(False, description="Recompute block activations in backward.")
+    cpu_offload: bool = Field(False, description="FSDP2: keep sharded parameters on CPU (GPU runs).")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 compute with fp32 reduction on GPU, fp32 on CPU."
+    )
+    use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend.")
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
+    peak_tflops: float = Field(
+        0.0, ge=0, description="Peak dense TFLOP/s of one device, for the MFU estimate (0: 989 on GPU, 0.1 on CPU)."
+    )
+
+    log_every: int = Field(10, ge=1, description="Rank 0 logs metrics to MLflow every this many steps.")
+    storage_path: str = Field(
+        "",
+        description="Ray Train storage for checkpoints: local path, s3://..., or empty for "
+        "$SHARDLINE_HOME/checkpoints.",
+    )
+
+
+class ValidationConfig(BaseModel):
+    """The gate a checkpoint must pass before it is registered."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_bits_per_byte: float = Field(
+        6.0, gt=0, description="Fail the stage when validation bits per byte is above this (uniform bytes = 8)."
+    )
+    eval_batches: int = Field(16, ge=1, description="Batches of held-out text evaluated.")
+    batch_size: int = Field(8, ge=1, description="Sequences per evaluation batch.")

@@ -1,0 +1,1 @@
+"""The dataset: corpus readers, WebDataset shard writing and validation, and the streaming reader."""

@@ -1,0 +1,67 @@
+"""Configuration of the data stage: where the corpus is, how it is split and sharded, what is rejected."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Policy = Literal["fail", "skip"]
+
+
+class DataConfig(BaseModel):
+    """Corpus source, shard destination, split, shard limits and the bad-input policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(
+        "stdlib",
+        description="The corpus: 'stdlib' (the running interpreter's top-level standard-library .py files), "
+        "a local directory or .jsonl file, 's3://bucket/prefix' or 'az://container/prefix'.",
+    )
+    format: Literal["text", "jsonl"] = Field(
+        "text", description="text: one record per file; jsonl: one record per line of each .jsonl file."
+    )
+    text_field: str = Field("text", description="Field of each JSON Lines object that holds the text.")
+    key_field: str = Field(
+        "", description="Field of each JSON Lines object used as the record key; '' keys by file and line."
+    )
+    include: str = Field(
+        "*", description="Glob that file names (not paths) must match; 'stdlib' always uses '*.py'."
+    )
+    reader: str = Field(
+        "",
+        description="Import path 'module:function' of a custom record reader; it gets (source, config) and "
+        "yields (key, bytes). Empty uses the built-in reader for `format`.",
+    )
+    output: str = Field(
+        "",
+        description="Where shard sets are published: a local directory, 's3://bucket/prefix' or "
+        "'az://container/prefix'. Empty means $SHARDLINE_HOME/shards.",
+    )
+    val_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Fraction of records held out for validation (seeded hash split)."
+    )
+    split_tolerance: float = Field(
+        0.1, ge=0.0, le=1.0, description="Allowed deviation of the realised validation fraction from val_fraction."
+    )
+    seed: int = Field(0, description="Seed of the train/validation split.")
+    max_samples_per_shard: int = Field(64, ge=1, description="Records per shard at most.")
+    max_shard_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Bytes per shard at most (a record never spans shards)."
+    )
+    min_record_bytes: int = Field(1, ge=0, description="Records shorter than this are bad input (empty files).")
+    max_record_bytes: int = Field(
+        4 * 1024 * 1024, ge=1, description="Records longer than this are bad input (e.g. a single 200 MB line)."
+    )
+    on_empty_record: Policy = Field("skip", description="Empty or too-short record: fail the stage or skip and count.")
+    on_oversize: Policy = Field("skip", description="Record over max_record_bytes: fail or skip and count.")
+    on_binary: Policy = Field("skip", description="File that looks binary (NUL bytes): fail or skip and count.")
+    on_undecodable: Policy = Field("skip", description="Bytes that are not valid UTF-8: fail or skip and count.")
+    on_unreadable: Policy = Field("fail", description="File that cannot be read (permissions, I/O): fail or skip.")
+    on_symlink_loop: Policy = Field("skip", description="Symlink loop or dangling link: fail or skip and count.")
+    on_unsafe_name: Policy = Field(
+        "fail", description="Name with '..' or an absolute component: fail or skip and count."
+    )
+    storage_retries: int = Field(
+        5, ge=0, description="Retries (exponential backoff) of one storage call on endpoint errors, 5xx, timeouts."
+    )
