@@ -1,0 +1,43 @@
+"""The `shardline` command: user mistakes give one line and a non-zero exit, never a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _shardline(*args: str, home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SHARDLINE_HOME": str(home)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unknown_key_exits_2_with_one_line(tmp_path):
+    proc = _shardline("run", "--config", "configs/debug.toml", "--set", "train.stepz=5", home=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "shardline: configs/debug.toml (with --set): unknown key 'train.stepz'"
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_missing_config_file(tmp_path):
+    proc = _shardline("run", "--config", str(tmp_path / "nope.toml"), home=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("nope.toml: no such config file")
+
+
+def test_bad_value_names_key(tmp_path):
+    proc = _shardline("run", "--set", "train.workers=-1", home=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "train.workers" in proc.stderr
+
+
+def test_lineage_of_unknown_model_is_one_line(tmp_path):
+    proc = _shardline("lineage", "--model", "no-such-model", home=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("shardline: model 'no-such-model'"), proc.stderr
+    assert "Traceback" not in proc.stderr
