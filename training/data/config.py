@@ -62,6 +62,11 @@ class DataConfig(BaseModel):
     on_unsafe_name: Policy = Field(
         "fail", description="Name with '..' or an absolute component: fail or skip and count."
     )
+    verify_existing: Literal["sha256", "size"] = Field(
+        "sha256",
+        description="How an already published set is verified before it is reused (cache hit): every shard's "
+        "sha256, or only its size (cheaper for large remote sets).",
+    )
     storage_retries: int = Field(
         5, ge=0, description="Retries (exponential backoff) of one storage call on endpoint errors, 5xx, timeouts."
     )

@@ -1,0 +1,445 @@
+"""One small API over local paths, s3://bucket/prefix (boto3) and az://container/prefix (Azure Blob), with retries.
+
+Endpoints and credentials come only from the environment: the standard AWS variables (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...) or a Prefect Secret block named by $SHARDLINE_S3_SECRET_BLOCK (a JSON object with
+aws_access_key_id, aws_secret_access_key and optionally endpoint_url, region_name); AZURE_STORAGE_CONNECTION_STRING
+or a Prefect Secret block named by $SHARDLINE_AZURE_SECRET_BLOCK holding the connection string. URIs never carry
+credentials; a URI with a user-info part is rejected.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_RETRIES = 5
+BACKOFF_BASE_S = 0.5
+BACKOFF_MAX_S = 8.0
+SCHEMES = ("s3", "az")
+
+
+class StorageError(OSError):
+    """A storage call failed for good (not found, denied, or still failing after all retries)."""
+
+
+@dataclass(frozen=True)
+class Location:
+    scheme: str  # "file", "s3" or "az"
+    bucket: str  # bucket or container; "" for local paths
+    key: str  # object key / blob name (no leading '/'); the path for local files
+
+
+@dataclass(frozen=True)
+class Entry:
+    uri: str
+    size: int
+
+
+def parse(uri: str) -> Location:
+    """Split a URI into scheme, bucket/container and key; a bare path (or file://) is local."""
+    if "://" not in uri:
+        return Location("file", "", uri)
+    scheme, rest = uri.split("://", 1)
+    if scheme == "file":
+        return Location("file", "", rest)
+    if scheme not in SCHEMES:
+        raise StorageError(f"{uri}: unsupported scheme {scheme!r} (use a local path, s3:// or az://)")
+    bucket, _, key = rest.partition("/")
+    if "@" in bucket or ":" in bucket:
+        raise StorageError(f"{scheme}://<redacted>: credentials or endpoints do not belong in URIs; use the environment")
+    if not bucket:
+        raise StorageError(f"{uri}: missing bucket/container name")
+    return Location(scheme, bucket, key)
+
+
+def is_remote(uri: str) -> bool:
+    return parse(uri).scheme in SCHEMES
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path segments onto a URI or local path with '/'."""
+    out = base.rstrip("/") if base not in ("", "/") else base
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}" if out else part
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- retries
+
+
+def is_transient(err: BaseException) -> bool:
+    """Endpoint down, timeouts, throttling and 5xx are worth retrying; not-found and denied are not."""
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError
+        from botocore.exceptions import ReadTimeoutError
+
+        if isinstance(err, (BotoConnectionError, ReadTimeoutError)):
+            return True
+        if isinstance(err, ClientError):
+            meta = err.response.get("ResponseMetadata", {})
+            code = err.response.get("Error", {}).get("Code", "")
+            return int(meta.get("HTTPStatusCode") or 0) >= 500 or code in (
+                "SlowDown", "RequestTimeout", "Throttling", "InternalError", "ServiceUnavailable"
+            )
+        if isinstance(err, BotoCoreError) and "Connect" in type(err).__name__:
+            return True
+    except ImportError:  # boto3 not installed: no S3 errors to classify
+        pass
+    try:
+        from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+
+        if isinstance(err, (ServiceRequestError, ServiceResponseError)):
+            return True
+        if isinstance(err, HttpResponseError):
+            return int(err.status_code or 0) >= 500 or err.status_code in (408, 429)
+    except ImportError:
+        pass
+    return isinstance(err, (ConnectionError, TimeoutError))
+
+
+def with_retries(fn: Callable[[], T], what: str, retries: int | None = None) -> T:
+    """Call fn(), retrying transient errors with exponential backoff and jitter; StorageError when it gives up."""
+    retries = DEFAULT_RETRIES if retries is None else retries
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except Exception as err:  # classified below; anything not transient is final
+            if not is_transient(err) or attempt == retries:
+                reason = _one_line(err)
+                tail = f" after {attempt + 1} attempts" if attempt else ""
+                raise StorageError(f"{what}: {reason}{tail}") from err
+            delay = min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt) * (0.8 + 0.4 * random.random())
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+
+
+# ---------------------------------------------------------------------------------------------- clients
+
+
+def _secret_block(env_name: str) -> Any:
+    """The value of the Prefect Secret block named by $env_name, or None when the variable is unset."""
+    name = os.environ.get(env_name, "")
+    if not name:
+        return None
+    from prefect.blocks.system import Secret
+
+    return Secret.load(name).get()
+
+
+def _s3_settings() -> tuple[tuple[str, str], ...]:
+    keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_PROFILE", "SHARDLINE_S3_SECRET_BLOCK")
+    return tuple((k, os.environ.get(k, "")) for k in keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_client_for(settings: tuple[tuple[str, str], ...]) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    env = dict(settings)
+    kwargs: dict[str, Any] = {}
+    secret = _secret_block("SHARDLINE_S3_SECRET_BLOCK")
+    if secret:
+        values = json.loads(secret) if isinstance(secret, str) else dict(secret)
+        for name in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url", "region_name"):
+            if values.get(name):
+                kwargs[name] = values[name]
+    endpoint = env["AWS_ENDPOINT_URL_S3"] or env["AWS_ENDPOINT_URL"]
+    if endpoint and "endpoint_url" not in kwargs:
+        kwargs["endpoint_url"] = endpoint
+    kwargs.setdefault("region_name", env["AWS_DEFAULT_REGION"] or "us-east-1")
+    # Our own backoff is the one retry loop; botocore's is kept short so an outage fails fast into it.
+    config = Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 2, "mode": "standard"})
+    return boto3.session.Session().client("s3", config=config, **kwargs)
+
+
+def s3_client() -> Any:
+    return _s3_client_for(_s3_settings())
+
+
+@functools.lru_cache(maxsize=8)
+def _azure_service_for(conn_env: str, block_env: str) -> Any:
+    from azure.storage.blob import BlobServiceClient
+
+    conn = _secret_block("SHARDLINE_AZURE_SECRET_BLOCK") or conn_env
+    if not conn:
+        raise StorageError(
+            "az://: no credentials: set AZURE_STORAGE_CONNECTION_STRING or SHARDLINE_AZURE_SECRET_BLOCK"
+        )
+    return BlobServiceClient.from_connection_string(
+        conn, retry_total=0, connection_timeout=5, read_timeout=60
+    )
+
+
+def azure_service() -> Any:
+    return _azure_service_for(
+        os.environ.get("AZURE_STORAGE_CONNECTION_STRING", ""), os.environ.get("SHARDLINE_AZURE_SECRET_BLOCK", "")
+    )
+
+
+def _blob(loc: Location) -> Any:
+    return azure_service().get_blob_client(loc.bucket, loc.key)
+
+
+def _not_found(err: BaseException) -> bool:
+    code = ""
+    if hasattr(err, "response"):
+        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+    status = getattr(err, "status_code", None)
+    return code in ("NoSuchKey", "404", "NoSuchBucket") or status == 404 or isinstance(err, FileNotFoundError)
+
+
+# ---------------------------------------------------------------------------------------------- operations
+
+
+def read_bytes(uri: str, retries: int | None = None) -> bytes:
+    """The whole object; StorageError naming the URI when it is missing or unreadable."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        try:
+            return Path(loc.key).read_bytes()
+        except OSError as err:
+            raise StorageError(f"{uri}: {err.strerror or err}") from err
+    if loc.scheme == "s3":
+        return with_retries(lambda: s3_client().get_object(Bucket=loc.bucket, Key=loc.key)["Body"].read(), uri, retries)
+    return with_retries(lambda: _blob(loc).download_blob().readall(), uri, retries)
+
+
+def open_read(uri: str, retries: int | None = None) -> IO[bytes]:
+    """A streaming binary reader (opening is retried; a failure mid-stream surfaces to the caller)."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        try:
+            return open(loc.key, "rb")
+        except OSError as err:
+            raise StorageError(f"{uri}: {err.strerror or err}") from err
+    if loc.scheme == "s3":
+        body = with_retries(lambda: s3_client().get_object(Bucket=loc.bucket, Key=loc.key)["Body"], uri, retries)
+        return io.BufferedReader(_StreamReader(body.read, body.close), buffer_size=1 << 16)
+    downloader = with_retries(lambda: _blob(loc).download_blob(max_concurrency=1), uri, retries)
+    return io.BufferedReader(_StreamReader(downloader.read, lambda: None), buffer_size=1 << 16)
+
+
+class _StreamReader(io.RawIOBase):
+    """Adapts a read(n) callable to a buffered binary file object (what tarfile and webdataset expect)."""
+
+    def __init__(self, read: Callable[[int], bytes], close: Callable[[], None]) -> None:
+        self._read, self._close, self._pending = read, close, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        if not self._pending:
+            self._pending = self._read(max(len(buf), 1 << 16))
+        n = min(len(buf), len(self._pending))
+        buf[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._close()
+        super().close()
+
+
+def write_bytes(uri: str, data: bytes, retries: int | None = None) -> None:
+    """Write (replace) an object; a local file is written to a temp name and renamed into place."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        path = Path(loc.key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    elif loc.scheme == "s3":
+        with_retries(lambda: s3_client().put_object(Bucket=loc.bucket, Key=loc.key, Body=data), uri, retries)
+    else:
+        with_retries(lambda: _blob(loc).upload_blob(data, overwrite=True), uri, retries)
+
+
+def upload_file(path: str | Path, uri: str, retries: int | None = None) -> None:
+    """Copy a local file to `uri` (single request per attempt; shards are bounded by max_shard_bytes)."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        Path(loc.key).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, loc.key)
+        return
+    data = Path(path).read_bytes()
+    write_bytes(uri, data, retries)
+
+
+def exists(uri: str, retries: int | None = None) -> bool:
+    loc = parse(uri)
+    if loc.scheme == "file":
+        return Path(loc.key).exists()
+
+    def probe() -> bool:
+        try:
+            if loc.scheme == "s3":
+                s3_client().head_object(Bucket=loc.bucket, Key=loc.key)
+                return True
+            return bool(_blob(loc).exists())
+        except Exception as err:
+            if _not_found(err):
+                return False
+            raise
+
+    return with_retries(probe, uri, retries)
+
+
+def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
+    """Every object under `uri` (recursively, sorted by URI); [] when there are none."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        root = Path(loc.key)
+        if root.is_file():
+            return [Entry(str(root), root.stat().st_size)]
+        if not root.is_dir():
+            return []
+        found = [Entry(str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file()]
+        return sorted(found, key=lambda e: e.uri)
+    prefix = loc.key.rstrip("/") + "/" if loc.key else ""
+    base = f"{loc.scheme}://{loc.bucket}/"
+    if loc.scheme == "s3":
+        def s3_list() -> list[Entry]:
+            out = []
+            for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
+                out += [Entry(base + o["Key"], int(o["Size"])) for o in page.get("Contents", [])]
+            return out
+
+        return sorted(with_retries(s3_list, uri, retries), key=lambda e: e.uri)
+
+    def az_list() -> list[Entry]:
+        container = azure_service().get_container_client(loc.bucket)
+        return [Entry(base + b.name, int(b.size)) for b in container.list_blobs(name_starts_with=prefix)]
+
+    try:
+        return sorted(with_retries(az_list, uri, retries), key=lambda e: e.uri)
+    except StorageError as err:
+        if err.__cause__ is not None and _not_found(err.__cause__):  # no such container
+            return []
+        raise
+
+
+def delete(uri: str, retries: int | None = None) -> None:
+    loc = parse(uri)
+    if loc.scheme == "file":
+        Path(loc.key).unlink(missing_ok=True)
+    elif loc.scheme == "s3":
+        with_retries(lambda: s3_client().delete_object(Bucket=loc.bucket, Key=loc.key), uri, retries)
+    else:
+        def az_delete() -> None:
+            try:
+                _blob(loc).delete_blob()
+            except Exception as err:
+                if not _not_found(err):
+                    raise
+
+        with_retries(az_delete, uri, retries)
+
+
+def delete_prefix(uri: str, retries: int | None = None) -> int:
+    """Delete everything under `uri`; return how many objects (files) went."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        root = Path(loc.key)
+        if not root.exists():
+            return 0
+        count = sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 1
+        shutil.rmtree(root) if root.is_dir() else root.unlink()
+        return count
+    entries = list_prefix(uri, retries)
+    for entry in entries:
+        delete(entry.uri, retries)
+    return len(entries)
+
+
+def copy(src: str, dst: str, retries: int | None = None) -> None:
+    """Server-side copy within one store (S3 CopyObject, Azure Copy Blob); local files are copied."""
+    s, d = parse(src), parse(dst)
+    if s.scheme != d.scheme:
+        raise StorageError(f"{src} -> {dst}: copy across stores is not supported")
+    if s.scheme == "file":
+        upload_file(s.key, dst)
+    elif s.scheme == "s3":
+        with_retries(
+            lambda: s3_client().copy_object(Bucket=d.bucket, Key=d.key, CopySource={"Bucket": s.bucket, "Key": s.key}),
+            dst, retries,
+        )
+    else:
+        def az_copy() -> None:
+            target = _blob(d)
+            props = target.start_copy_from_url(_blob(s).url, requires_sync=True)
+            if props.get("copy_status") not in (None, "success"):
+                raise StorageError(f"{dst}: copy from {src} ended {props.get('copy_status')}")
+
+        with_retries(az_copy, dst, retries)
+
+
+def ensure_bucket(uri: str, retries: int | None = None) -> None:
+    """Create the bucket/container of `uri` when it does not exist (tests and first runs against a fresh store)."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        Path(loc.key).mkdir(parents=True, exist_ok=True)
+        return
+    if loc.scheme == "s3":
+        def make() -> None:
+            try:
+                s3_client().head_bucket(Bucket=loc.bucket)
+            except Exception as err:
+                if not _not_found(err):
+                    raise
+                s3_client().create_bucket(Bucket=loc.bucket)
+
+        with_retries(make, uri, retries)
+        return
+
+    def make_container() -> None:
+        from azure.core.exceptions import ResourceExistsError
+
+        try:
+            azure_service().create_container(loc.bucket)
+        except ResourceExistsError:
+            pass
+
+    with_retries(make_container, uri, retries)
+
+
+# ---------------------------------------------------------------------------------------------- webdataset
+
+
+def register_gopen() -> None:
+    """Let webdataset (gopen) stream s3:// and az:// shards through this module."""
+    import importlib
+
+    # `webdataset.gopen` the attribute is the function; the dispatch table lives in the module of that name.
+    schemes = importlib.import_module("webdataset.gopen").gopen_schemes
+
+    def handler(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> IO[bytes]:
+        if mode != "rb":
+            raise StorageError(f"{url}: webdataset may only read from object storage here")
+        return open_read(url)
+
+    for scheme in SCHEMES:
+        schemes[scheme] = handler

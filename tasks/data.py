@@ -1,0 +1,59 @@
+"""Prefect task of stage 1: shard the corpus (content-addressed, so reruns are cache hits) and record lineage."""
+from __future__ import annotations
+
+import logging
+
+from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, stage_run
+from training.data import DataError, ShardSet, build_shards
+from tasks.retry import retry_unless
+from training.data.config import DataConfig
+
+
+@task(
+    name="shard_dataset",
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=5),
+    retry_jitter_factor=0.5,
+    # Bad input and a failed quality gate fail the same way every time; storage outages are worth retrying.
+    retry_condition_fn=retry_unless(DataError),
+    cache_policy=NO_CACHE,  # idempotence is the content-addressed output, not Prefect's cache
+)
+def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
+    """Read the corpus, split it, write validated WebDataset shards and publish them under their digest.
+
+    Args:
+        cfg: the `data` section: source, output, split, shard limits and the bad-input policies.
+        lineage: the flow run's MLflow parent run; this stage logs into its `shard_dataset` child run.
+    """
+    import mlflow
+
+    from training.data.quality import QualityError
+    from training.data.tracking import log_dataset
+
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # called as shard_dataset.fn(...) outside a run, e.g. from a REPL or a unit test
+        logger = logging.getLogger("shardline.data")
+    with stage_run(lineage, "shard_dataset") as run_id:
+        mlflow.log_params(flat_params("data", cfg))
+        try:
+            shards = build_shards(cfg)
+        except QualityError as err:
+            mlflow.log_dict(err.report, "data/validation.json")
+            raise
+        log_dataset(shards, cfg.storage_retries)
+        mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri})
+        mlflow.log_metrics({"num_train": shards.num_train, "num_val": shards.num_val,
+                            "total_bytes": shards.total_bytes, "cache_hit": int(shards.cache_hit),
+                            **{f"skipped_{k}": v for k, v in shards.skipped.items()}})
+        logger.info(
+            "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s", shards.dataset_digest,
+            shards.num_train, shards.num_val, len(shards.train_shards) + len(shards.val_shards),
+            shards.total_bytes / 1e6, "cache hit" if shards.cache_hit else "published", shards.skipped or "none",
+        )
+    return shards.model_copy(update={"data_run_id": run_id})

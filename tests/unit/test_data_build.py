@@ -1,0 +1,148 @@
+"""build_shards on local directories: determinism, manifest, cache hits, atomic publishing, the quality gate."""
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from data_helpers import config, make_corpus, make_jsonl
+
+from training.data import DataError, build_shards, load_shard_set
+from training.data.quality import QualityError
+from training.data.shards import assign_split
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Shards and manifest (validation.json is the GX report, which carries the time it ran)."""
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != "validation.json"}
+
+
+def test_split_is_seeded_and_order_free():
+    keys = [f"k{i}" for i in range(2000)]
+    first = {k: assign_split(k, 7, 0.2) for k in keys}
+    assert first == {k: assign_split(k, 7, 0.2) for k in reversed(keys)}
+    assert first != {k: assign_split(k, 8, 0.2) for k in keys}
+    assert 0.17 < sum(v == "val" for v in first.values()) / len(keys) < 0.23
+
+
+def test_two_runs_give_byte_identical_shards_and_digest(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    a = build_shards(config(corpus, tmp_path / "out-a"))
+    b = build_shards(config(corpus, tmp_path / "out-b"))
+    assert a.dataset_digest == b.dataset_digest and len(a.dataset_digest) == 32
+    assert _files(Path(a.uri)) == _files(Path(b.uri))
+    assert not a.cache_hit and not b.cache_hit
+    assert a.num_train + a.num_val == 60 and a.num_val > 0
+    assert len(a.train_shards) == -(-a.num_train // 8)
+
+
+def test_shards_hold_txt_and_json_with_safe_keys(tmp_path):
+    shards = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out"))
+    with tarfile.open(shards.train_shards[0]) as tar:
+        members = tar.getmembers()
+    names = [m.name for m in members]
+    assert {n.split(".", 1)[1] for n in names} == {"txt", "json"}
+    assert all("." not in n.split(".", 1)[0] for n in names)
+    assert {m.mtime for m in members} == {0} and {m.uname for m in members} == {"shardline"}
+
+
+def test_manifest_lists_every_shard_with_count_size_and_sha256(tmp_path):
+    shards = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out"))
+    manifest = json.loads(Path(shards.manifest_uri).read_text())
+    assert manifest["dataset_digest"] == shards.dataset_digest
+    listed = manifest["splits"]["train"]["shards"] + manifest["splits"]["val"]["shards"]
+    assert [Path(u).name for u in shards.train_shards + shards.val_shards] == [s["name"] for s in listed]
+    for entry in listed:
+        data = (Path(shards.uri) / entry["name"]).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert sum(s["samples"] for s in listed) == shards.num_train + shards.num_val
+    assert json.loads((Path(shards.uri) / "validation.json").read_text())["success"] is True
+
+
+def test_rerun_is_a_cache_hit_that_rewrites_nothing(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    first = build_shards(config(corpus, tmp_path / "out"))
+    before = {p: p.stat().st_mtime_ns for p in Path(first.uri).iterdir()}
+    second = build_shards(config(corpus, tmp_path / "out"))
+    assert second.cache_hit and second.dataset_digest == first.dataset_digest
+    assert {p: p.stat().st_mtime_ns for p in Path(first.uri).iterdir()} == before
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name != "_staging"] == [first.dataset_digest]
+    assert list((tmp_path / "out" / "_staging").iterdir()) == []
+
+
+def test_changed_input_gives_a_new_digest_and_set(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    first = build_shards(config(corpus, tmp_path / "out"))
+    (corpus / "a" / "doc001.txt").write_text("changed\n")
+    second = build_shards(config(corpus, tmp_path / "out"))
+    assert second.dataset_digest != first.dataset_digest and not second.cache_hit
+    assert Path(first.manifest_uri).exists() and Path(second.manifest_uri).exists()
+
+
+def test_layout_change_gives_a_new_digest(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    a = build_shards(config(corpus, tmp_path / "out"))
+    b = build_shards(config(corpus, tmp_path / "out", max_samples_per_shard=5))
+    assert a.dataset_digest != b.dataset_digest and len(b.train_shards) > len(a.train_shards)
+
+
+def test_tampered_shard_is_not_reused_and_is_republished(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    first = build_shards(config(corpus, tmp_path / "out"))
+    shard = Path(first.train_shards[0])
+    shard.chmod(0o644)
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(DataError, match="sha256 does not match"):
+        load_shard_set(first.uri, verify="sha256")
+    again = build_shards(config(corpus, tmp_path / "out"))
+    assert not again.cache_hit and again.dataset_digest == first.dataset_digest
+    assert load_shard_set(first.uri, verify="sha256").num_train == first.num_train
+
+
+def test_set_without_manifest_is_not_a_dataset(tmp_path):
+    corpus = make_corpus(tmp_path / "c")
+    first = build_shards(config(corpus, tmp_path / "out"))
+    Path(first.manifest_uri).unlink()  # what a crash before the last write leaves
+    with pytest.raises(DataError, match="no manifest.json"):
+        load_shard_set(first.uri)
+    again = build_shards(config(corpus, tmp_path / "out"))
+    assert not again.cache_hit and Path(again.manifest_uri).exists()
+
+
+def test_shard_byte_limit_is_respected(tmp_path):
+    shards = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out", max_shard_bytes=4096,
+                                 max_samples_per_shard=1000))
+    sizes = [Path(u).stat().st_size for u in shards.train_shards]
+    assert len(sizes) > 3 and max(sizes) <= 10240  # one record per shard at most when it alone exceeds
+
+
+def test_jsonl_source_with_text_and_key_fields(tmp_path):
+    src = make_jsonl(tmp_path / "data.jsonl")
+    shards = build_shards(config(src, tmp_path / "out", format="jsonl", text_field="body", key_field="id"))
+    assert shards.num_train + shards.num_val == 40
+
+
+def _dup_reader(source, cfg):
+    for i in range(30):
+        yield (f"k{i % 25}", f"text number {i}\n".encode())
+
+
+def test_failing_quality_gate_lists_each_expectation_and_publishes_nothing(tmp_path):
+    cfg = config("unused", tmp_path / "out", reader=f"{__name__}:_dup_reader", val_fraction=0.33,
+                 split_tolerance=0.0)
+    with pytest.raises(QualityError) as err:
+        build_shards(cfg)
+    lines = str(err.value).splitlines()
+    assert "2 of 6 expectations" in lines[0]
+    unique = next(line for line in lines if "expect_column_values_to_be_unique" in line)
+    assert "10 of 30 records" in unique and "'k0'" in unique
+    assert any("expect_column_mean_to_be_between" in line and "observed" in line for line in lines)
+    assert err.value.report["success"] is False
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["_staging"]

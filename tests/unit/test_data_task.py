@@ -1,0 +1,44 @@
+"""The shard_dataset task against a real MLflow store: dataset input, tags, GX report, cache hits."""
+from __future__ import annotations
+
+import mlflow
+import pytest
+from data_helpers import config, make_corpus
+
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, open_parent_run
+from tasks.data import shard_dataset
+from training.data import DataError
+
+
+@pytest.fixture
+def lineage(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    parent = open_parent_run(uri, "data-test", "flow-run-1", "flow-run-1")
+    return Lineage(tracking_uri=uri, experiment="data-test", parent_run_id=parent, flow_run_id="flow-run-1")
+
+
+def test_task_logs_dataset_input_tags_and_report_also_on_cache_hit(tmp_path, lineage):
+    cfg = config(make_corpus(tmp_path / "c"), tmp_path / "out")
+    first = shard_dataset.fn(cfg, lineage)
+    second = shard_dataset.fn(cfg, lineage)
+    assert not first.cache_hit and second.cache_hit and first.data_run_id == second.data_run_id != ""
+    client = mlflow.MlflowClient(lineage.tracking_uri)
+    run = client.get_run(first.data_run_id)
+    assert run.data.tags[TAG_DATASET_DIGEST] == first.dataset_digest
+    assert run.data.tags[TAG_MANIFEST_URI] == first.manifest_uri
+    assert run.data.params["data.source"] == cfg.source and run.data.metrics["cache_hit"] == 1
+    digests = [d.dataset.digest for d in run.inputs.dataset_inputs]
+    assert digests and set(digests) == {first.dataset_digest}
+    artifacts = [a.path for a in client.list_artifacts(first.data_run_id, "data")]
+    assert artifacts == ["data/validation.json"]
+
+
+def test_bad_input_fails_the_stage_run_with_the_cause(tmp_path, lineage):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty.*no files matching"):
+        shard_dataset.fn(config(tmp_path / "empty", tmp_path / "out"), lineage)
+    client = mlflow.MlflowClient(lineage.tracking_uri)
+    runs = client.search_runs([client.get_run(lineage.parent_run_id).info.experiment_id],
+                              filter_string="tags.`shardline.stage` = 'shard_dataset'")
+    assert [r.info.status for r in runs] == ["FAILED"]
