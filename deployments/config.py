@@ -36,6 +36,11 @@ class CanaryConfig(BaseModel):
     max_bpb_regression: float = Field(
         0.05, ge=0, description="Fail when challenger bits/byte exceeds champion's on the same requests by more."
     )
+    latency_floor_ms: float = Field(
+        5.0,
+        ge=0,
+        description="p95 latencies below this count as this in the latency gate (sub-ms noise is no regression).",
+    )
     max_request_bytes: int = Field(2048, ge=16, description="Held-out text per request is cut to this many bytes.")
     host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds to.")
     port: int = Field(0, ge=0, le=65535, description="Port of Ray Serve's HTTP proxy; 0 picks a free one.")

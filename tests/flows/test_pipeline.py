@@ -56,7 +56,7 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
     summary = shardline_pipeline(cfg)
 
     assert summary.decision == "first-champion"
-    assert summary.model_version == "1" and summary.champion_version == "1"
+    assert str(summary.model_version) == "1" and str(summary.champion_version) == "1"
     assert 0 < summary.val_bits_per_byte <= cfg.validation.max_bits_per_byte
     assert len(summary.dataset_digest) == 32
 
@@ -69,7 +69,7 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
     assert all(r.info.status == "FINISHED" for r in children.values())
 
     champion = client.get_model_version_by_alias(cfg.registry.model_name, "champion")
-    assert champion.version == "1"
+    assert str(champion.version) == "1"
     assert champion.run_id == children["train_fsdp"].info.run_id == summary.train_run_id
     data_run = children["shard_dataset"]
     logged = [d.dataset.digest for d in data_run.inputs.dataset_inputs]
@@ -92,7 +92,7 @@ def test_second_run_through_the_cli_goes_through_a_real_canary(prefect_server, h
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("model_name", "model_version", "decision", "parent_run_id", "dataset_digest"):
         assert key in summary
-    assert summary["model_version"] == "2"
+    assert str(summary["model_version"]) == "2"
     assert summary["decision"] in ("promoted", "rejected")
 
     client = _client(home)
@@ -100,15 +100,16 @@ def test_second_run_through_the_cli_goes_through_a_real_canary(prefect_server, h
     children = _children(client, summary["parent_run_id"])
     assert sorted(children) == sorted(STAGES)
     canary_run = children["canary_deploy"]
-    # the canary moved real traffic at every ramp step
-    for pct in (10, 50, 100):
+    # the canary moved real traffic: every ramp step when it promoted, up to the failing step when it rejected
+    ramp = (10, 50, 100) if summary["decision"] == "promoted" else (10,)
+    for pct in ramp:
         assert canary_run.data.metrics.get(f"step{pct}.requests", 0) > 0, canary_run.data.metrics
     champion = client.get_model_version_by_alias(name, "champion")
     v2 = client.get_model_version(name, "2")
     if summary["decision"] == "promoted":
-        assert champion.version == "2"
+        assert str(champion.version) == "2"
     else:
-        assert champion.version == "1" and "rejected" in v2.tags
+        assert str(champion.version) == "1" and "rejected" in v2.tags
     # same corpus and config: the shards were a cache hit with the same digest, tagged on both versions
     v1 = client.get_model_version(name, "1")
     assert v1.tags[TAG_DATASET_DIGEST] == v2.tags[TAG_DATASET_DIGEST] == summary["dataset_digest"]

@@ -1,0 +1,217 @@
+"""The MLflow model registry side of a rollout: register a version, read aliases, decide and apply alias moves."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+TAG_REJECTED = "rejected"  # value: the reason the canary gave
+TAG_CANARY_DECISION = "shardline.canary_decision"
+_MAX_TAG_VALUE = 5000  # MLflow caps model version tag values (8000 in recent servers); stay well below
+
+
+class RegistryError(RuntimeError):
+    """The registry is not in the state a decision was taken on, or a version is missing."""
+
+
+class AliasChanged(RegistryError):
+    """Compare-and-set refused: an alias moved between the decision and its application."""
+
+
+class PromotionResult(BaseModel):
+    """What promote_model hands to the canary stage."""
+
+    model_name: str
+    version: str
+    decision: Literal["first-champion", "challenger"]
+    champion_version: str | None  # the champion before this run
+    challenger_version: str
+
+
+class PromotionDecision(BaseModel):
+    """Which aliases a newly registered version gets, computed from the aliases as read (compare, then act)."""
+
+    model_name: str
+    candidate: str  # the new version
+    baseline: str | None  # the champion when the decision was taken
+    verdict: Literal["first-champion", "challenger"]
+    reason: str
+
+    def result(self) -> PromotionResult:
+        return PromotionResult(
+            model_name=self.model_name,
+            version=self.candidate,
+            decision=self.verdict,
+            champion_version=self.baseline,
+            challenger_version=self.candidate,
+        )
+
+
+def client_for(tracking_uri: str) -> Any:
+    """An MlflowClient whose tracking and registry are both `tracking_uri`."""
+    from infra.paths import quiet_telemetry
+
+    quiet_telemetry()
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def model_id_of(model_uri: str) -> str | None:
+    """The logged-model id of a `models:/<model_id>` URI (MLflow 3), else None."""
+    prefix = "models:/"
+    if not model_uri.startswith(prefix):
+        return None
+    rest = model_uri[len(prefix):].strip("/")
+    return rest if rest and "/" not in rest and "@" not in rest else None
+
+
+def ensure_registered_model(client: Any, name: str) -> None:
+    """Create the registered model `name` unless it exists."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+
+
+def register_version(
+    client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str] | None = None
+) -> str:
+    """Register `model_uri` as a new version of `name` whose run is `run_id` (the training run); return it.
+
+    Idempotent: a version of `name` with the same source and run id is reused (a retried task must not
+    register twice); its tags are (re)applied.
+    """
+    import mlflow
+
+    # the SQL registry resolves a models:/<model_id> source through the *global* tracking URI
+    if model_id_of(model_uri) and mlflow.get_tracking_uri() != client.tracking_uri:
+        mlflow.set_tracking_uri(client.tracking_uri)
+    ensure_registered_model(client, name)
+    tags = {k: str(v)[:_MAX_TAG_VALUE] for k, v in (tags or {}).items() if v not in (None, "")}
+    for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+        if mv.source == model_uri:
+            for key, value in tags.items():
+                client.set_model_version_tag(name, mv.version, key, value)
+            return str(mv.version)
+    mv = client.create_model_version(
+        name, source=model_uri, run_id=run_id, tags=tags, model_id=model_id_of(model_uri)
+    )
+    return str(mv.version)
+
+
+def version_tags(*, dataset_digest: str, flow_run_id: str, train_run_id: str, checkpoint_uri: str,
+                 validation_run_id: str, model_uri: str, data_run_id: str = "",
+                 extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The lineage tags of a model version: what it was made from, under infra.tracking's tag names."""
+    from infra import tracking as t
+
+    tags = {
+        t.TAG_DATASET_DIGEST: dataset_digest,
+        t.TAG_FLOW_RUN_ID: flow_run_id,
+        t.TAG_TRAIN_RUN_ID: train_run_id,
+        t.TAG_CHECKPOINT_URI: checkpoint_uri,
+        t.TAG_VALIDATION_RUN_ID: validation_run_id,
+        t.TAG_MODEL_URI: model_uri,
+        t.TAG_DATA_RUN_ID: data_run_id,
+        **t.git_tags(),
+        **(extra or {}),
+    }
+    return {k: str(v) for k, v in tags.items() if v not in (None, "")}
+
+
+def read_aliases(client: Any, name: str) -> dict[str, str]:
+    """alias -> version of registered model `name`; {} when the model does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return {}
+        raise
+    return {alias: str(version) for alias, version in (model.aliases or {}).items()}
+
+
+def decide_promotion(name: str, candidate: str, aliases: dict[str, str]) -> PromotionDecision:
+    """A new version becomes `challenger`; when no other version is `champion`, it becomes champion directly."""
+    champion = aliases.get(CHAMPION)
+    if champion is None:
+        return PromotionDecision(
+            model_name=name, candidate=candidate, baseline=None, verdict="first-champion",
+            reason=f"{name} has no '{CHAMPION}' alias; validated version {candidate} becomes champion",
+        )
+    if champion == candidate:  # a retried promote_model after the first attempt applied its decision
+        return PromotionDecision(
+            model_name=name, candidate=candidate, baseline=champion, verdict="first-champion",
+            reason=f"version {candidate} is already '{CHAMPION}' of {name}",
+        )
+    return PromotionDecision(
+        model_name=name, candidate=candidate, baseline=champion, verdict="challenger",
+        reason=f"version {candidate} challenges champion version {champion}; the canary decides",
+    )
+
+
+def move_alias(client: Any, name: str, alias: str, expected: str | None, version: str) -> None:
+    """Point `alias` at `version`, but only if it still points at `expected` (None: unset).
+
+    MLflow has no atomic compare-and-set; re-reading just before the write narrows the race to the two calls.
+
+    Raises:
+        AliasChanged: the alias moved since the decision was taken.
+    """
+    current = read_aliases(client, name).get(alias)
+    if current == version:
+        return
+    if current != expected:
+        raise AliasChanged(
+            f"{name}: alias '{alias}' is at version {current}, the decision expected {expected}; "
+            f"refusing to move it to {version}"
+        )
+    client.set_registered_model_alias(name, alias, version)
+
+
+def apply_promotion(client: Any, decision: PromotionDecision) -> PromotionResult:
+    """Apply a PromotionDecision: `challenger` -> candidate; `champion` -> candidate when first-champion."""
+    name, candidate = decision.model_name, decision.candidate
+    if decision.verdict == "first-champion":
+        move_alias(client, name, CHAMPION, decision.baseline, candidate)
+    else:  # the champion must still be the baseline the canary will compare against
+        current = read_aliases(client, name).get(CHAMPION)
+        if current != decision.baseline:
+            raise AliasChanged(
+                f"{name}: alias '{CHAMPION}' is at version {current}, the decision expected {decision.baseline}"
+            )
+    client.set_registered_model_alias(name, CHALLENGER, candidate)
+    return decision.result()
+
+
+def tag_rejected(client: Any, name: str, version: str, reason: str) -> None:
+    """Mark `version` as rejected by the canary, with the reason."""
+    client.set_model_version_tag(name, version, TAG_REJECTED, (reason or "rejected")[:_MAX_TAG_VALUE])
+    client.set_model_version_tag(name, version, TAG_CANARY_DECISION, "rejected")
+
+
+def version_source(client: Any, name: str, version: str) -> str:
+    """The source URI of a model version (the logged model it was registered from)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version(name, version).source)
+    except MlflowException as e:
+        raise RegistryError(f"{name}: version {version} not found in the registry: {e.message}") from None
+
+
+def seq_len_of(model_uri: str) -> int:
+    """The context length recorded in a logged model's metadata ("seq_len")."""
+    import mlflow
+
+    metadata = mlflow.models.get_model_info(model_uri).metadata or {}
+    if "seq_len" not in metadata:
+        raise RegistryError(f"{model_uri}: logged model has no 'seq_len' in its metadata")
+    return int(metadata["seq_len"])

@@ -1,0 +1,61 @@
+"""promote_model: register the validated model as a new version, tag its lineage, set its aliases."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlflow
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from deployments.config import RegistryConfig
+from deployments.registry import (
+    AliasChanged, PromotionResult, apply_promotion, client_for, decide_promotion, read_aliases, register_version,
+    version_tags,
+)
+from infra.tracking import (
+    TAG_DATASET_DIGEST, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, stage_run,
+)
+from tasks.retry import retry_unless
+
+if TYPE_CHECKING:
+    from training.data import ShardSet
+    from training.evaluate import ValidationResult
+    from training.trainer import TrainResult
+
+
+@task(name="promote_model", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+      cache_policy=NO_CACHE, retry_condition_fn=retry_unless(AliasChanged, ValueError))
+def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: TrainResult, shards: ShardSet,
+                  lineage: Lineage) -> PromotionResult:
+    """Register the validated model; alias it `challenger`, and `champion` too when there is none yet.
+
+    Args:
+        cfg: the registered model's name.
+        validated: the validation stage's result; its model_uri is what gets registered.
+        trained: the training run the version is attributed to (the version's run_id).
+        shards: the dataset the model was trained on (its digest is tagged on the version).
+        lineage: the flow run's MLflow run tree.
+    """
+    logger = get_run_logger()
+    if not validated.passed:
+        raise ValueError(f"{validated.model_uri}: validation did not pass; refusing to register it")
+    with stage_run(lineage, "promote_model"):
+        client = client_for(lineage.tracking_uri)
+        tags = version_tags(
+            dataset_digest=shards.dataset_digest, flow_run_id=lineage.flow_run_id,
+            train_run_id=trained.train_run_id, checkpoint_uri=trained.checkpoint_uri,
+            validation_run_id=validated.validation_run_id, model_uri=validated.model_uri,
+            data_run_id=shards.data_run_id, extra={"shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}"},
+        )
+        version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)
+        decision = decide_promotion(cfg.model_name, version, read_aliases(client, cfg.model_name))
+        mlflow.log_dict(decision.model_dump(mode="json"), "promotion_decision.json")
+        mlflow.set_tags({
+            TAG_MODEL_VERSION: version, TAG_MODEL_URI: validated.model_uri, TAG_TRAIN_RUN_ID: trained.train_run_id,
+            TAG_VALIDATION_RUN_ID: validated.validation_run_id, TAG_DATASET_DIGEST: shards.dataset_digest,
+            "shardline.promotion": decision.verdict,
+        })
+        result = apply_promotion(client, decision)
+        logger.info("%s version %s: %s", cfg.model_name, version, decision.reason)
+        return result

@@ -1,0 +1,149 @@
+"""Registry functions against a real MLflow SQLite store: versions, lineage tags, aliases, compare-and-set."""
+from __future__ import annotations
+
+import pytest
+
+from deployments.canary import CanaryDecision, apply_canary, skip_reason
+from deployments.config import CanaryConfig
+from deployments.registry import (
+    TAG_REJECTED, AliasChanged, PromotionDecision, apply_promotion, client_for, decide_promotion, move_alias,
+    read_aliases, register_version,
+)
+from infra.tracking import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+
+NAME = "tiny"
+
+
+@pytest.fixture()
+def store(mlflow_store):
+    """A real SQLite tracking store (tests/conftest.py); (uri, client, experiment id)."""
+    uri, exp = mlflow_store
+    return uri, client_for(uri), exp
+
+
+def _train_run_and_model(client, exp):
+    """A training run, and a logged model from a separate (validation) run, as the pipeline has them."""
+    import mlflow
+
+    train = client.create_run(exp, run_name="train_fsdp").info.run_id
+    val = client.create_run(exp, run_name="validate_checkpoint").info.run_id
+    model = mlflow.initialize_logged_model(name="model", source_run_id=val, experiment_id=exp)
+    return train, f"models:/{model.model_id}", model.model_id
+
+
+def _promote(client, train, model_uri, digest="a" * 32):
+    version = register_version(client, NAME, model_uri, train, {TAG_DATASET_DIGEST: digest, TAG_TRAIN_RUN_ID: train})
+    return apply_promotion(client, decide_promotion(NAME, version, read_aliases(client, NAME)))
+
+
+def test_register_attributes_the_version_to_the_training_run(store):
+    _, client, exp = store
+    train, uri, model_id = _train_run_and_model(client, exp)
+    assert read_aliases(client, NAME) == {}
+    version = register_version(client, NAME, uri, train, {TAG_DATASET_DIGEST: "a" * 32, "empty": ""})
+    mv = client.get_model_version(NAME, version)
+    assert version == "1"
+    assert mv.run_id == train  # not the validation run that logged the model
+    assert mv.source == uri
+    # the version's artifacts are the logged model's (the SQL store resolves models:/<id> at registration)
+    import mlflow
+
+    logged = mlflow.MlflowClient(client.tracking_uri).get_logged_model(model_id)
+    assert client.get_model_version_download_uri(NAME, version) == logged.artifact_location
+    assert mv.tags[TAG_DATASET_DIGEST] == "a" * 32 and "empty" not in mv.tags
+    # a retried task reuses the version instead of registering a second one
+    assert register_version(client, NAME, uri, train, {"extra": "x"}) == "1"
+    assert client.get_model_version(NAME, "1").tags["extra"] == "x"
+    assert len(client.search_model_versions(f"name = '{NAME}'")) == 1
+
+
+def test_first_version_becomes_champion_then_next_is_challenger(store):
+    _, client, exp = store
+    first = _promote(client, *_train_run_and_model(client, exp)[:2])
+    assert (first.decision, first.version, first.champion_version) == ("first-champion", "1", None)
+    assert read_aliases(client, NAME) == {"champion": "1", "challenger": "1"}
+
+    second = _promote(client, *_train_run_and_model(client, exp)[:2])
+    assert (second.decision, second.version, second.champion_version) == ("challenger", "2", "1")
+    assert read_aliases(client, NAME) == {"champion": "1", "challenger": "2"}
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"  # int on SQLite
+
+
+def test_promotion_refuses_when_the_champion_moved_after_the_decision(store):
+    _, client, exp = store
+    _promote(client, *_train_run_and_model(client, exp)[:2])
+    train, uri, _ = _train_run_and_model(client, exp)
+    v2 = register_version(client, NAME, uri, train)
+    decision = decide_promotion(NAME, v2, read_aliases(client, NAME))
+    assert decision.baseline == "1"
+    client.set_registered_model_alias(NAME, "champion", v2)  # someone else moved it in between
+    with pytest.raises(AliasChanged, match="alias 'champion' is at version 2, the decision expected 1"):
+        apply_promotion(client, decision)
+
+
+def test_first_champion_refuses_when_another_version_became_champion(store):
+    _, client, exp = store
+    train, uri, _ = _train_run_and_model(client, exp)
+    v1 = register_version(client, NAME, uri, train)
+    decision = PromotionDecision(model_name=NAME, candidate=v1, baseline=None, verdict="first-champion", reason="")
+    train2, uri2, _ = _train_run_and_model(client, exp)
+    client.set_registered_model_alias(NAME, "champion", register_version(client, NAME, uri2, train2))
+    with pytest.raises(AliasChanged, match="at version 2, the decision expected None"):
+        apply_promotion(client, decision)
+    assert read_aliases(client, NAME)["champion"] == "2"
+
+
+def _two_versions(client, exp):
+    _promote(client, *_train_run_and_model(client, exp)[:2])
+    _promote(client, *_train_run_and_model(client, exp)[:2])
+
+
+def test_canary_promotion_moves_the_champion(store):
+    _, client, exp = store
+    _two_versions(client, exp)
+    weights = []
+    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="promoted", reason="ok")
+    percent = apply_canary(client, decision, lambda p: weights.append(p) or p)
+    assert percent == 100 and weights == [100]
+    assert read_aliases(client, NAME)["champion"] == "2"
+    tags = client.get_model_version(NAME, "2").tags
+    assert TAG_REJECTED not in tags and tags["shardline.canary_decision"] == "promoted"
+
+
+def test_canary_rejection_rolls_back_and_tags_the_reason(store):
+    _, client, exp = store
+    _two_versions(client, exp)
+    weights = []
+    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="rejected",
+                              reason="step 10%: bits/byte 7.9 vs 2.1")
+    assert apply_canary(client, decision, lambda p: weights.append(p) or p) == 0
+    assert weights == [0]
+    assert read_aliases(client, NAME)["champion"] == "1"
+    tags = client.get_model_version(NAME, "2").tags
+    assert tags[TAG_REJECTED] == "step 10%: bits/byte 7.9 vs 2.1"
+    assert tags["shardline.canary_decision"] == "rejected"
+    assert skip_reason(client, CanaryConfig(), NAME, "1", "2").startswith("version 2 was already rejected")
+
+
+def test_canary_promotion_refuses_a_champion_that_moved(store):
+    _, client, exp = store
+    _two_versions(client, exp)
+    _promote(client, *_train_run_and_model(client, exp)[:2])  # version 3
+    client.set_registered_model_alias(NAME, "champion", "3")
+    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="promoted", reason="ok")
+    with pytest.raises(AliasChanged, match="refusing to move it to 2"):
+        apply_canary(client, decision, lambda p: p)
+    assert read_aliases(client, NAME)["champion"] == "3"
+    with pytest.raises(AliasChanged, match="promotion stage saw 1"):
+        skip_reason(client, CanaryConfig(), NAME, "1", "2")
+
+
+def test_skip_reasons(store):
+    _, client, exp = store
+    _two_versions(client, exp)
+    assert skip_reason(client, CanaryConfig(enabled=False), NAME, "1", "2") == "canary.enabled is false"
+    assert "first run" in skip_reason(client, CanaryConfig(), NAME, None, "1")
+    assert "first run" in skip_reason(client, CanaryConfig(), NAME, "1", "1")
+    assert skip_reason(client, CanaryConfig(), NAME, "1", "2") == ""
+    move_alias(client, NAME, "champion", "1", "2")
+    assert "already 'champion'" in skip_reason(client, CanaryConfig(), NAME, "1", "2")

@@ -1,0 +1,108 @@
+"""promote_model and canary_deploy as tasks (task.fn) on a real MLflow store: lineage tags, skips, retry policy."""
+from __future__ import annotations
+
+import pytest
+
+from deployments.config import CanaryConfig, RegistryConfig
+from deployments.registry import AliasChanged, client_for, read_aliases
+from infra.tracking import (
+    TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_MODEL_VERSION, TAG_PARENT,
+    TAG_STAGE, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, open_parent_run,
+)
+
+
+@pytest.fixture()
+def lineage(mlflow_store):
+    uri, _ = mlflow_store
+    parent = open_parent_run(uri, "shardline-test", "flow-run-1", "brave-otter")
+    return Lineage(tracking_uri=uri, experiment="shardline-test", parent_run_id=parent, flow_run_id="flow-run-1")
+
+
+def _products(lineage: Lineage, n: int):
+    """What stages 1-4 hand to promote_model, with a real training run and a real logged model."""
+    import mlflow
+
+    from training.data import ShardSet
+    from training.evaluate import ValidationResult
+    from training.trainer import TrainResult
+
+    client = client_for(lineage.tracking_uri)
+    exp = client.get_run(lineage.parent_run_id).info.experiment_id
+    train = client.create_run(exp, run_name=f"train_fsdp-{n}").info.run_id
+    val = client.create_run(exp, run_name=f"validate_checkpoint-{n}").info.run_id
+    model = mlflow.initialize_logged_model(name="model", source_run_id=val, experiment_id=exp)
+    shards = ShardSet(dataset_digest="0123456789abcdef" * 2, uri="/s", manifest_uri="/s/manifest.json",
+                      train_shards=[], val_shards=[], num_train=1, num_val=1, total_bytes=10, cache_hit=False,
+                      skipped={}, data_run_id="data-run")
+    trained = TrainResult(train_run_id=train, checkpoint_uri=f"/ck/{n}", step=10, final_loss=1.0,
+                          tokens_per_s=1.0, world_size=2)
+    validated = ValidationResult(validation_run_id=val, checkpoint_uri=f"/ck/{n}", val_bits_per_byte=3.5,
+                                 model_uri=f"models:/{model.model_id}", seq_len=32, passed=True)
+    return validated, trained, shards
+
+
+def _stage_run(lineage: Lineage, stage: str):
+    client = client_for(lineage.tracking_uri)
+    exp = client.get_run(lineage.parent_run_id).info.experiment_id
+    runs = client.search_runs(
+        [exp], f"tags.`{TAG_PARENT}` = '{lineage.parent_run_id}' and tags.`{TAG_STAGE}` = '{stage}'")
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(lineage):
+    from prefect.logging import disable_run_logger
+
+    from infra.cluster import ClusterInfo
+    from tasks.canary import canary_deploy
+    from tasks.promote import promote_model
+
+    cfg = RegistryConfig(model_name="m")
+    validated, trained, shards = _products(lineage, 1)
+    with disable_run_logger():
+        promoted = promote_model.fn(cfg, validated, trained, shards, lineage)
+    assert (promoted.decision, promoted.version, promoted.champion_version) == ("first-champion", "1", None)
+
+    client = client_for(lineage.tracking_uri)
+    mv = client.get_model_version("m", "1")
+    assert mv.run_id == trained.train_run_id
+    assert mv.tags[TAG_DATASET_DIGEST] == shards.dataset_digest
+    assert mv.tags[TAG_FLOW_RUN_ID] == "flow-run-1"
+    assert mv.tags[TAG_TRAIN_RUN_ID] == trained.train_run_id
+    assert mv.tags[TAG_CHECKPOINT_URI] == "/ck/1"
+    assert mv.tags[TAG_VALIDATION_RUN_ID] == validated.validation_run_id
+    assert mv.tags[TAG_DATA_RUN_ID] == "data-run"
+    assert read_aliases(client, "m") == {"champion": "1", "challenger": "1"}
+    run = _stage_run(lineage, "promote_model")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[TAG_MODEL_VERSION] == "1" and run.data.tags["shardline.promotion"] == "first-champion"
+
+    cluster = ClusterInfo(address="127.0.0.1:6379", mode="local", resources={"CPU": 2.0}, nodes=1, started_here=True)
+    with disable_run_logger():
+        result = canary_deploy.fn(CanaryConfig(), promoted, shards, cluster, cfg, lineage)
+    assert result.decision == "skipped" and "first run" in result.reason
+    assert result.champion_version == "1" and result.steps == []
+    canary_run = _stage_run(lineage, "canary_deploy")
+    assert canary_run.data.tags["shardline.canary_verdict"] == "skipped"
+    assert canary_run.data.tags[TAG_MODEL_VERSION] == "1"
+
+    # the second model challenges; a disabled canary skips and leaves the champion alone
+    validated2, trained2, _ = _products(lineage, 2)
+    with disable_run_logger():
+        second = promote_model.fn(cfg, validated2, trained2, shards, lineage)
+        skipped = canary_deploy.fn(CanaryConfig(enabled=False), second, shards, cluster, cfg, lineage)
+    assert (second.decision, second.version, second.champion_version) == ("challenger", "2", "1")
+    assert skipped.decision == "skipped" and skipped.reason == "canary.enabled is false"
+    assert read_aliases(client, "m") == {"champion": "1", "challenger": "2"}
+
+
+def test_decisions_and_user_errors_are_not_retried():
+    from prefect.states import Failed
+
+    from deployments.canary import CanaryDecided
+    from tasks.retry import retry_unless
+
+    should_retry = retry_unless(CanaryDecided, AliasChanged)
+    assert should_retry(None, None, Failed(data=CanaryDecided("decided"))) is False
+    assert should_retry(None, None, Failed(data=AliasChanged("moved"))) is False
+    assert should_retry(None, None, Failed(data=ConnectionError("flaky"))) is True
