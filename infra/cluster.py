@@ -44,7 +44,10 @@ def _ray_cli() -> str:
 
 
 def _run_ray(args: list[str]) -> None:
+    # Token authentication on (Ray's default for new local clusters), stated explicitly so that a node joining
+    # with `ray start --address` uses the same token file as the head instead of connecting unauthenticated.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.setdefault("RAY_AUTH_MODE", "token")
     proc = subprocess.run([_ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -56,6 +59,15 @@ def start_local_nodes(cfg: ClusterConfig) -> str:
     port = free_port(cfg.host)
     gcs = f"{cfg.host}:{port}"
     common = ["--disable-usage-stats", f"--object-store-memory={cfg.object_store_mb * 1024 * 1024}"]
+    try:
+        _start_nodes(cfg, port, gcs, common)
+    except ClusterError:
+        stop_local_nodes(gcs)  # nothing half-started is left behind
+        raise
+    return gcs
+
+
+def _start_nodes(cfg: ClusterConfig, port: int, gcs: str, common: list[str]) -> None:
     _run_ray(
         ["start", "--head", f"--node-ip-address={cfg.host}", f"--port={port}", f"--num-cpus={cfg.num_cpus}",
          f"--num-gpus={cfg.num_gpus}", "--include-dashboard=false", *common]
@@ -65,12 +77,58 @@ def start_local_nodes(cfg: ClusterConfig) -> str:
             ["start", f"--address={gcs}", f"--node-ip-address={cfg.host}",
              f"--num-cpus={cfg.cpus_per_worker_node}", "--num-gpus=0", *common]
         )
-    return gcs
 
 
-def stop_local_nodes() -> None:
-    """Stop the Ray processes `start_local_nodes` started on this machine."""
-    subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
+def _node_processes(gcs_port: str) -> list[int]:
+    """PIDs of the Ray processes of the cluster whose GCS listens on `gcs_port`, and their children (Linux /proc)."""
+    marks = (f"--gcs_server_port={gcs_port}", f":{gcs_port}")
+    parents: dict[int, int] = {}
+    members: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if any(a.startswith(("--gcs-address=", "--address=", "--gcs_server_port=")) and a.endswith(marks) for a in args):
+            members.add(int(entry.name))
+    grew = True
+    while grew:  # add children (dashboard/runtime-env agents, workers) of what we found
+        extra = {pid for pid, ppid in parents.items() if ppid in members and pid not in members}
+        members |= extra
+        grew = bool(extra)
+    members.discard(os.getpid())
+    return sorted(members)
+
+
+def stop_local_nodes(gcs_address: str) -> None:
+    """Stop the Ray nodes `start_local_nodes` started, and only those: `ray stop` would stop every Ray on the host."""
+    import signal
+
+    port = gcs_address.rsplit(":", 1)[-1]
+    pids = _node_processes(port)
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if Path(f"/proc/{p}").exists() and _alive(p)]
+            time.sleep(0.2)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def provision(cfg: ClusterConfig) -> ClusterInfo:
@@ -95,8 +153,14 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
         return _describe(cfg.mode, started_here=False)
     if cfg.mode == "local-multinode":
         gcs = start_local_nodes(cfg)
-        ray.init(address=gcs, log_to_driver=False)
-        _wait_for_nodes(1 + cfg.worker_nodes)
+        _use_token_auth()
+        try:
+            ray.init(address=gcs, log_to_driver=False)
+            _wait_for_nodes(1 + cfg.worker_nodes)
+        except Exception as e:
+            ray.shutdown()
+            stop_local_nodes(gcs)
+            raise ClusterError(f"local Ray nodes at {gcs} started but the driver could not join: {e}") from None
     else:
         ray.init(
             num_cpus=cfg.num_cpus,
@@ -109,6 +173,23 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     info = _describe(cfg.mode, started_here=True)
     info.gcs_address = gcs
     return info
+
+
+def _use_token_auth() -> None:
+    """Authenticate this driver with the token file the nodes were started with.
+
+    ray.init(address=...) with an explicit address does not turn token auth on by itself (Ray 2.60), and setting
+    RAY_AUTH_MODE after `import ray` is not seen by Ray's cached config; Ray's own helper sets both.
+    """
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # another Ray version: no token auth, or it handles this itself
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _wait_for_nodes(expected: int, timeout_s: float = 60.0) -> None:
@@ -149,4 +230,4 @@ def teardown(info: ClusterInfo | None) -> None:
             pass
         ray.shutdown()
     if info is not None and info.started_here and info.gcs_address:
-        stop_local_nodes()
+        stop_local_nodes(info.gcs_address)
