@@ -163,6 +163,7 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
             raise ClusterError(f"local Ray nodes at {gcs} started but the driver could not join: {e}") from None
     else:
         ray.init(
+            address="local",  # always a new cluster, never one a `ray start` left running on this host
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             include_dashboard=False,

@@ -1,0 +1,96 @@
+"""Shared pytest fixtures. Each part keeps its fixtures in its own clearly marked block."""
+from __future__ import annotations
+
+# ================================================================================================================
+# data part: real object-store API servers on 127.0.0.1 (moto's S3 server, Azurite), started once per session.
+#   s3_server -> endpoint URL; sets AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/SECRET=testing, AWS_DEFAULT_REGION.
+#   azurite   -> connection string; sets AZURE_STORAGE_CONNECTION_STRING.
+# Both create a bucket / container named "shardline"; tests that need isolation use a fresh prefix.
+# ================================================================================================================
+import os
+import shutil  # noqa: F401  (used by the deployments block below)
+import uuid
+from collections.abc import Iterator
+from pathlib import Path  # noqa: F401  (used by the deployments block below)
+
+import pytest
+from store_servers import S3Service, start_azurite, stop_process  # tests/store_servers.py
+
+
+@pytest.fixture(scope="session")
+def s3_service() -> Iterator[S3Service]:
+    service = S3Service()
+    service.start()
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+def s3_server(s3_service: S3Service, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The moto S3 endpoint URL, with the AWS variables pointing at it for this test (bucket 'shardline')."""
+    for key, value in s3_service.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_service.endpoint
+
+
+@pytest.fixture(scope="session")
+def azurite_service() -> Iterator[str]:
+    try:
+        proc, conn = start_azurite()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    yield conn
+    stop_process(proc)
+
+
+@pytest.fixture
+def azurite(azurite_service: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The Azurite connection string, set as AZURE_STORAGE_CONNECTION_STRING for this test (container 'shardline')."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_service)
+    return azurite_service
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A fresh key prefix, so tests sharing the session's bucket do not see each other's objects."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# ============================================ end of data part ==================================================
+
+
+# ================================================================================================================
+# deployments part: a real MLflow SQLite store per test, copied from one migrated template (migrations take ~1 s).
+#   mlflow_store -> (tracking URI, experiment id); sets SHARDLINE_HOME to a tmp dir and the global tracking URI.
+# ================================================================================================================
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from infra.tracking import setup_tracking
+
+    root = tmp_path_factory.mktemp("mlflow-template")
+    old_home = os.environ.get("SHARDLINE_HOME")
+    os.environ["SHARDLINE_HOME"] = str(root / "home")
+    try:
+        setup_tracking(f"sqlite:///{root / 'mlflow.db'}", "shardline-test")
+    finally:
+        if old_home is None:
+            os.environ.pop("SHARDLINE_HOME", None)
+        else:
+            os.environ["SHARDLINE_HOME"] = old_home
+    return root / "mlflow.db"
+
+
+@pytest.fixture
+def mlflow_store(_mlflow_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    from infra.tracking import setup_tracking
+
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    shutil.copy(_mlflow_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return uri, setup_tracking(uri, "shardline-test")
+# ========================================= end of deployments part ==============================================
