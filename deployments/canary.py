@@ -1,6 +1,6 @@
 """The canary policy: ramp traffic to the challenger, measure both versions on the same requests, decide, apply.
 
-Measuring (drive_step), deciding (summarize_step, step_failures, decide_canary) and applying (apply_canary) are
+Measuring (drive_step), deciding (summarize_step, gate_step, decide_canary) and applying (apply_canary) are
 separate: the decision object is computed from numbers only, and is what gets logged and tested.
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from deployments.config import CanaryConfig
-from deployments.registry import CHAMPION, TAG_CANARY_DECISION, TAG_REJECTED, AliasChanged, move_alias, read_aliases, tag_rejected
+from deployments.registry import (
+    CHAMPION, TAG_CANARY_DECISION, TAG_REJECTED, AliasChanged, move_alias, read_aliases, tag_rejected,
+)
 
 Verdict = Literal["promoted", "rejected", "skipped"]
 
@@ -300,7 +302,8 @@ def run_canary(cfg: CanaryConfig, model_name: str, champion: str, challenger: st
                log: Callable[[CanaryDecision], None] | None = None, shutdown_serve: bool = True) -> CanaryResult:
     """Serve both versions, ramp through cfg.steps over HTTP, decide, apply, and take the app down.
 
-    Ray must be initialised. Stops at the first failing step. `log` receives the decision before it is applied.
+    Ray must be initialised. Stops at the first failing step. `log` receives the decision once it was applied
+    (or applying it failed).
 
     Raises:
         CanaryDecided: a decision was taken but applying it failed (do not re-run the canary for it).
@@ -309,10 +312,10 @@ def run_canary(cfg: CanaryConfig, model_name: str, champion: str, challenger: st
     from deployments.serve_app import start_canary_app, stop_canary_app
 
     client = client_for(tracking_uri)
-    app = start_canary_app(model_name, champion, challenger, tracking_uri, host=cfg.host, port=cfg.port,
-                           seed=cfg.seed, max_request_bytes=cfg.max_request_bytes)
     decision = None
-    try:
+    try:  # the app comes down however this ends, also when it failed to come up
+        app = start_canary_app(model_name, champion, challenger, tracking_uri, host=cfg.host, port=cfg.port,
+                               seed=cfg.seed, max_request_bytes=cfg.max_request_bytes)
         steps: list[StepMetrics] = []
         for i, percent in enumerate(cfg.steps):
             app.set_challenger_percent(percent)
@@ -324,10 +327,12 @@ def run_canary(cfg: CanaryConfig, model_name: str, champion: str, challenger: st
             if step.failures:
                 break
         decision = decide_canary(model_name, challenger, champion, steps, cfg)
-        if log is not None:
-            log(decision)
-        apply_canary(client, decision, app.set_challenger_percent)
-        final_percent = app.challenger_percent()  # read back: what the router really does now
+        try:
+            apply_canary(client, decision, app.set_challenger_percent)
+            final_percent = app.challenger_percent()  # read back: what the router really does now
+        finally:  # the decision is recorded also when applying it failed
+            if log is not None:
+                log(decision)
     except Exception as e:
         if decision is not None:
             raise CanaryDecided(f"canary decided '{decision.verdict}' ({decision.reason}) but applying it "
@@ -338,14 +343,35 @@ def run_canary(cfg: CanaryConfig, model_name: str, champion: str, challenger: st
     return result_of(decision, final_percent)
 
 
-def result_of(decision: CanaryDecision, final_percent: int | None = None) -> CanaryResult:
-    """The CanaryResult of a decision: the champion after applying it, and the steps as plain dicts."""
-    champion = decision.candidate if decision.verdict == "promoted" else (decision.baseline or decision.candidate)
+def result_of(decision: CanaryDecision, final_percent: int | None = None, champion: str | None = None) -> CanaryResult:
+    """The CanaryResult of a decision: the champion after applying it (unless given), the steps as plain dicts."""
+    if champion is None:
+        champion = decision.candidate if decision.verdict == "promoted" else (decision.baseline or decision.candidate)
     return CanaryResult(
         decision=decision.verdict, reason=decision.reason, champion_version=champion,
         challenger_version=decision.candidate, final_challenger_percent=final_percent,
         steps=[s.model_dump() for s in decision.metrics],
     )
+
+
+def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per ramp step with the numbers behind the verdict (for a Prefect table artifact)."""
+    steps = [StepMetrics.model_validate(s) if isinstance(s, dict) else s for s in steps]
+
+    def fmt(x: float | None, digits: int = 3) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    return [
+        {
+            "step": f"{s.percent}%", "requests": s.requests, "paired": s.paired,
+            f"v{s.challenger.version} bpb": fmt(s.challenger.bpb), f"v{s.champion.version} bpb": fmt(s.champion.bpb),
+            f"v{s.challenger.version} p95 ms": fmt(s.challenger_paired_p95_ms, 1),
+            f"v{s.champion.version} p95 ms": fmt(s.champion_paired_p95_ms, 1),
+            "error rate (ch/base)": f"{s.challenger.error_rate:.3f}/{s.champion.error_rate:.3f}",
+            "verdict": "; ".join(s.failures) or "pass",
+        }
+        for s in steps
+    ]
 
 
 def log_decision(decision: CanaryDecision) -> None:
@@ -357,7 +383,8 @@ def log_decision(decision: CanaryDecision) -> None:
         values: dict[str, float | None] = {
             "requests": s.requests, "paired": s.paired, "unattributed_errors": s.unattributed_errors,
             "client_p95_ms": s.client_p95_ms, "challenger.paired_p95_ms": s.challenger_paired_p95_ms,
-            "champion.paired_p95_ms": s.champion_paired_p95_ms, "p95_ratio": s.p95_ratio, "bpb_regression": s.bpb_regression,
+            "champion.paired_p95_ms": s.champion_paired_p95_ms, "p95_ratio": s.p95_ratio,
+            "bpb_regression": s.bpb_regression,
         }
         for role in ("challenger", "champion"):
             v: VersionStats = getattr(s, role)

@@ -47,7 +47,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
     train_run = client.get_run(mv.run_id) if mv.run_id else None
     return {
         "model": model_name,
-        "version": mv.version,
+        "version": str(mv.version),
         "aliases": ",".join(mv.aliases),
         "status": "rejected" if "rejected" in tags else "ok",
         "dataset_digest": tags.get(TAG_DATASET_DIGEST, ""),

@@ -106,7 +106,7 @@ def register_version(
 
 
 def version_tags(*, dataset_digest: str, flow_run_id: str, train_run_id: str, checkpoint_uri: str,
-                 validation_run_id: str, model_uri: str, data_run_id: str = "",
+                 validation_run_id: str, model_uri: str, data_run_id: str = "", manifest_uri: str = "",
                  extra: dict[str, str] | None = None) -> dict[str, str]:
     """The lineage tags of a model version: what it was made from, under infra.tracking's tag names."""
     from infra import tracking as t
@@ -119,6 +119,7 @@ def version_tags(*, dataset_digest: str, flow_run_id: str, train_run_id: str, ch
         t.TAG_VALIDATION_RUN_ID: validation_run_id,
         t.TAG_MODEL_URI: model_uri,
         t.TAG_DATA_RUN_ID: data_run_id,
+        t.TAG_MANIFEST_URI: manifest_uri,
         **t.git_tags(),
         **(extra or {}),
     }

@@ -275,7 +275,8 @@ def start_canary_app(model_name: str, champion_version: str, challenger_version:
     from ray import serve
 
     quiet = {"log_level": "WARNING", "enable_access_log": False}  # one line per request would flood the flow log
-    serve.start(http_options={"host": host, "port": port or free_port(host)}, logging_config=quiet)
+    port = port or free_port(host)
+    serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
     host, port = _serving_address(host, port)
     app = build_app(model_name, champion_version, challenger_version, tracking_uri, seed, max_request_bytes,
                     replica_cpus)

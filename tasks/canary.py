@@ -2,23 +2,27 @@
 from __future__ import annotations
 
 from itertools import islice
-from typing import TYPE_CHECKING
 
 import mlflow
 from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
-from deployments.canary import CanaryDecided, CanaryResult, log_decision, result_of, run_canary, skip_reason, skipped
+from deployments.canary import (
+    CanaryDecided, CanaryResult, log_decision, result_of, run_canary, skip_reason, skipped, steps_table,
+)
 from deployments.config import CanaryConfig, RegistryConfig
-from deployments.registry import AliasChanged, client_for
-from infra.tracking import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, Lineage, stage_run
+from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
+from infra.cluster import ClusterInfo
+from infra.tracking import (
+    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage,
+    flat_params, stage_run,
+)
 from tasks.retry import retry_unless
-
-if TYPE_CHECKING:
-    from deployments.registry import PromotionResult
-    from infra.cluster import ClusterInfo
-    from training.data import ShardSet
+from training.data import ShardSet
+from training.data.loader import iter_texts
 
 HELD_OUT_TEXTS = 256  # request bodies are drawn from the first this-many validation texts
 
@@ -42,22 +46,25 @@ def canary_deploy(cfg: CanaryConfig, promoted: PromotionResult, shards: ShardSet
     """
     logger = get_run_logger()
     with stage_run(lineage, "canary_deploy"):
-        mlflow.set_tags({TAG_MODEL_VERSION: promoted.challenger_version, TAG_DATASET_DIGEST: shards.dataset_digest,
-                         TAG_CLUSTER_ADDRESS: cluster.address,
-                         "shardline.champion_version": str(promoted.champion_version)})
         client = client_for(lineage.tracking_uri)
+        challenger_run = client.get_model_version(registry.model_name, promoted.challenger_version).run_id
+        mlflow.set_tags({TAG_MODEL_VERSION: promoted.challenger_version, TAG_DATASET_DIGEST: shards.dataset_digest,
+                         TAG_TRAIN_RUN_ID: challenger_run or "", TAG_CLUSTER_ADDRESS: cluster.address,
+                         "shardline.champion_version": str(promoted.champion_version)})
+        mlflow.log_params(flat_params("canary", cfg))
         why_not = skip_reason(client, cfg, registry.model_name, promoted.champion_version, promoted.challenger_version)
         if why_not:
             decision = skipped(registry.model_name, promoted.challenger_version, promoted.champion_version, why_not)
             log_decision(decision)
             logger.info("canary skipped: %s", why_not)
-            return result_of(decision)
-        from training.data.loader import iter_texts
-
+            return result_of(decision, champion=read_aliases(client, registry.model_name).get(CHAMPION))
         texts = [text for _, text in islice(iter_texts(shards.val_shards), HELD_OUT_TEXTS)]
         result = run_canary(cfg, registry.model_name, promoted.champion_version, promoted.challenger_version,
                             texts, lineage.tracking_uri, on_step=lambda i, s: logger.info(
                                 "step %d%%: %s", s.percent, "; ".join(s.failures) or "passed"),
                             log=log_decision)
         logger.info("canary %s: %s", result.decision, result.reason)
+        if TaskRunContext.get() is not None:  # an artifact needs a task run (not so under task.fn() in tests)
+            create_table_artifact(steps_table(result.steps), key="canary-decision",
+                                  description=f"canary {result.decision}: {result.reason}")
         return result

@@ -1,8 +1,6 @@
 """promote_model: register the validated model as a new version, tag its lineage, set its aliases."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlflow
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -14,14 +12,13 @@ from deployments.registry import (
     version_tags,
 )
 from infra.tracking import (
-    TAG_DATASET_DIGEST, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, stage_run,
+    TAG_DATASET_DIGEST, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, flat_params,
+    stage_run,
 )
 from tasks.retry import retry_unless
-
-if TYPE_CHECKING:
-    from training.data import ShardSet
-    from training.evaluate import ValidationResult
-    from training.trainer import TrainResult
+from training.data import ShardSet
+from training.evaluate import ValidationResult
+from training.trainer import TrainResult
 
 
 @task(name="promote_model", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
@@ -41,12 +38,14 @@ def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: Tra
     if not validated.passed:
         raise ValueError(f"{validated.model_uri}: validation did not pass; refusing to register it")
     with stage_run(lineage, "promote_model"):
+        mlflow.log_params(flat_params("registry", cfg))
         client = client_for(lineage.tracking_uri)
         tags = version_tags(
             dataset_digest=shards.dataset_digest, flow_run_id=lineage.flow_run_id,
             train_run_id=trained.train_run_id, checkpoint_uri=trained.checkpoint_uri,
             validation_run_id=validated.validation_run_id, model_uri=validated.model_uri,
-            data_run_id=shards.data_run_id, extra={"shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}"},
+            data_run_id=shards.data_run_id, manifest_uri=shards.manifest_uri,
+            extra={"shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}"},
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)
         decision = decide_promotion(cfg.model_name, version, read_aliases(client, cfg.model_name))

@@ -1,4 +1,8 @@
-"""The real canary: two logged models, MLflow registry, Ray Serve over HTTP; one promotion, one rollback."""
+"""The real canary: logged models, MLflow registry, Ray Serve over HTTP; one promotion, one rollback.
+
+The tests share one registry and one Ray session and tell one story in file order: v1 (weak) is the first
+champion, v2 (good) is promoted over it, v3 (bad) is rolled back, then a champion moved mid-canary is respected.
+"""
 from __future__ import annotations
 
 import math
@@ -109,7 +113,7 @@ def world(tmp_path_factory):
     tables["bad"] = -tables["good"]  # confidently wrong: far above 8 bits per byte
     first = _register(client, *_log_model(tables["weak"], "weak", exp, client))
     assert first.decision == "first-champion"
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
     try:
         yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout}
     finally:
@@ -216,3 +220,26 @@ def test_the_router_weights_shadows_and_exposes_metrics(world):
         assert bits / nbytes == pytest.approx(answer["served"]["bpb"], rel=1e-3)
     finally:
         stop_canary_app()
+
+
+def test_a_champion_moved_during_the_canary_is_not_overwritten(world):
+    """Compare-and-set at the end of a real canary: another writer moves `champion` while traffic ramps."""
+    from deployments.canary import CanaryDecided
+
+    client = world["client"]
+    assert read_aliases(client, NAME)["champion"] == "2"  # after the two canaries above
+    lenient = CanaryConfig(steps=[100], requests_per_step=4, max_bpb_regression=10.0, latency_floor_ms=1000.0)
+
+    def concurrent_writer(i, step):  # after the last step's traffic, before the decision is applied
+        assert step.paired == 4
+        client.set_registered_model_alias(NAME, "champion", "3")
+
+    logged = []
+    with pytest.raises(CanaryDecided, match="alias 'champion' is at version 3, the decision expected 2"):
+        run_canary(lenient, NAME, "2", "1", world["heldout"], world["uri"], on_step=concurrent_writer,
+                   log=logged.append)
+    assert [(d.verdict, d.baseline, d.candidate) for d in logged] == [("promoted", "2", "1")]
+    assert read_aliases(client, NAME)["champion"] == "3"  # the other writer's move stands
+    from ray import serve
+
+    assert serve.status().applications == {}  # the app came down although applying failed

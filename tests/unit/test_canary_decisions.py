@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.canary import (
-    Observation, StepMetrics, VersionStats, decide_canary, gate_step, p95, pick_payloads, result_of,
+    Observation, StepMetrics, VersionStats, decide_canary, gate_step, p95, pick_payloads, result_of, steps_table,
     summarize_step,
 )
 from deployments.config import CanaryConfig
@@ -22,8 +22,8 @@ def _call(role, version, bpb=2.0, nbytes=100, ms=10.0, ok=True):
 
 def _to_challenger(ch_bpb=2.0, base_bpb=2.0, ch_ms=10.0, base_ms=10.0, ok=True, nbytes=100):
     served = _call("challenger", "2", ch_bpb, nbytes, ch_ms, ok)
-    return Observation(status=200 if ok else 500, served=served, shadow=_call("champion", "1", base_bpb, nbytes, base_ms),
-                       client_ms=12.0)
+    shadow = _call("champion", "1", base_bpb, nbytes, base_ms)
+    return Observation(status=200 if ok else 500, served=served, shadow=shadow, client_ms=12.0)
 
 
 def _to_champion(bpb=2.0, ms=10.0, ok=True):
@@ -166,3 +166,11 @@ def test_latency_gate_pools_the_paired_requests_of_earlier_steps():
     # a consistent regression still fails once pooled
     slow = [_to_challenger(ch_ms=30.0, base_ms=6.0)] * 20
     assert summarize_step(50, slow, "1", "2", CFG, earlier).p95_ratio == pytest.approx(5.0)
+
+
+def test_steps_table_has_one_row_per_step_with_the_numbers():
+    steps = [_step(10, [_to_challenger(2.0, 2.5)] * 2), _step(50, [_to_challenger(3.0, 2.0)] * 2)]
+    rows = steps_table([steps[0], steps[1].model_dump()])  # StepMetrics, or the dicts CanaryResult carries
+    assert [r["step"] for r in rows] == ["10%", "50%"]
+    assert rows[0]["v2 bpb"] == "2.000" and rows[0]["v1 bpb"] == "2.500" and rows[0]["verdict"] == "pass"
+    assert rows[1]["verdict"].startswith("bits/byte 3.0000")

@@ -6,16 +6,20 @@ import pytest
 from deployments.config import CanaryConfig, RegistryConfig
 from deployments.registry import AliasChanged, client_for, read_aliases
 from infra.tracking import (
-    TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_MODEL_VERSION, TAG_PARENT,
+    TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_MANIFEST_URI, TAG_MODEL_VERSION,
+    TAG_PARENT,
     TAG_STAGE, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, open_parent_run,
 )
 
 
+def _flow_run(uri: str, flow_run_id: str) -> Lineage:
+    parent = open_parent_run(uri, "shardline-test", flow_run_id, f"name-of-{flow_run_id}")
+    return Lineage(tracking_uri=uri, experiment="shardline-test", parent_run_id=parent, flow_run_id=flow_run_id)
+
+
 @pytest.fixture()
 def lineage(mlflow_store):
-    uri, _ = mlflow_store
-    parent = open_parent_run(uri, "shardline-test", "flow-run-1", "brave-otter")
-    return Lineage(tracking_uri=uri, experiment="shardline-test", parent_run_id=parent, flow_run_id="flow-run-1")
+    return _flow_run(mlflow_store[0], "flow-run-1")
 
 
 def _products(lineage: Lineage, n: int):
@@ -72,6 +76,7 @@ def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(
     assert mv.tags[TAG_CHECKPOINT_URI] == "/ck/1"
     assert mv.tags[TAG_VALIDATION_RUN_ID] == validated.validation_run_id
     assert mv.tags[TAG_DATA_RUN_ID] == "data-run"
+    assert mv.tags[TAG_MANIFEST_URI] == "/s/manifest.json"
     assert read_aliases(client, "m") == {"champion": "1", "challenger": "1"}
     run = _stage_run(lineage, "promote_model")
     assert run.info.status == "FINISHED"
@@ -85,15 +90,19 @@ def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(
     canary_run = _stage_run(lineage, "canary_deploy")
     assert canary_run.data.tags["shardline.canary_verdict"] == "skipped"
     assert canary_run.data.tags[TAG_MODEL_VERSION] == "1"
+    assert canary_run.data.tags[TAG_TRAIN_RUN_ID] == trained.train_run_id
 
-    # the second model challenges; a disabled canary skips and leaves the champion alone
-    validated2, trained2, _ = _products(lineage, 2)
+    # the next flow run's model challenges; a disabled canary skips and leaves the champion alone
+    lineage2 = _flow_run(lineage.tracking_uri, "flow-run-2")
+    validated2, trained2, _ = _products(lineage2, 2)
     with disable_run_logger():
-        second = promote_model.fn(cfg, validated2, trained2, shards, lineage)
-        skipped = canary_deploy.fn(CanaryConfig(enabled=False), second, shards, cluster, cfg, lineage)
+        second = promote_model.fn(cfg, validated2, trained2, shards, lineage2)
+        skipped = canary_deploy.fn(CanaryConfig(enabled=False), second, shards, cluster, cfg, lineage2)
     assert (second.decision, second.version, second.champion_version) == ("challenger", "2", "1")
     assert skipped.decision == "skipped" and skipped.reason == "canary.enabled is false"
     assert read_aliases(client, "m") == {"champion": "1", "challenger": "2"}
+    assert client.get_model_version("m", "2").tags[TAG_FLOW_RUN_ID] == "flow-run-2"
+    assert _stage_run(lineage2, "canary_deploy").data.params["canary.enabled"] == "False"
 
 
 def test_decisions_and_user_errors_are_not_retried():
