@@ -1,16 +1,13 @@
 """One small API over local paths, s3://bucket/prefix (boto3) and az://container/prefix (Azure Blob), with retries.
 
-Endpoints and credentials come only from the environment: the standard AWS variables (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, ...) or a Prefect Secret block named by $SHARDLINE_S3_SECRET_BLOCK (a JSON object with
-aws_access_key_id, aws_secret_access_key and optionally endpoint_url, region_name); AZURE_STORAGE_CONNECTION_STRING
-or a Prefect Secret block named by $SHARDLINE_AZURE_SECRET_BLOCK holding the connection string. URIs never carry
-credentials; a URI with a user-info part is rejected.
+Endpoints and credentials come only from the environment or Prefect Secret blocks (see infra/credentials.py).
+URIs never carry credentials; a URI with a user-info part is rejected. Every remote call is retried with
+exponential backoff on transient errors (endpoint down, timeouts, throttling, 5xx); other errors are final.
 """
 from __future__ import annotations
 
-import functools
+import http.client
 import io
-import json
 import os
 import random
 import shutil
@@ -19,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
+
+from infra.credentials import CredentialsError, azure_service, s3_client
 
 T = TypeVar("T")
 
@@ -83,7 +82,7 @@ def is_transient(err: BaseException) -> bool:
     """Endpoint down, timeouts, throttling and 5xx are worth retrying; not-found and denied are not."""
     try:
         from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError
-        from botocore.exceptions import ReadTimeoutError
+        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
         if isinstance(err, (BotoConnectionError, ReadTimeoutError)):
             return True
@@ -93,20 +92,30 @@ def is_transient(err: BaseException) -> bool:
             return int(meta.get("HTTPStatusCode") or 0) >= 500 or code in (
                 "SlowDown", "RequestTimeout", "Throttling", "InternalError", "ServiceUnavailable"
             )
+        if isinstance(err, (ResponseStreamingError, IncompleteReadError)):  # connection lost mid-body
+            return True
         if isinstance(err, BotoCoreError) and "Connect" in type(err).__name__:
             return True
     except ImportError:  # boto3 not installed: no S3 errors to classify
         pass
     try:
         from azure.core.exceptions import HttpResponseError, ServiceRequestError, ServiceResponseError
+        from azure.core.exceptions import IncompleteReadError as AzureIncompleteRead
 
-        if isinstance(err, (ServiceRequestError, ServiceResponseError)):
+        if isinstance(err, (ServiceRequestError, ServiceResponseError, AzureIncompleteRead)):
             return True
         if isinstance(err, HttpResponseError):
             return int(err.status_code or 0) >= 500 or err.status_code in (408, 429)
     except ImportError:
         pass
-    return isinstance(err, (ConnectionError, TimeoutError))
+    try:
+        from urllib3.exceptions import ProtocolError, ReadTimeoutError as Urllib3ReadTimeout
+
+        if isinstance(err, (ProtocolError, Urllib3ReadTimeout)):
+            return True
+    except ImportError:
+        pass
+    return isinstance(err, (ConnectionError, TimeoutError, http.client.IncompleteRead))
 
 
 def with_retries(fn: Callable[[], T], what: str, retries: int | None = None) -> T:
@@ -115,7 +124,7 @@ def with_retries(fn: Callable[[], T], what: str, retries: int | None = None) -> 
     for attempt in range(retries + 1):
         try:
             return fn()
-        except StorageError:
+        except (StorageError, CredentialsError):
             raise
         except Exception as err:  # classified below; anything not transient is final
             if not is_transient(err) or attempt == retries:
@@ -130,71 +139,6 @@ def with_retries(fn: Callable[[], T], what: str, retries: int | None = None) -> 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".strip().rstrip(":")
-
-
-# ---------------------------------------------------------------------------------------------- clients
-
-
-def _secret_block(env_name: str) -> Any:
-    """The value of the Prefect Secret block named by $env_name, or None when the variable is unset."""
-    name = os.environ.get(env_name, "")
-    if not name:
-        return None
-    from prefect.blocks.system import Secret
-
-    return Secret.load(name).get()
-
-
-def _s3_settings() -> tuple[tuple[str, str], ...]:
-    keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-            "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_PROFILE", "SHARDLINE_S3_SECRET_BLOCK")
-    return tuple((k, os.environ.get(k, "")) for k in keys)
-
-
-@functools.lru_cache(maxsize=8)
-def _s3_client_for(settings: tuple[tuple[str, str], ...]) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    env = dict(settings)
-    kwargs: dict[str, Any] = {}
-    secret = _secret_block("SHARDLINE_S3_SECRET_BLOCK")
-    if secret:
-        values = json.loads(secret) if isinstance(secret, str) else dict(secret)
-        for name in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url", "region_name"):
-            if values.get(name):
-                kwargs[name] = values[name]
-    endpoint = env["AWS_ENDPOINT_URL_S3"] or env["AWS_ENDPOINT_URL"]
-    if endpoint and "endpoint_url" not in kwargs:
-        kwargs["endpoint_url"] = endpoint
-    kwargs.setdefault("region_name", env["AWS_DEFAULT_REGION"] or "us-east-1")
-    # Our own backoff is the one retry loop; botocore's is kept short so an outage fails fast into it.
-    config = Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 2, "mode": "standard"})
-    return boto3.session.Session().client("s3", config=config, **kwargs)
-
-
-def s3_client() -> Any:
-    return _s3_client_for(_s3_settings())
-
-
-@functools.lru_cache(maxsize=8)
-def _azure_service_for(conn_env: str, block_env: str) -> Any:
-    from azure.storage.blob import BlobServiceClient
-
-    conn = _secret_block("SHARDLINE_AZURE_SECRET_BLOCK") or conn_env
-    if not conn:
-        raise StorageError(
-            "az://: no credentials: set AZURE_STORAGE_CONNECTION_STRING or SHARDLINE_AZURE_SECRET_BLOCK"
-        )
-    return BlobServiceClient.from_connection_string(
-        conn, retry_total=0, connection_timeout=5, read_timeout=60
-    )
-
-
-def azure_service() -> Any:
-    return _azure_service_for(
-        os.environ.get("AZURE_STORAGE_CONNECTION_STRING", ""), os.environ.get("SHARDLINE_AZURE_SECRET_BLOCK", "")
-    )
 
 
 def _blob(loc: Location) -> Any:
@@ -226,32 +170,60 @@ def read_bytes(uri: str, retries: int | None = None) -> bytes:
 
 
 def open_read(uri: str, retries: int | None = None) -> IO[bytes]:
-    """A streaming binary reader (opening is retried; a failure mid-stream surfaces to the caller)."""
+    """A streaming binary reader. Opening is retried; so is a connection lost mid-stream: the reader reopens the
+    object at the byte it had reached (S3 Range / Azure offset) and carries on."""
     loc = parse(uri)
     if loc.scheme == "file":
         try:
             return open(loc.key, "rb")
         except OSError as err:
             raise StorageError(f"{uri}: {err.strerror or err}") from err
-    if loc.scheme == "s3":
-        body = with_retries(lambda: s3_client().get_object(Bucket=loc.bucket, Key=loc.key)["Body"], uri, retries)
-        return io.BufferedReader(_StreamReader(body.read, body.close), buffer_size=1 << 16)
-    downloader = with_retries(lambda: _blob(loc).download_blob(max_concurrency=1), uri, retries)
-    return io.BufferedReader(_StreamReader(downloader.read, lambda: None), buffer_size=1 << 16)
+
+    def open_at(pos: int) -> tuple[Callable[[int], bytes], Callable[[], None]]:
+        if loc.scheme == "s3":
+            ranged = {"Range": f"bytes={pos}-"} if pos else {}
+            body = s3_client().get_object(Bucket=loc.bucket, Key=loc.key, **ranged)["Body"]
+            return body.read, body.close
+        downloader = _blob(loc).download_blob(offset=pos or None, max_concurrency=1)
+        return downloader.read, lambda: None
+
+    return io.BufferedReader(_ResumableReader(uri, open_at, retries), buffer_size=1 << 16)
 
 
-class _StreamReader(io.RawIOBase):
-    """Adapts a read(n) callable to a buffered binary file object (what tarfile and webdataset expect)."""
+class _ResumableReader(io.RawIOBase):
+    """A read(n) stream over an object that reopens at the current offset after a transient error."""
 
-    def __init__(self, read: Callable[[int], bytes], close: Callable[[], None]) -> None:
-        self._read, self._close, self._pending = read, close, b""
+    def __init__(self, uri: str, open_at: Callable[[int], tuple[Callable[[int], bytes], Callable[[], None]]],
+                 retries: int | None) -> None:
+        self.uri, self._open_at = uri, open_at
+        self._retries = DEFAULT_RETRIES if retries is None else retries
+        self._read, self._close = with_retries(lambda: open_at(0), uri, retries)
+        self._received, self._pending = 0, b""
 
     def readable(self) -> bool:
         return True
 
+    def _fetch(self, n: int) -> bytes:
+        for attempt in range(self._retries + 1):
+            try:
+                data = self._read(n)
+                self._received += len(data)
+                return data
+            except Exception as err:
+                if not is_transient(err) or attempt == self._retries:
+                    raise StorageError(f"{self.uri}: {_one_line(err)} at byte {self._received}") from err
+                time.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**attempt))
+                try:
+                    self._close()
+                except Exception:  # the broken connection may not close cleanly; it is dropped either way
+                    pass
+                pos = self._received
+                self._read, self._close = with_retries(lambda: self._open_at(pos), self.uri, self._retries)
+        raise AssertionError("unreachable")
+
     def readinto(self, buf: Any) -> int:
         if not self._pending:
-            self._pending = self._read(max(len(buf), 1 << 16))
+            self._pending = self._fetch(max(len(buf), 1 << 16))
         n = min(len(buf), len(self._pending))
         buf[:n] = self._pending[:n]
         self._pending = self._pending[n:]
@@ -259,8 +231,10 @@ class _StreamReader(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            self._close()
-        super().close()
+            try:
+                self._close()
+            finally:
+                super().close()
 
 
 def write_bytes(uri: str, data: bytes, retries: int | None = None) -> None:
@@ -395,35 +369,6 @@ def copy(src: str, dst: str, retries: int | None = None) -> None:
                 raise StorageError(f"{dst}: copy from {src} ended {props.get('copy_status')}")
 
         with_retries(az_copy, dst, retries)
-
-
-def ensure_bucket(uri: str, retries: int | None = None) -> None:
-    """Create the bucket/container of `uri` when it does not exist (tests and first runs against a fresh store)."""
-    loc = parse(uri)
-    if loc.scheme == "file":
-        Path(loc.key).mkdir(parents=True, exist_ok=True)
-        return
-    if loc.scheme == "s3":
-        def make() -> None:
-            try:
-                s3_client().head_bucket(Bucket=loc.bucket)
-            except Exception as err:
-                if not _not_found(err):
-                    raise
-                s3_client().create_bucket(Bucket=loc.bucket)
-
-        with_retries(make, uri, retries)
-        return
-
-    def make_container() -> None:
-        from azure.core.exceptions import ResourceExistsError
-
-        try:
-            azure_service().create_container(loc.bucket)
-        except ResourceExistsError:
-            pass
-
-    with_retries(make_container, uri, retries)
 
 
 # ---------------------------------------------------------------------------------------------- webdataset

@@ -32,6 +32,7 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
     """
     import mlflow
 
+    from training.data.build import check_locations
     from training.data.quality import QualityError
     from training.data.tracking import log_dataset
 
@@ -40,6 +41,7 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
     except MissingContextError:  # called as shard_dataset.fn(...) outside a run, e.g. from a REPL or a unit test
         logger = logging.getLogger("shardline.data")
     with stage_run(lineage, "shard_dataset") as run_id:
+        check_locations(cfg)  # a URI with credentials in it must fail before the config is logged
         mlflow.log_params(flat_params("data", cfg))
         try:
             shards = build_shards(cfg)

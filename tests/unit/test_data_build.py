@@ -146,3 +146,34 @@ def test_failing_quality_gate_lists_each_expectation_and_publishes_nothing(tmp_p
     assert any("expect_column_mean_to_be_between" in line and "observed" in line for line in lines)
     assert err.value.report["success"] is False
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["_staging"]
+
+
+def test_shard_writer_bytes_equal_webdataset_tarwriter(tmp_path):
+    import io
+
+    import webdataset as wds
+
+    from training.data.tarwriter import FIXED_MTIME, UstarWriter
+
+    samples = [{"__key__": f"{i:07d}_k{i}", "txt": b"t" * (i * 97), "json": b'{"k":%d}' % i} for i in range(40)]
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    theirs.close = lambda: None  # keep the buffer readable after TarWriter closes it
+    writer = UstarWriter(ours)
+    ours.close = lambda: None
+    for sample in samples:
+        writer.write(sample)
+    writer.close()
+    reference = wds.TarWriter(theirs, encoder=False, mtime=FIXED_MTIME, user="shardline", group="shardline",
+                              mode=0o444)
+    for sample in samples:
+        reference.write(sample)
+    reference.close()
+    assert ours.getvalue() == theirs.getvalue()
+
+
+def test_relative_output_is_published_as_an_absolute_path(tmp_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c")
+    monkeypatch.chdir(tmp_path)
+    shards = build_shards(config(corpus, "rel-out"))
+    assert Path(shards.uri).is_absolute() and Path(shards.uri).parent == tmp_path / "rel-out"
+    assert all(Path(u).is_absolute() for u in shards.train_shards)

@@ -42,3 +42,14 @@ def test_bad_input_fails_the_stage_run_with_the_cause(tmp_path, lineage):
     runs = client.search_runs([client.get_run(lineage.parent_run_id).info.experiment_id],
                               filter_string="tags.`shardline.stage` = 'shard_dataset'")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_credentials_in_a_uri_fail_before_anything_is_logged(tmp_path, lineage):
+    cfg = config(make_corpus(tmp_path / "c"), "s3://AKIAEXAMPLE:hunter2@bucket/out")
+    with pytest.raises(DataError, match="data.output: .*credentials") as err:
+        shard_dataset.fn(cfg, lineage)
+    assert "hunter2" not in str(err.value)
+    client = mlflow.MlflowClient(lineage.tracking_uri)
+    runs = client.search_runs([client.get_run(lineage.parent_run_id).info.experiment_id],
+                              filter_string="tags.`shardline.stage` = 'shard_dataset'")
+    assert len(runs) == 1 and runs[0].data.params == {} and runs[0].info.status == "FAILED"

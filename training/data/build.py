@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -28,11 +29,24 @@ from training.data.shards import write_shards
 STAGING = "_staging"
 
 
+def check_locations(cfg: DataConfig) -> None:
+    """DataError when data.source or data.output is not a usable location (unsupported scheme, credentials in
+    the URI); the message never repeats a credential. Call before anything logs the config."""
+    for field, value in (("data.source", cfg.source if not cfg.reader else ""), ("data.output", cfg.output)):
+        if value and value != "stdlib":
+            try:
+                storage.parse(value)
+            except storage.StorageError as err:
+                raise DataError(f"{field}: {err}") from None
+
+
 def resolve_output(cfg: DataConfig) -> str:
     """Where shard sets go: data.output, else $SHARDLINE_HOME/shards."""
     out = cfg.output or str(shardline_home() / "shards")
-    storage.parse(out)  # rejects unsupported schemes and credentials in the URI early
-    return out.rstrip("/") if out not in ("/",) else out
+    loc = storage.parse(out)
+    if loc.scheme == "file":  # absolute: Ray workers and later stages run with other working directories
+        return str(Path(loc.key).expanduser().resolve())
+    return out.rstrip("/")
 
 
 def build_shards(cfg: DataConfig) -> ShardSet:
@@ -45,10 +59,12 @@ def build_shards(cfg: DataConfig) -> ShardSet:
             (quality.QualityError carries the full GX report).
         storage.StorageError: the output store failed for good (after data.storage_retries retries).
     """
+    check_locations(cfg)
     output = resolve_output(cfg)
     remote = storage.is_remote(output)
     parent = (shardline_home() / "tmp") if remote else Path(output) / STAGING
     parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(parent)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=parent))
     tally = Tally()
     try:
@@ -73,6 +89,20 @@ def build_shards(cfg: DataConfig) -> ShardSet:
         return _shard_set(final, manifest, False, tally)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+ABANDONED_AFTER_S = 24 * 3600
+
+
+def _remove_abandoned(staging: Path) -> None:
+    """Delete local build directories that a crashed run left in the staging area more than a day ago."""
+    cutoff = time.time() - ABANDONED_AFTER_S
+    for entry in staging.iterdir():
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue  # removed concurrently
 
 
 def _shard_set(final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None) -> ShardSet:
@@ -123,9 +153,32 @@ def _verify(final: str, expected: Manifest | None, mode: str, retries: int) -> s
     return None
 
 
+def fsync_tree(directory: Path) -> None:
+    """Flush every file in `directory` and the directory itself to disk (before it is renamed into place)."""
+    for path in sorted(directory.iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig) -> None:
     (work / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-    if final.exists():  # a leftover without a valid manifest (its manifest was removed by _reusable)
+    fsync_tree(work)  # a power cut after the rename must not leave a manifest over empty shards
+    if final.exists():
+        if _reusable(str(final), manifest, cfg):  # an identical build published meanwhile: keep theirs
+            return
+        # A leftover without a valid manifest (a crash, or a manifest _reusable removed): move it out of sight.
         stale = final.parent / STAGING / f"stale-{uuid.uuid4().hex[:8]}"
         os.rename(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
@@ -134,6 +187,7 @@ def _publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig)
     except OSError:
         if not _reusable(str(final), manifest, cfg):  # lost a race to an identical build: fine if it verifies
             raise
+    _fsync_dir(final.parent)
 
 
 def _publish_remote(work: Path, manifest: Manifest, output: str, retries: int) -> None:

@@ -6,6 +6,7 @@ import json
 import re
 import tarfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,12 @@ from pydantic import BaseModel
 
 from training.data.config import DataConfig
 from training.data.corpus import Record
+from training.data.tarwriter import TAR_BLOCK, TAR_RECORD, HashingFile, shard_writer_class
 
 SHARD_FORMAT = "shardline.shards/1"
 MANIFEST_NAME = "manifest.json"
 VALIDATION_NAME = "validation.json"
 SPLITS = ("train", "val")
-FIXED_MTIME = 0  # tar headers carry no wall-clock time, so equal input gives equal bytes
-TAR_BLOCK, TAR_RECORD = 512, 10240
 SAMPLE_FIELDS = ("txt", "json")  # the only extensions written, and the only ones the loader decodes
 
 
@@ -102,22 +102,20 @@ class _SplitWriter:
     """A webdataset.ShardWriter for one split, opened on the first record, rolled over before a shard would pass
     max_shard_bytes (ShardWriter itself only checks the size after the fact)."""
 
-    def __init__(self, directory: Path, split: str, cfg: DataConfig) -> None:
-        self.directory, self.split, self.cfg = directory, split, cfg
+    def __init__(self, directory: Path, split: str, cfg: DataConfig, pool: Any) -> None:
+        self.directory, self.split, self.cfg, self.pool = directory, split, cfg, pool
         self.writer: Any = None
+        self.files: dict[str, HashingFile] = {}
         self.counts: dict[str, int] = {}
         self.current = ""
         self.size = 0
 
     def write(self, sample: dict[str, Any]) -> str:
-        import webdataset as wds
-
         need = _tar_size(sample)
         if self.writer is None:
-            self.writer = wds.ShardWriter(
+            self.writer = shard_writer_class()(
                 str(self.directory / f"{self.split}-%06d.tar"), maxcount=self.cfg.max_samples_per_shard,
-                maxsize=float("inf"), verbose=0, encoder=False, mtime=FIXED_MTIME, user="shardline",
-                group="shardline", mode=0o444,
+                maxsize=float("inf"), verbose=0, opener=self._open, post=self._closed,
             )
         elif self.writer.count >= self.cfg.max_samples_per_shard or (
             self.writer.count > 0 and _padded(self.size + need) > self.cfg.max_shard_bytes
@@ -127,35 +125,38 @@ class _SplitWriter:
             self.size = 0
         self.writer.write(sample)
         self.size += need
-        self.current = Path(self.writer.fname).name
+        self.current = self.writer.fname.rsplit("/", 1)[-1]
         self.counts[self.current] = self.counts.get(self.current, 0) + 1
         return self.current
+
+    def _open(self, fname: str) -> HashingFile:
+        self.files[Path(fname).name] = handle = HashingFile(fname, self.pool)
+        return handle
+
+    def _closed(self, fname: str) -> None:
+        self.files[Path(fname).name].close()
 
     def close(self) -> list[ShardEntry]:
         if self.writer is not None:
             self.writer.close()
-        return [_describe(self.directory / name, count) for name, count in sorted(self.counts.items())]
-
-
-def _describe(path: Path, samples: int) -> ShardEntry:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return ShardEntry(name=path.name, samples=samples, bytes=path.stat().st_size, sha256=digest.hexdigest())
+        out = []
+        for name, count in sorted(self.counts.items()):
+            size, digest = self.files[name].result()
+            out.append(ShardEntry(name=name, samples=count, bytes=size, sha256=digest))
+        return out
 
 
 def write_shards(records: Iterable[Record], directory: Path, cfg: DataConfig) -> Written:
     """Split and write records as `{split}-NNNNNN.tar` shards (fields .txt and .json) into a local directory."""
     directory.mkdir(parents=True, exist_ok=True)
-    writers = {split: _SplitWriter(directory, split, cfg) for split in SPLITS}
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
+    writers = {split: _SplitWriter(directory, split, cfg, pool) for split in SPLITS}
     ordinals = dict.fromkeys(SPLITS, 0)
     rows = []
     try:
         for rec in records:
             split = assign_split(rec.key, cfg.seed, cfg.val_fraction)
-            meta = {"key": rec.key, "split": split, "bytes": len(rec.data),
-                    "sha256": hashlib.sha256(rec.data).hexdigest()}
+            meta = {"key": rec.key, "split": split, "bytes": len(rec.data)}
             sample = {"__key__": tar_key(ordinals[split], rec.key), "txt": rec.data,
                       "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()}
             ordinals[split] += 1
@@ -163,12 +164,17 @@ def write_shards(records: Iterable[Record], directory: Path, cfg: DataConfig) ->
             rows.append({"key": rec.key, "split": split, "is_val": int(split == "val"), "n_bytes": len(rec.data),
                          "utf8_valid": _utf8(rec.data), "shard": f"{split}/{shard}"})
     finally:
-        entries = {split: w.close() for split, w in writers.items()}
+        try:
+            entries = {split: w.close() for split, w in writers.items()}
+        finally:
+            pool.shutdown(wait=True)
     splits = {split: SplitEntry(num_samples=ordinals[split], shards=entries[split]) for split in SPLITS}
     return Written(splits=splits, rows=rows)
 
 
 def _utf8(data: bytes) -> bool:
+    if data.isascii():  # most text is; ~50x faster than a decode
+        return True
     try:
         data.decode("utf-8")
         return True
@@ -192,3 +198,4 @@ def quality_rows(written: Written, directory: Path) -> list[dict[str, Any]]:
     actual = {name: count_samples(directory / name.split("/", 1)[1]) for name in listed}
     return [{**row, "shard_manifest_count": listed[row["shard"]], "shard_tar_count": actual[row["shard"]]}
             for row in written.rows]
+

@@ -1,0 +1,184 @@
+"""Hostile or broken input: a one-line cause naming the file under `fail`, a count under `skip`, never a publish.
+
+Tests run as root here, so chmod 000 does not make a file unreadable; the honest unreadable case used is a FIFO
+where a text file is expected (opening it would block a naive reader) plus, when not root, a chmod-000 file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from data_helpers import config, make_corpus
+
+from training.data import DataError, build_shards
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+
+
+def _published(out: Path) -> list[str]:
+    if not out.exists():
+        return []
+    staging = out / "_staging"
+    return [p.name for p in out.iterdir() if p.name != "_staging"] + [p.name for p in staging.glob("*")]
+
+
+def _fails_with_one_line(cfg, out: Path, *fragments: str) -> str:
+    with pytest.raises(DataError) as err:
+        build_shards(cfg)
+    message = str(err.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    assert _published(out) == []
+    return message
+
+
+def _corpus_with(tmp_path: Path, name: str, make) -> Path:
+    root = make_corpus(tmp_path / "c", n=30)
+    make(root / name)
+    return root
+
+
+BAD_FILES = {
+    "binary": ("blob.txt", lambda p: p.write_bytes(b"abc\x00\x01\x02" * 10), "on_binary", "NUL byte at offset 3"),
+    "undecodable": ("latin.txt", lambda p: p.write_bytes(b"caf\xe9 au lait\n"), "on_undecodable",
+                    "not valid UTF-8 at byte 3"),
+    "empty": ("empty.txt", lambda p: p.write_bytes(b""), "on_empty_record", "empty record"),
+    "unreadable": ("pipe.txt", lambda p: os.mkfifo(p), "on_unreadable", "not a regular file (FIFO)"),
+    "symlink_loop": ("self.txt", lambda p: os.symlink(p.name, p), "on_symlink_loop", "symlink loop"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_file_fails_naming_the_file(tmp_path, kind):
+    name, make, field, cause = BAD_FILES[kind]
+    root = _corpus_with(tmp_path, name, make)
+    out = tmp_path / "out"
+    message = _fails_with_one_line(config(root, out, **{field: "fail"}), out, str(root / name), cause, field)
+    assert message.startswith(str(root / name))
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_bad_file_is_skipped_and_counted(tmp_path, kind):
+    name, make, field, _ = BAD_FILES[kind]
+    root = _corpus_with(tmp_path, name, make)
+    shards = build_shards(config(root, tmp_path / "out", **{field: "skip"}))
+    assert shards.skipped == {kind: 1} and shards.num_train + shards.num_val == 30
+
+
+def test_directory_symlink_loop_and_dangling_link(tmp_path):
+    root = make_corpus(tmp_path / "c", n=30)
+    os.symlink("..", root / "a" / "up")
+    os.symlink("missing.txt", root / "gone.txt")
+    out = tmp_path / "out"
+    _fails_with_one_line(config(root, out, on_symlink_loop="fail"), out, str(root / "a" / "up"), "is an ancestor")
+    shards = build_shards(config(root, out, on_symlink_loop="skip"))
+    assert shards.skipped == {"symlink_loop": 2} and shards.num_train + shards.num_val == 30
+
+
+def test_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    _fails_with_one_line(config(tmp_path / "empty", out), out, str(tmp_path / "empty"), "no files matching '*'")
+
+
+def test_nonexistent_source(tmp_path):
+    out = tmp_path / "out"
+    _fails_with_one_line(config(tmp_path / "nope", out), out, str(tmp_path / "nope"), "no such file or directory")
+
+
+def test_only_bad_files_is_no_usable_records(tmp_path):
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "a.bin").write_bytes(b"\x00" * 100)
+    out = tmp_path / "out"
+    _fails_with_one_line(config(root, out, on_binary="skip"), out, "no usable records (skipped: binary=1)")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads chmod-000 files; the FIFO case covers unreadable")
+def test_permission_denied(tmp_path):
+    root = _corpus_with(tmp_path, "secret.txt", lambda p: (p.write_text("x"), p.chmod(0)))
+    out = tmp_path / "out"
+    _fails_with_one_line(config(root, out), out, str(root / "secret.txt"), "cannot read")
+
+
+@pytest.fixture(scope="module")
+def huge_line(tmp_path_factory):
+    """A single 200 MB line (no newline until the end), generated here and deleted afterwards."""
+    path = tmp_path_factory.mktemp("huge") / "huge.txt"
+    chunk = b"x" * (1 << 20)
+    with open(path, "wb") as fh:
+        fh.write(b'{"text": "')
+        for _ in range(200):
+            fh.write(chunk)
+        fh.write(b'"}\n')
+    yield path
+    path.unlink()
+
+
+@pytest.mark.parametrize("fmt", ["text", "jsonl"])
+def test_single_200mb_line(tmp_path, huge_line, fmt):
+    root = make_corpus(tmp_path / "c", n=30) if fmt == "text" else tmp_path / "c"
+    root.mkdir(exist_ok=True)
+    name = "huge.txt" if fmt == "text" else "huge.jsonl"
+    os.link(huge_line, root / name)
+    if fmt == "jsonl":
+        rows = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
+        (root / "ok.jsonl").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    where = str(root / name) + (":1" if fmt == "jsonl" else "")
+    _fails_with_one_line(config(root, out, format=fmt, on_oversize="fail"), out, where, "> data.max_record_bytes")
+    shards = build_shards(config(root, out, format=fmt, on_oversize="skip"))
+    assert shards.skipped == {"oversize": 1} and shards.num_train + shards.num_val == 30
+
+
+def _jsonl_with_keys(path: Path, bad: str) -> Path:
+    rows = [{"id": f"r{i}", "text": f"row {i} " * 20} for i in range(30)] + [{"id": bad, "text": "evil"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "a/../../b", "C:\\windows"])
+def test_unsafe_jsonl_key(tmp_path, bad):
+    src = _jsonl_with_keys(tmp_path / "d.jsonl", bad)
+    out = tmp_path / "out"
+    cfg = dict(format="jsonl", key_field="id")
+    _fails_with_one_line(config(src, out, **cfg), out, f"{src}:31", "unsafe record key", "on_unsafe_name=fail")
+    shards = build_shards(config(src, out, on_unsafe_name="skip", **cfg))
+    assert shards.skipped == {"unsafe_name": 1} and shards.num_train + shards.num_val == 30
+
+
+def test_malformed_jsonl_lines(tmp_path):
+    src = tmp_path / "d.jsonl"
+    good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
+    src.write_bytes(("\n".join(good) + "\n").encode() + b'{"text": 1}\n{oops\n\xff\xfe\n')
+    out = tmp_path / "out"
+    _fails_with_one_line(config(src, out, format="jsonl", on_undecodable="fail"), out, f"{src}:31",
+                         "field 'text' missing or not a string")
+    shards = build_shards(config(src, out, format="jsonl", on_undecodable="skip"))
+    assert shards.skipped == {"undecodable": 3}
+
+
+def evil_reader(source, cfg):
+    for i in range(30):
+        yield f"doc{i}", f"text {i} " * 20
+    yield "../../outside", b"escape"
+
+
+def broken_reader(source, cfg):
+    yield "a", b"fine"
+    raise OSError(5, "Input/output error", "/mnt/corpus/b")
+
+
+def test_plugin_reader_unsafe_key_and_own_failure(tmp_path):
+    out = tmp_path / "out"
+    _fails_with_one_line(config("x", out, reader=f"{__name__}:evil_reader"), out, "'../../outside'", "unsafe")
+    shards = build_shards(config("x", tmp_path / "ok", reader=f"{__name__}:evil_reader", on_unsafe_name="skip"))
+    assert shards.skipped == {"unsafe_name": 1} and shards.num_train + shards.num_val == 30
+    _fails_with_one_line(config("x", out, reader=f"{__name__}:broken_reader"), out, "OSError", "/mnt/corpus/b")
+    _fails_with_one_line(config("x", out, reader="no_such_module:f"), out, "data.reader='no_such_module:f'")

@@ -1,0 +1,91 @@
+"""infra.storage without a server: URI parsing, local files, and which errors are retried."""
+from __future__ import annotations
+
+import pytest
+from azure.core.exceptions import HttpResponseError, ResourceNotFoundError, ServiceRequestError
+from botocore.exceptions import ClientError, EndpointConnectionError
+
+from infra import storage
+
+
+def _client_error(status: int, code: str) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+def test_parse_and_join():
+    assert storage.parse("s3://b/p/q") == storage.Location("s3", "b", "p/q")
+    assert storage.parse("az://c") == storage.Location("az", "c", "")
+    assert storage.parse("/tmp/x") == storage.Location("file", "", "/tmp/x")
+    assert storage.join("s3://b/p/", "/x/", "y") == "s3://b/p/x/y"
+    assert storage.join("rel", "a") == "rel/a"
+    with pytest.raises(storage.StorageError, match="unsupported scheme 'gs'"):
+        storage.parse("gs://b/x")
+
+
+def test_credentials_in_uri_are_refused_without_echoing_them():
+    with pytest.raises(storage.StorageError) as err:
+        storage.parse("s3://AKIAXX:hunter2@bucket/key")
+    assert "hunter2" not in str(err.value) and "credentials" in str(err.value)
+
+
+def test_local_operations(tmp_path):
+    base = str(tmp_path / "store")
+    storage.write_bytes(storage.join(base, "a/b.bin"), b"abc")
+    storage.copy(storage.join(base, "a/b.bin"), storage.join(base, "c.bin"))
+    assert [(e.uri[len(base):], e.size) for e in storage.list_prefix(base)] == [("/a/b.bin", 3), ("/c.bin", 3)]
+    with storage.open_read(storage.join(base, "c.bin")) as fh:
+        assert fh.read() == b"abc"
+    assert storage.delete_prefix(storage.join(base, "a")) == 1 and not storage.exists(storage.join(base, "a/b.bin"))
+    with pytest.raises(storage.StorageError, match="missing.bin: No such file"):
+        storage.read_bytes(storage.join(base, "missing.bin"))
+
+
+@pytest.mark.parametrize("err", [
+    _client_error(503, "SlowDown"), _client_error(500, "InternalError"),
+    EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), ServiceRequestError("connection refused"),
+    HttpResponseError(message="busy", response=None), ConnectionResetError(), TimeoutError(),
+])
+def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
+    if isinstance(err, HttpResponseError):
+        err.status_code = 503
+    sleeps: list[float] = []
+    monkeypatch.setattr(storage.time, "sleep", sleeps.append)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise err
+        return "ok"
+
+    assert storage.with_retries(flaky, "s3://b/k", retries=5) == "ok"
+    assert len(calls) == 3 and len(sleeps) == 2 and sleeps[1] > sleeps[0]
+
+
+@pytest.mark.parametrize("err", [_client_error(404, "NoSuchKey"), _client_error(403, "AccessDenied"),
+                                 ResourceNotFoundError("gone"), PermissionError(13, "denied")])
+def test_final_errors_are_not_retried(err, monkeypatch):
+    monkeypatch.setattr(storage.time, "sleep", lambda s: pytest.fail("slept on a final error"))
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise err
+
+    with pytest.raises(storage.StorageError, match=r"^s3://b/k: ") as caught:
+        storage.with_retries(broken, "s3://b/k", retries=5)
+    assert len(calls) == 1 and "\n" not in str(caught.value)
+
+
+def test_gives_up_after_the_configured_retries(monkeypatch):
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    calls = []
+
+    def down():
+        calls.append(1)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with pytest.raises(storage.StorageError, match="after 4 attempts"):
+        storage.with_retries(down, "az://c/k", retries=3)
+    assert len(calls) == 4

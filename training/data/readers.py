@@ -1,0 +1,246 @@
+"""The built-in corpus readers: stdlib, local directory tree or file, object-store prefix, JSON Lines, plug-in.
+
+Each yields Records and Problems in a deterministic order; policies are applied by corpus.read_corpus.
+"""
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import stat
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+from infra import storage
+from training.data.config import DataConfig
+from training.data.records import Problem, Record, load_callable, unsafe_key
+from training.data.shardset import DataError
+
+# A JSON-escaped string can be up to 6x its UTF-8 size (\u00XX); longer lines are oversize without parsing.
+JSON_ESCAPE_FACTOR = 6
+
+
+def records_of(cfg: DataConfig) -> Iterator[Record | Problem]:
+    """The reader for `cfg`: data.reader if set, else stdlib, an object-store prefix, or a local path."""
+    if cfg.reader:
+        return _plugin(cfg)
+    if cfg.source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(".py"))
+        return _read_local_files(((str(p), p.name) for p in files), cfg)
+    if storage.is_remote(cfg.source):
+        return _remote(cfg)
+    return _local(cfg)
+
+
+def _include(cfg: DataConfig) -> str:
+    return "*.jsonl" if cfg.format == "jsonl" and cfg.include == "*" else cfg.include
+
+
+# ---------------------------------------------------------------------------------------------- local
+
+
+def _local(cfg: DataConfig) -> Iterator[Record | Problem]:
+    root = Path(cfg.source).expanduser()
+    if not root.exists() and not root.is_symlink():
+        raise DataError(f"{cfg.source}: no such file or directory (data.source)")
+    if root.is_file():
+        yield from _read_local_files([(str(root), root.name)], cfg)
+        return
+    if not root.is_dir():
+        raise DataError(f"{cfg.source}: not a directory or regular file (data.source)")
+    found = [False]
+    yield from _read_local_files(_walk(root, _include(cfg), found), cfg)
+    if not found[0]:
+        raise DataError(f"{cfg.source}: no files matching {_include(cfg)!r} (empty directory? data.include)")
+
+
+def _walk(root: Path, pattern: str, found: list[bool]) -> Iterator[tuple[str, str] | Problem]:
+    """(path, key) of every matching regular file under root, sorted, following directory links once."""
+    top = os.stat(root)
+
+    def visit(directory: str, rel: str, ancestors: frozenset[tuple[int, int]]) -> Iterator[tuple[str, str] | Problem]:
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as err:
+            yield Problem("unreadable", directory, f"cannot list directory: {err.strerror}")
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path, key = entry.path, f"{rel}{entry.name}"
+            try:
+                st = os.stat(path)  # follows links
+            except OSError as err:
+                if entry.is_symlink() and err.errno in (errno.ELOOP, errno.ENOENT):
+                    what = "symlink loop" if err.errno == errno.ELOOP else "dangling symlink"
+                    yield Problem("symlink_loop", path, f"{what} (-> {os.readlink(path)})")
+                else:
+                    yield Problem("unreadable", path, f"cannot stat: {err.strerror}")
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                ident = (st.st_dev, st.st_ino)
+                if ident in ancestors:
+                    yield Problem("symlink_loop", path, f"symlink loop (-> {os.readlink(path)} is an ancestor)")
+                    continue
+                yield from visit(path, f"{key}/", ancestors | {ident})
+            elif fnmatch.fnmatch(entry.name, pattern):
+                found[0] = True
+                yield (path, key)
+
+    yield from visit(str(root), "", frozenset({(top.st_dev, top.st_ino)}))
+
+
+def _read_local_files(items: Iterable[tuple[str, str] | Problem], cfg: DataConfig) -> Iterator[Record | Problem]:
+    for item in items:
+        if isinstance(item, Problem):
+            yield item
+            continue
+        path, key = item
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            yield Problem("unreadable", path, f"cannot stat: {err.strerror}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "special file"
+            yield Problem("unreadable", path, f"not a regular file ({kind})")
+            continue
+        if cfg.format == "jsonl":
+            try:
+                with open(path, "rb") as fh:
+                    yield from _jsonl(fh, path, key, cfg)
+            except OSError as err:
+                yield Problem("unreadable", path, f"cannot read: {err.strerror or err}")
+            continue
+        if st.st_size > cfg.max_record_bytes:
+            yield Problem("oversize", path, f"{st.st_size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+            continue
+        try:
+            # O_NONBLOCK: a file swapped for a FIFO after the stat above must not hang the stage.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as fh:
+                data = fh.read(cfg.max_record_bytes + 1)
+        except OSError as err:
+            yield Problem("unreadable", path, f"cannot read: {err.strerror or err}")
+            continue
+        yield Record(key, data, path)
+
+
+# ---------------------------------------------------------------------------------------------- remote
+
+
+def _remote(cfg: DataConfig) -> Iterator[Record | Problem]:
+    prefix = cfg.source.rstrip("/")
+    try:
+        entries = storage.list_prefix(prefix, retries=cfg.storage_retries)
+    except storage.StorageError as err:
+        raise DataError(f"{err} (data.source)") from err
+    if not entries:
+        raise DataError(f"{cfg.source}: no objects under this prefix (does it exist? data.source)")
+    pattern = _include(cfg)
+    matched = [e for e in entries if fnmatch.fnmatch(e.uri.rsplit("/", 1)[-1], pattern)]
+    if not matched:
+        raise DataError(f"{cfg.source}: no objects matching {pattern!r} (data.include)")
+    for entry in matched:
+        key = entry.uri[len(prefix) + 1:]
+        if unsafe_key(key):
+            yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..' or absolute component)")
+            continue
+        if cfg.format == "jsonl":
+            try:
+                with storage.open_read(entry.uri, retries=cfg.storage_retries) as fh:
+                    yield from _jsonl(fh, entry.uri, key, cfg)
+            except storage.StorageError as err:
+                yield Problem("unreadable", entry.uri, f"cannot read: {str(err).split(': ', 1)[-1]}")
+            continue
+        if entry.size > cfg.max_record_bytes:
+            yield Problem("oversize", entry.uri, f"{entry.size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+            continue
+        try:
+            data = storage.read_bytes(entry.uri, retries=cfg.storage_retries)
+        except storage.StorageError as err:
+            yield Problem("unreadable", entry.uri, f"cannot read: {str(err).split(': ', 1)[-1]}")
+            continue
+        yield Record(key, data, entry.uri)
+
+
+# ---------------------------------------------------------------------------------------------- JSON Lines
+
+
+def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Record | Problem]:
+    limit = cfg.max_record_bytes * JSON_ESCAPE_FACTOR + 4096
+    lineno = 0
+    while True:
+        line = fh.readline(limit + 1)
+        if not line:
+            return
+        lineno += 1
+        where = f"{origin}:{lineno}"
+        if len(line) > limit and not line.endswith(b"\n"):
+            total = len(line)
+            while True:  # drain the rest of the line without holding it
+                chunk = fh.readline(1 << 20)
+                total += len(chunk)
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            yield Problem("oversize", where, f"line of {total} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+            continue
+        if not line.strip():
+            continue  # blank lines are not records
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield Problem("undecodable", where, f"not valid UTF-8 at byte {err.start}")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield Problem("undecodable", where, f"not valid JSON ({err.msg} at column {err.colno})")
+            continue
+        value = obj.get(cfg.text_field) if isinstance(obj, dict) else None
+        if not isinstance(value, str):
+            yield Problem("undecodable", where, f"field {cfg.text_field!r} missing or not a string (data.text_field)")
+            continue
+        key = f"{rel}:{lineno}"
+        if cfg.key_field:
+            raw_key = obj.get(cfg.key_field)
+            if not isinstance(raw_key, (str, int)) or isinstance(raw_key, bool):
+                yield Problem("undecodable", where, f"field {cfg.key_field!r} missing or not a string (data.key_field)")
+                continue
+            key = str(raw_key)
+        try:
+            data = value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            yield Problem("undecodable", where, f"text is not valid Unicode (lone surrogate at char {err.start})")
+            continue
+        yield Record(key, data, where)
+
+
+# ---------------------------------------------------------------------------------------------- plug-in
+
+
+def _plugin(cfg: DataConfig) -> Iterator[Record | Problem]:
+    fn = load_callable(cfg.reader, "data.reader")
+    try:
+        for index, item in enumerate(fn(cfg.source, cfg)):  # type: ignore[operator]
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise DataError(f"data.reader {cfg.reader}: item {index} is not a (key, bytes) pair")
+            key, data = item
+            origin = f"{cfg.reader}[{key!r}]"
+            if isinstance(data, str):
+                try:
+                    data = data.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    yield Problem("undecodable", origin, f"text is not valid Unicode (char {err.start})")
+                    continue
+            if not isinstance(data, (bytes, bytearray)):
+                raise DataError(f"data.reader {cfg.reader}: record {key!r} is {type(data).__name__}, not bytes")
+            yield Record(key, bytes(data), origin)
+    except DataError:
+        raise
+    except Exception as err:  # the plug-in's own failure, reported in one line with its type
+        raise DataError(f"data.reader {cfg.reader}: {type(err).__name__}: {err}") from err

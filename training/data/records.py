@@ -1,0 +1,83 @@
+"""What a corpus reader yields (Record, Problem), the record checks, and the bad-input policy fields."""
+from __future__ import annotations
+
+import importlib
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from training.data.config import DataConfig
+from training.data.shardset import DataError
+
+POLICY_FIELD = {
+    "empty": "on_empty_record",
+    "oversize": "on_oversize",
+    "binary": "on_binary",
+    "undecodable": "on_undecodable",
+    "unreadable": "on_unreadable",
+    "symlink_loop": "on_symlink_loop",
+    "unsafe_name": "on_unsafe_name",
+}
+
+
+@dataclass(frozen=True)
+class Record:
+    key: str  # unique name of the record in the corpus (relative path, file:line, or the key field)
+    data: bytes
+    origin: str  # the file / object / line it came from, for messages
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # one of POLICY_FIELD
+    origin: str
+    cause: str
+
+
+@dataclass
+class Tally:
+    """What the policies skipped: counts per cause and the first few one-line causes."""
+
+    skipped: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+
+def describe(problem: Problem) -> str:
+    return f"{problem.origin}: {problem.cause}"
+
+
+def unsafe_key(key: str) -> bool:
+    """A key that could escape a directory when used as a path: '..' segments, absolute, drive letter, NUL."""
+    k = key.replace("\\", "/")
+    return (not k or "\x00" in k or k.startswith("/") or re.match(r"^[A-Za-z]:", k) is not None
+            or any(part == ".." for part in k.split("/")))
+
+
+def check_record(rec: Record, cfg: DataConfig) -> Problem | None:
+    """The first problem of a record read in full, or None when it is a good record."""
+    if unsafe_key(rec.key):
+        return Problem("unsafe_name", rec.origin, f"unsafe record key {rec.key!r} ('..' or absolute component)")
+    n = len(rec.data)
+    if n > cfg.max_record_bytes:
+        return Problem("oversize", rec.origin, f"{n} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+    if n < cfg.min_record_bytes:
+        return Problem("empty", rec.origin, f"empty record ({n} bytes < data.min_record_bytes={cfg.min_record_bytes})")
+    nul = rec.data.find(b"\x00")
+    if nul >= 0:
+        return Problem("binary", rec.origin, f"binary content (NUL byte at offset {nul})")
+    try:
+        rec.data.isascii() or rec.data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Problem("undecodable", rec.origin, f"not valid UTF-8 at byte {err.start}")
+    return None
+
+
+def load_callable(path: str, what: str) -> object:
+    """Import 'module:function'; DataError naming the field when it is not there."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise DataError(f"{what}={path!r}: expected 'module:function'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise DataError(f"{what}={path!r}: cannot import ({err})") from err
