@@ -108,6 +108,7 @@ def stop_local_nodes(gcs_address: str) -> None:
     import signal
 
     port = gcs_address.rsplit(":", 1)[-1]
+    _forget_current_cluster(port)
     pids = _node_processes(port)
     for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         for pid in pids:
@@ -121,6 +122,16 @@ def stop_local_nodes(gcs_address: str) -> None:
             time.sleep(0.2)
         if not pids:
             return
+
+
+def _forget_current_cluster(port: str) -> None:
+    """`ray start --head` records its address for later `ray.init()` calls; drop the record when it is ours."""
+    record = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    try:
+        if record.read_text().strip().endswith(f":{port}"):
+            record.unlink()
+    except OSError:
+        pass
 
 
 def _alive(pid: int) -> bool:
