@@ -21,9 +21,10 @@ def _prepare_environment() -> None:
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    line = "+" + "-" * (width + 2) + "+" + "-" * 66 + "+"
-    body = [f"| {k.ljust(width)} | {str(v)[:64].ljust(64)} |" for k, v in rows]
+    kw = max(len(k) for k, _ in rows)
+    vw = max(len(str(v)) for _, v in rows)
+    line = f"+{'-' * (kw + 2)}+{'-' * (vw + 2)}+"
+    body = [f"| {k.ljust(kw)} | {str(v).ljust(vw)} |" for k, v in rows]
     return "\n".join([line, *body, line])
 
 
