@@ -1,7 +1,7 @@
 """Configuration of training and of checkpoint validation."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +15,9 @@ class TrainConfig(BaseModel):
     steps: int = Field(300, ge=1, description="Optimizer steps; the run ends at exactly this step, resumes included.")
     checkpoint_every: int = Field(100, ge=1, description="Save a DCP checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints Ray Train keeps (the latest N).")
+    checkpoint_threads: int = Field(
+        8, ge=1, description="Files (and writer threads) per rank per checkpoint: parallel writes and checksums."
+    )
     max_failures: int = Field(2, ge=1, description="Worker-group restarts Ray Train allows before failing the stage.")
     seed: int = Field(1337, description="Seed of initialisation and data order.")
 
@@ -79,3 +82,20 @@ class ValidationConfig(BaseModel):
     )
     eval_batches: int = Field(16, ge=1, description="Batches of held-out text evaluated.")
     batch_size: int = Field(8, ge=1, description="Sequences per evaluation batch.")
+
+
+def load_object(spec: str, field: str) -> Any:
+    """Resolve an import path 'module:function' named by a config field (e.g. train.model_factory).
+
+    Raises:
+        ValueError: naming the field and value, when the path is malformed or does not import.
+    """
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{field}={spec!r}: expected 'module:function'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{field}={spec!r}: cannot import ({e})") from None

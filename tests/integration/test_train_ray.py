@@ -1,0 +1,116 @@
+"""A real 2-worker Ray Train run: loss goes down, sharded checkpoints merge into one, the last N are kept,
+a finished run resumes to itself, and the checkpoint validates and serves as an exported MLflow model."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from train_support import ray_runtime_env, shard_set
+from training import checkpoint as ck
+from training.config import TrainConfig
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+CFG = TrainConfig(workers=2, steps=24, checkpoint_every=8, keep_checkpoints=2, log_every=2, seq_len=32, n_layer=2,
+                  n_head=2, d_model=48, micro_batch=8, lr=3e-3, warmup_steps=4)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=ray_runtime_env(), log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture()
+def tracking(tmp_path, monkeypatch):
+    """A real MLflow store (SQLite) and a training run in it."""
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    return uri, client, client.create_run(exp).info.run_id
+
+
+def test_two_worker_fsdp_run_checkpoints_and_validates(ray_cluster, tracking, tmp_path):
+    from training.evaluate import evaluate_checkpoint
+    from training.trainer import run_training, storage_root
+
+    uri, client, run_id = tracking
+    shards = shard_set(tmp_path / "shards")
+    result = run_training(CFG, shards, uri, run_id, "ray-run")
+
+    # the run ended at exactly the configured step, on 2 ranks, with a complete merged checkpoint
+    assert (result.step, result.world_size, result.train_run_id) == (24, 2, run_id)
+    run_dir = Path(storage_root(CFG)) / "ray-run"
+    assert Path(result.checkpoint_uri) == run_dir / "checkpoint_00000024"
+    info = ck.verify_checkpoint(result.checkpoint_uri)
+    assert (info.step, info.world_size) == (24, 2)
+    names = set(os.listdir(result.checkpoint_uri))
+    assert {".metadata", ck.manifest_name(0), ck.manifest_name(1)} <= names
+    assert any(n.startswith("__0_") for n in names) and any(n.startswith("__1_") for n in names)
+    # keep the last N
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == ["checkpoint_00000016", "checkpoint_00000024"]
+
+    # rank 0 logged every metric every log_every steps; the loss went down
+    loss = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in loss] == list(range(2, 25, 2))
+    assert loss[-1].value < loss[0].value - 0.5
+    assert result.final_loss == pytest.approx(loss[-1].value)
+    for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_mb", "mfu"):
+        values = [m.value for m in client.get_metric_history(run_id, key)]
+        assert len(values) == 12 and all(v > 0 for v in values), key
+    assert result.tokens_per_s > 0
+
+    # the same run name again: resumes at step 24 and returns the same checkpoint without training
+    t0 = time.monotonic()
+    again = run_training(CFG, shards, uri, run_id, "ray-run")
+    assert again.checkpoint_uri == result.checkpoint_uri and again.step == 24
+    assert len(client.get_metric_history(run_id, "loss")) == 12  # nothing re-trained
+    assert time.monotonic() - t0 < 60
+
+    # validation: plain model, no process group, bits per byte well under uniform
+    model, bpb = evaluate_checkpoint(result.checkpoint_uri, CFG, shards.val_shards, batch_size=4, max_batches=4)
+    assert 0 < bpb < 7.0
+    assert loss[-1].value / 0.6931 < 8.0
+
+
+def test_global_batch_mismatch_fails_before_any_worker_starts(ray_cluster, tracking, tmp_path):
+    from training.trainer import run_training
+
+    uri, _, run_id = tracking
+    cfg = CFG.model_copy(update={"global_batch": 10})
+    shards = shard_set(tmp_path / "shards")
+    with pytest.raises(ValueError, match=r"train.global_batch 10 != micro_batch 8 x grad_accum 1 x workers 2 = 16"):
+        run_training(cfg, shards, uri, run_id, "bad-batch")
+
+
+def test_logged_model_is_pt2_with_dynamic_length(tmp_path):
+    import mlflow
+
+    from training.evaluate import log_servable_model
+    from training.model import build_gpt
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = mlflow.create_experiment("m", artifact_location=(tmp_path / "art").as_uri())
+    model = build_gpt(CFG).eval()
+    with mlflow.start_run(experiment_id=exp):
+        model_uri = log_servable_model(model, CFG.seq_len)
+    assert mlflow.models.get_model_info(model_uri).metadata == {"seq_len": 32}
+    local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
+    assert (local / "data" / "model.pt2").is_file()  # torch.export archive, not a pickle
+    assert not list(local.rglob("*.pth"))
+    served = mlflow.pytorch.load_model(model_uri)
+    for t in (1, 9, 32):
+        x = torch.randint(0, 256, (3, t))
+        with torch.no_grad():
+            assert torch.allclose(served(x), model(x), atol=1e-5)

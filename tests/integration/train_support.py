@@ -1,0 +1,113 @@
+"""Helpers of the training tests: a tiny shard set, plug-in models, and Ray process lookup (no fakes).
+
+Ray workers import this module by name (`train_support:...` in train.model_factory), so the tests put this
+directory on the workers' PYTHONPATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+RECORD_DIR_ENV = "SHARDLINE_TEST_RECORD_DIR"
+
+
+def corpus(n_bytes: int = 60_000) -> list[bytes]:
+    """Real text: the start of the interpreter's standard-library sources, ~2 KB records."""
+    out, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_bytes()[:2048]
+        out.append(text)
+        total += len(text)
+        if total >= n_bytes:
+            break
+    return out
+
+
+def make_shards(root: Path, n_train: int = 4, n_val: int = 1, n_bytes: int = 60_000) -> tuple[list[str], list[str]]:
+    """Write WebDataset shards of `.txt` records with webdataset.ShardWriter; return (train, val) shard paths."""
+    import webdataset as wds
+
+    records = corpus(n_bytes)
+    val, train = records[: max(1, len(records) // 10)], records[max(1, len(records) // 10):]
+    root.mkdir(parents=True, exist_ok=True)
+
+    def write(prefix: str, recs: list[bytes], shards: int) -> list[str]:
+        per = max(1, -(-len(recs) // shards))
+        with wds.ShardWriter(str(root / f"{prefix}-%06d.tar"), maxcount=per, verbose=0) as sink:
+            for i, rec in enumerate(recs):
+                sink.write({"__key__": f"{prefix}{i:05d}", "txt": rec})
+        return sorted(str(p) for p in root.glob(f"{prefix}-*.tar"))
+
+    return write("train", train, n_train), write("val", val, n_val)
+
+
+def shard_set(root: Path, **kw: int):
+    """A ShardSet over make_shards' files, as the data stage would hand it to training."""
+    from training.data import ShardSet
+
+    train, val = make_shards(root, **kw)
+    return ShardSet(dataset_digest="0" * 32, uri=str(root), manifest_uri=str(root / "manifest.json"),
+                    train_shards=train, val_shards=val, num_train=len(train), num_val=len(val),
+                    total_bytes=sum(os.path.getsize(p) for p in train + val), cache_hit=False, data_run_id="")
+
+
+def ray_runtime_env(**env: str) -> dict:
+    """Runtime env that lets Ray workers import this module."""
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
+    return {"env_vars": {"PYTHONPATH": path, **env}}
+
+
+# ------------------------------------------------------------------------------------------ plug-in models
+
+class ByteMLP(nn.Module):
+    """Not a GPT: a causal byte model that sees only the previous 2 bytes (embedding concat + MLP)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.net = nn.Sequential(nn.Linear(2 * d, 4 * d), nn.GELU(), nn.Linear(4 * d, 256))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        e = self.emb(idx)
+        prev = torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], dim=1)
+        return self.net(torch.cat([prev, e], dim=-1))
+
+
+def build_byte_mlp(cfg) -> nn.Module:
+    return ByteMLP(cfg.d_model)
+
+
+def reversed_blocks(records, seq_len: int, batch_size: int):
+    """A different batch format: each record's bytes reversed, then cut like the default byte_blocks."""
+    from training.data.loader import byte_blocks
+
+    return byte_blocks((bytes(reversed(r)) for r in records), seq_len, batch_size)
+
+
+def recording_gpt(cfg) -> nn.Module:
+    """The default GPT, but first record this worker's rank, pid and Ray node id under $SHARDLINE_TEST_RECORD_DIR."""
+    from training.model import build_gpt
+
+    out = os.environ.get(RECORD_DIR_ENV)
+    if out:
+        node = ""
+        try:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - not in Ray
+            pass
+        rank = int(os.environ.get("RANK", "0"))
+        rec = {"rank": rank, "pid": os.getpid(), "node_id": node}
+        Path(out, f"rank{rank}-pid{os.getpid()}.json").write_text(json.dumps(rec))
+    return build_gpt(cfg)
+
+
+def worker_records(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*-pid*.json"))]

@@ -1,0 +1,50 @@
+"""The byte-level GPT: shapes, initial loss, FLOPs per token, plug-in factory resolution."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.config import TrainConfig
+from training.model import GPT, build_gpt, flops_per_token
+
+CFG = TrainConfig(seq_len=32, n_layer=2, n_head=4, d_model=32)
+
+
+def test_logits_shape_for_any_length_up_to_seq_len():
+    model = build_gpt(CFG)
+    for t in (1, 7, 32):
+        assert model(torch.randint(0, 256, (3, t))).shape == (3, t, 256)
+
+
+def test_initial_loss_is_near_uniform_over_bytes():
+    torch.manual_seed(0)
+    model = build_gpt(CFG)
+    x = torch.randint(0, 256, (4, 32))
+    loss = F.cross_entropy(model(x).view(-1, 256), torch.roll(x, -1, 1).view(-1))
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+def test_attention_is_causal():
+    model = build_gpt(CFG).eval()
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 256  # change only the future of position 9
+    assert torch.allclose(model(x)[0, :10], model(y)[0, :10], atol=1e-6)
+    assert not torch.allclose(model(x)[0, 10:], model(y)[0, 10:])
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    model = build_gpt(CFG)
+    n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("wte.", "wpe.")))
+    assert flops_per_token(model, 32) == 6 * n + 12 * 2 * 32 * 32
+    # a plug-in model that is not a GPT counts matmul weights only
+    lin = torch.nn.Linear(4, 4)
+    assert flops_per_token(lin, 32) == 6 * 20
+
+
+def test_width_must_divide_heads():
+    with pytest.raises(ValueError, match="d_model 30 is not divisible by n_head 4"):
+        GPT(seq_len=8, n_layer=1, n_head=4, d_model=30)

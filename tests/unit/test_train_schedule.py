@@ -1,0 +1,50 @@
+"""Learning-rate schedule, the global-batch check, and config import paths."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from training.config import TrainConfig
+from training.config import load_object
+from training.loop import check_global_batch, lr_at
+
+CFG = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+
+
+def test_warmup_is_linear_to_peak():
+    assert lr_at(0, CFG) == pytest.approx(1e-4)
+    assert lr_at(4, CFG) == pytest.approx(5e-4)
+    assert lr_at(9, CFG) == pytest.approx(1e-3)
+
+
+def test_cosine_decays_from_peak_to_min():
+    assert lr_at(10, CFG) == pytest.approx(1e-3)
+    assert lr_at(60, CFG) == pytest.approx((1e-3 + 1e-4) / 2)  # half way through the decay
+    assert lr_at(35, CFG) == pytest.approx(1e-4 + 0.5 * (1 + math.cos(math.pi / 4)) * 9e-4)
+    assert lr_at(110, CFG) == pytest.approx(1e-4)
+    assert lr_at(500, CFG) == pytest.approx(1e-4)
+    lrs = [lr_at(s, CFG) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_no_warmup_starts_at_peak():
+    cfg = CFG.model_copy(update={"warmup_steps": 0})
+    assert lr_at(0, cfg) == pytest.approx(1e-3)
+
+
+def test_global_batch_derived_and_checked():
+    cfg = TrainConfig(micro_batch=4, grad_accum=3)
+    assert check_global_batch(cfg, 2) == 24
+    assert check_global_batch(cfg.model_copy(update={"global_batch": 24}), 2) == 24
+    with pytest.raises(ValueError) as err:
+        check_global_batch(cfg.model_copy(update={"global_batch": 32}), 2)
+    assert str(err.value) == "train.global_batch 32 != micro_batch 4 x grad_accum 3 x workers 2 = 24"
+
+
+def test_model_factory_import_path_errors_name_the_field():
+    assert callable(load_object("training.model:build_gpt", "train.model_factory"))
+    with pytest.raises(ValueError, match=r"train.model_factory='training.model:nope': cannot import"):
+        load_object("training.model:nope", "train.model_factory")
+    with pytest.raises(ValueError, match="expected 'module:function'"):
+        load_object("training.model", "train.model_factory")

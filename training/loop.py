@@ -1,0 +1,350 @@
+"""The per-worker training function. It runs unchanged under `torchrun` and under Ray Train's TorchTrainer.
+
+The only launcher-specific code is `_RayHooks` / `_LocalHooks`: where to resume from and what to do with a
+saved checkpoint (report it to Ray Train, or keep it in a local directory).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.config import load_object
+from training.model import flops_per_token
+from training.parallelize import compute_dtype, parallelize
+
+CPU_PEAK_TFLOPS = 0.1
+GPU_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+
+
+def check_global_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per optimizer step; raises ValueError when train.global_batch disagrees with the product."""
+    derived = cfg.micro_batch * cfg.grad_accum * world_size
+    if cfg.global_batch and cfg.global_batch != derived:
+        raise ValueError(
+            f"train.global_batch {cfg.global_batch} != micro_batch {cfg.micro_batch} x grad_accum "
+            f"{cfg.grad_accum} x workers {world_size} = {derived}"
+        )
+    return derived
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup to cfg.lr, cosine decay to cfg.min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launcher hooks: the only place that knows about Ray Train
+# ---------------------------------------------------------------------------------------------------------
+
+class _LocalHooks:
+    """torchrun / single process: checkpoints live in `root/checkpoint_<step>` on a filesystem all ranks share."""
+
+    def __init__(self, root: str, keep: int) -> None:
+        self.root, self.keep = Path(root), keep
+
+    @contextlib.contextmanager
+    def resume_candidates(self) -> Iterator[list[str]]:
+        yield [str(p) for p in self.root.glob("checkpoint_0*")] if self.root.is_dir() else []
+
+    def new_dir(self, step: int, rank: int) -> str:
+        return str(self.root / f"checkpoint_{step:08d}")
+
+    def publish(self, directory: str, step: int, metrics: dict[str, float], rank: int) -> None:
+        dist.barrier()
+        if rank == 0:  # keep the newest N complete checkpoints
+            done = sorted(self.root.glob("checkpoint_0*"))
+            for old in done[: max(0, len(done) - self.keep)]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+class _RayHooks:
+    """Ray Train: resume from ray.train.get_checkpoint(); every rank reports its own files of a checkpoint."""
+
+    def __init__(self) -> None:
+        import ray.train
+
+        self.train = ray.train
+
+    @contextlib.contextmanager
+    def resume_candidates(self) -> Iterator[list[str]]:
+        """Ray's latest registered checkpoint, plus (local storage) every checkpoint directory of this run.
+
+        The controller registers a reported checkpoint only at its next poll of the workers (every ~2 s); a
+        worker killed in between leaves a complete but unregistered checkpoint, which the manifest vouches for.
+        """
+        dirs = []
+        storage = self.train.get_context().get_storage()
+        if storage.storage_filesystem.type_name == "local":
+            dirs = [str(p) for p in Path(storage.experiment_fs_path).glob("checkpoint_0*") if p.is_dir()]
+        checkpoint = self.train.get_checkpoint()
+        if checkpoint is None:
+            yield dirs
+            return
+        with checkpoint.as_directory() as d:  # a download for remote storage, the path itself when local
+            yield [*dirs, d]
+
+    def new_dir(self, step: int, rank: int) -> str:
+        # Each rank writes into its own local directory; Ray merges them into one checkpoint in storage.
+        return tempfile.mkdtemp(prefix=f"shardline-ckpt-{step:08d}-r{rank}-")
+
+    def publish(self, directory: str, step: int, metrics: dict[str, float], rank: int) -> None:
+        self.train.report(
+            metrics,
+            checkpoint=self.train.Checkpoint.from_directory(directory),
+            checkpoint_dir_name=f"checkpoint_{step:08d}",
+            delete_local_checkpoint_after_upload=True,
+        )
+
+
+def _inside_ray_train() -> bool:
+    try:
+        import ray.train
+
+        ray.train.get_context()
+        return True
+    except Exception:  # noqa: BLE001 - not a Ray Train worker (ImportError, RuntimeError, ...)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics: rank 0 logs to MLflow in a background thread so training never waits on the tracking server
+# ---------------------------------------------------------------------------------------------------------
+
+class _MlflowLogger:
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        self.run_id = run_id
+        self._pool = ThreadPoolExecutor(max_workers=1) if tracking_uri and run_id else None
+        self._pending: list[Any] = []
+        if self._pool is not None:
+            from infra.paths import quiet_telemetry
+
+            quiet_telemetry()
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._pool is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._pending.append(self._pool.submit(self._client.log_batch, self.run_id, metrics=batch))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for f in self._pending:
+                f.result()
+            self._pool.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------
+
+def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """rank, world size, device; creates the process group when the launcher (torchrun) did not."""
+    if not dist.is_initialized():
+        backend = "nccl" if cfg.use_gpu else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)  # torchrun: env://
+        else:  # a plain single process
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.use_gpu:
+        local = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return rank, world, device
+
+
+def train_func(config: dict[str, Any]) -> dict[str, float]:
+    """Train on this rank until `train.steps`, resuming from the latest complete checkpoint.
+
+    config keys: train (TrainConfig as dict), train_shards (URIs), tracking_uri and run_id (MLflow; optional),
+    checkpoint_root (torchrun only: shared directory for checkpoints).
+
+    Returns:
+        Rank-local summary: final step, final loss, mean tokens/s (all ranks), world size.
+    """
+    cfg = TrainConfig.model_validate(config["train"])
+    torch.set_num_threads(cfg.threads_per_worker)
+    rank, world, device = _setup_distributed(cfg)
+    global_batch = check_global_batch(cfg, world)
+    hooks: Any = _RayHooks() if _inside_ray_train() else _LocalHooks(config["checkpoint_root"], cfg.keep_checkpoints)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards, DDP broadcasts)
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg).to(device)
+    fpt = flops_per_token(model, cfg.seq_len)
+    model = parallelize(model, cfg, device, world)
+    optimizer = build_optimizer(model, cfg, device)
+    torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank; restored exactly on resume
+
+    start = 0
+    with hooks.resume_candidates() as candidates:
+        found = ckpt.latest_complete(candidates)
+        # Every rank must resume from the same step: agree on the smallest newest-complete step.
+        agreed = torch.tensor([found[0] if found else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if int(agreed) > 0:
+            if found is None or found[0] != int(agreed):
+                found = ckpt.latest_complete(candidates, max_step=int(agreed))
+            if found is None or found[0] != int(agreed):
+                raise ckpt.CheckpointError(f"rank {rank}: no complete checkpoint of step {int(agreed)} to resume")
+            start, _ = ckpt.load_checkpoint(found[1], model, optimizer, rank, world)
+
+    from training.data.loader import train_batches  # the data part's streaming reader
+
+    batches = iter(train_batches(config["train_shards"], rank, world, cfg, start))
+    logger = _MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
+    peak = cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS)
+    autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32
+    save_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+    pending: ckpt.AsyncSave | None = None
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens_per_step = global_batch * cfg.seq_len
+    window_t0, window_steps, run_t0, timed_steps = time.perf_counter(), 0, None, 0
+    loss_value = float("nan")
+
+    def summary(step: int) -> dict[str, float]:
+        elapsed = time.perf_counter() - run_t0 if run_t0 is not None else 0.0
+        tps = tokens_per_step * timed_steps / elapsed if timed_steps and elapsed > 0 else 0.0
+        return {"step": step, "loss": loss_value, "tokens_per_s": tps, "world_size": world}
+
+    def finish_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            pending.finish()
+            hooks.publish(str(pending.directory), pending.step, summary(pending.step), rank)
+            pending = None
+
+    for step in range(start, cfg.steps):
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            x, y = next(batches)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            last = micro == cfg.grad_accum - 1
+            # Communicate gradients only on the last micro batch of the step.
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(last)
+                sync_ctx = contextlib.nullcontext()
+            else:
+                sync_ctx = contextlib.nullcontext() if last else model.no_sync()
+            with sync_ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)) / cfg.grad_accum
+                loss.backward()
+            step_loss += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        window_steps += 1
+        if run_t0 is None:  # the first step pays for allocation and warm-up; time from its end
+            run_t0 = time.perf_counter()
+        else:
+            timed_steps += 1
+
+        if pending is not None:  # async save: publish once every rank's background write has finished
+            flag = torch.tensor([1.0 if pending.done() else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if flag.item() == 1.0:
+                finish_pending()
+
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            dist.all_reduce(step_loss)  # SUM: gloo has no AVG
+            loss_value = step_loss.item() / world
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            elapsed = time.perf_counter() - window_t0
+            tps = tokens_per_step * window_steps / elapsed
+            metrics = {
+                "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                "step_time_s": elapsed / window_steps, "peak_memory_mb": peak_memory_mb(device),
+                "mfu": fpt * tps / (peak * 1e12 * world),
+            }
+            if logger is not None:
+                logger.log(metrics, done)
+            window_t0, window_steps = time.perf_counter(), 0
+
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            finish_pending()
+            directory = hooks.new_dir(done, rank)
+            if device.type == "cuda" and done < cfg.steps:
+                pending = ckpt.AsyncSave.start(directory, model, optimizer, done, done * cfg.grad_accum, rank,
+                                               world, save_group, resumed_from=start,
+                                               threads=cfg.checkpoint_threads)
+            else:
+                ckpt.save_checkpoint(directory, model, optimizer, done, done * cfg.grad_accum, rank, world,
+                                     resumed_from=start, threads=cfg.checkpoint_threads)
+                hooks.publish(directory, done, summary(done), rank)
+    finish_pending()
+    if logger is not None:
+        logger.close()
+    return summary(cfg.steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """torchrun entry: `torchrun --nproc-per-node N -m training.loop CONFIG.json` (the dict train_func takes).
+
+    Rank 0 prints train_func's summary as one JSON line.
+    """
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: torchrun --nproc-per-node N -m training.loop CONFIG.json")
+    config = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    summary = train_func(config)
+    if dist.get_rank() == 0:
+        print(json.dumps(summary), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

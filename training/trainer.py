@@ -1,0 +1,138 @@
+"""Ray Train glue: run `training.loop.train_func` on N workers with TorchTrainer, restarts and checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from infra.paths import shardline_home
+from training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from training.data import ShardSet
+
+
+class TrainResult(BaseModel):
+    """The training stage's product: the latest complete checkpoint and the run's headline numbers."""
+
+    train_run_id: str
+    checkpoint_uri: str
+    step: int
+    final_loss: float
+    tokens_per_s: float
+    world_size: int
+
+
+def storage_root(cfg: TrainConfig) -> str:
+    """Where Ray Train keeps checkpoints: train.storage_path, else $SHARDLINE_HOME/checkpoints."""
+    return cfg.storage_path or str(shardline_home() / "checkpoints")
+
+
+def checkpoint_uri(storage: str, checkpoint_path: str) -> str:
+    """A Ray checkpoint's path as a URI: Ray strips the scheme (s3://b/k -> b/k); put it back."""
+    if "://" in storage and "://" not in checkpoint_path:
+        return f"{storage.split('://', 1)[0]}://{checkpoint_path.lstrip('/')}"
+    return checkpoint_path
+
+
+def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str) -> dict[str, Any]:
+    """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
+    return {"train": cfg.model_dump(), "train_shards": list(train_shards), "tracking_uri": tracking_uri,
+            "run_id": train_run_id}
+
+
+def run_training(
+    cfg: TrainConfig, shards: "ShardSet", tracking_uri: str, train_run_id: str, run_name: str
+) -> TrainResult:
+    """Train with Ray Train on the running Ray cluster (ray.init was called); resume when `run_name` has checkpoints.
+
+    The same `run_name` and storage resume the run from its latest checkpoint (a retried task continues, a
+    finished run returns at once). Ray restarts the worker group up to train.max_failures times.
+
+    Raises:
+        ValueError: a config problem (global batch, import paths) found before any worker starts.
+        ray.train.TrainingFailedError: the workers failed more often than train.max_failures allows.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from training.config import load_object
+    from training.loop import check_global_batch, train_func
+
+    check_global_batch(cfg, cfg.workers)
+    load_object(cfg.model_factory, "train.model_factory")
+    load_object(cfg.batch_format, "train.batch_format")
+    if not shards.train_shards:
+        raise ValueError(f"{shards.manifest_uri}: the shard set has no training shards")
+    storage = storage_root(cfg)
+    if "://" not in storage:
+        Path(storage).mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        train_func,
+        train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id),
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"GPU": 1} if cfg.use_gpu else {"CPU": 1}),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        ),
+    )
+    result = trainer.fit()
+    return summarise(result, storage, train_run_id, cfg.workers)
+
+
+def summarise(result: Any, storage: str, train_run_id: str, world_size: int) -> TrainResult:
+    """TrainResult from a Ray Result: its newest checkpoint that verifies (local storage) and that one's metrics."""
+    from training.checkpoint import CheckpointError, verify_checkpoint
+
+    candidates = sorted(result.best_checkpoints or [], key=lambda cm: cm[1].get("step", -1), reverse=True)
+    if result.checkpoint is not None and not candidates:
+        candidates = [(result.checkpoint, result.metrics or {})]
+    for checkpoint, metrics in candidates:
+        uri = checkpoint_uri(storage, checkpoint.path)
+        if "://" not in uri:
+            try:
+                verify_checkpoint(uri)
+            except CheckpointError:
+                continue
+        return TrainResult(
+            train_run_id=train_run_id,
+            checkpoint_uri=uri,
+            step=int(metrics.get("step", 0)),
+            final_loss=float(metrics.get("loss", float("nan"))),
+            tokens_per_s=float(metrics.get("tokens_per_s", 0.0)),
+            world_size=int(metrics.get("world_size", world_size)),
+        )
+    raise RuntimeError(f"training run {result.path}: no complete checkpoint was reported")
+
+
+def logged_step(tracking_uri: str, run_id: str) -> int:
+    """The latest optimizer step rank 0 has logged to the training run (0 before the first log)."""
+    from mlflow import MlflowClient
+
+    history = MlflowClient(tracking_uri).get_metric_history(run_id, "loss")
+    return max((m.step for m in history), default=0)
+
+
+def loss_curve_png(tracking_uri: str, run_id: str, path: str | Path) -> Path:
+    """Plot the run's logged loss against step into a PNG at `path`; a resumed run's repeated steps overlap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow import MlflowClient
+
+    history = sorted(MlflowClient(tracking_uri).get_metric_history(run_id, "loss"), key=lambda m: (m.timestamp, m.step))
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([m.step for m in history], [m.value for m in history], marker=".", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
