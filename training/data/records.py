@@ -1,7 +1,6 @@
 """What a corpus reader yields (Record, Problem), the record checks, and the bad-input policy fields."""
 from __future__ import annotations
 
-import importlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -74,10 +73,9 @@ def check_record(rec: Record, cfg: DataConfig) -> Problem | None:
 
 def load_callable(path: str, what: str) -> object:
     """Import 'module:function'; DataError naming the field when it is not there."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise DataError(f"{what}={path!r}: expected 'module:function'")
+    from training.config import load_object
+
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise DataError(f"{what}={path!r}: cannot import ({err})") from err
+        return load_object(path, what)
+    except ValueError as err:
+        raise DataError(str(err)) from None
