@@ -89,7 +89,3 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device, world_
     # DDP keeps fp32 parameters; the loop runs its forward under autocast when compute_dtype is bf16.
     return apply_ddp(model, cfg, device)
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module under a DDP wrapper (FSDP2 modifies the module in place, nothing to unwrap)."""
-    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
