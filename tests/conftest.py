@@ -94,3 +94,27 @@ def mlflow_store(_mlflow_template: Path, tmp_path: Path, monkeypatch: pytest.Mon
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return uri, setup_tracking(uri, "shardline-test")
 # ========================================= end of deployments part ==============================================
+
+
+# ================================================================================================================
+# shared: the MLflow run tree of one (pretend) flow run, as every stage task receives it.
+# ================================================================================================================
+def flow_run_lineage(tracking_uri: str, flow_run_id: str):
+    """A parent run for `flow_run_id` in the test experiment, wrapped as the Lineage a task receives."""
+    from infra.tracking import Lineage, open_parent_run
+
+    parent = open_parent_run(tracking_uri, "shardline-test", flow_run_id, f"name-of-{flow_run_id}")
+    return Lineage(tracking_uri=tracking_uri, experiment="shardline-test", parent_run_id=parent,
+                   flow_run_id=flow_run_id)
+
+
+@pytest.fixture
+def lineage_for(mlflow_store):
+    """Makes the Lineage of a named flow run over one fresh MLflow SQLite store ($SHARDLINE_HOME is a tmp dir)."""
+    return lambda flow_run_id: flow_run_lineage(mlflow_store[0], flow_run_id)
+
+
+@pytest.fixture
+def lineage(lineage_for):
+    """Lineage of flow run 'flow-run-1'."""
+    return lineage_for("flow-run-1")

@@ -7,18 +7,10 @@ import mlflow
 import pytest
 from data_helpers import config, make_corpus
 
-from infra.tracking import TAG_DATASET_DIGEST, Lineage, open_parent_run
+from infra.tracking import TAG_DATASET_DIGEST
 from tasks.data import shard_dataset
 
 SECRET = "sEcReT-shardline-4242"
-
-
-@pytest.fixture
-def lineage(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = open_parent_run(uri, "data-remote", "flow-1", "flow-1")
-    return Lineage(tracking_uri=uri, experiment="data-remote", parent_run_id=parent, flow_run_id="flow-1")
 
 
 def _everything_logged(client, run_id, tmp_path) -> str:

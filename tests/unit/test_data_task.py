@@ -5,17 +5,9 @@ import mlflow
 import pytest
 from data_helpers import config, make_corpus
 
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, open_parent_run
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI
 from tasks.data import shard_dataset
 from training.data import DataError
-
-
-@pytest.fixture
-def lineage(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    parent = open_parent_run(uri, "data-test", "flow-run-1", "flow-run-1")
-    return Lineage(tracking_uri=uri, experiment="data-test", parent_run_id=parent, flow_run_id="flow-run-1")
 
 
 def test_task_logs_dataset_input_tags_and_report_also_on_cache_hit(tmp_path, lineage):

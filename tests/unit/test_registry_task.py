@@ -8,18 +8,8 @@ from deployments.registry import AliasChanged, client_for, read_aliases
 from infra.tracking import (
     TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_MANIFEST_URI, TAG_MODEL_VERSION,
     TAG_PARENT,
-    TAG_STAGE, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, open_parent_run,
+    TAG_STAGE, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage,
 )
-
-
-def _flow_run(uri: str, flow_run_id: str) -> Lineage:
-    parent = open_parent_run(uri, "shardline-test", flow_run_id, f"name-of-{flow_run_id}")
-    return Lineage(tracking_uri=uri, experiment="shardline-test", parent_run_id=parent, flow_run_id=flow_run_id)
-
-
-@pytest.fixture()
-def lineage(mlflow_store):
-    return _flow_run(mlflow_store[0], "flow-run-1")
 
 
 def _products(lineage: Lineage, n: int):
@@ -54,7 +44,7 @@ def _stage_run(lineage: Lineage, stage: str):
     return runs[0]
 
 
-def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(lineage):
+def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(lineage, lineage_for):
     from prefect.logging import disable_run_logger
 
     from infra.cluster import ClusterInfo
@@ -93,7 +83,7 @@ def test_promote_task_registers_with_lineage_and_the_canary_skips_the_first_run(
     assert canary_run.data.tags[TAG_TRAIN_RUN_ID] == trained.train_run_id
 
     # the next flow run's model challenges; a disabled canary skips and leaves the champion alone
-    lineage2 = _flow_run(lineage.tracking_uri, "flow-run-2")
+    lineage2 = lineage_for("flow-run-2")
     validated2, trained2, _ = _products(lineage2, 2)
     with disable_run_logger():
         second = promote_model.fn(cfg, validated2, trained2, shards, lineage2)
