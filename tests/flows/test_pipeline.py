@@ -83,11 +83,11 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
 
 
 def test_second_run_through_the_cli_goes_through_a_real_canary(prefect_server, home, s3_server):
-    # Same corpus, shards published to a real S3 API server this time (moto_server; endpoint from the env).
+    # Same corpus; shards and Ray Train checkpoints on a real S3 API server this time (moto_server, endpoint from env).
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json",
-         "--set", "data.output=s3://shardline/flow-shards"],
+         "--set", "data.output=s3://shardline/flow-shards", "--set", "train.storage_path=s3://shardline/flow-ckpt"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,6 +116,8 @@ def test_second_run_through_the_cli_goes_through_a_real_canary(prefect_server, h
     v1 = client.get_model_version(name, "1")
     assert v1.tags[TAG_DATASET_DIGEST] == v2.tags[TAG_DATASET_DIGEST] == summary["dataset_digest"]
     assert summary["manifest_uri"] == f"s3://shardline/flow-shards/{summary['dataset_digest']}/manifest.json"
+    assert summary["checkpoint_uri"].startswith(f"s3://shardline/flow-ckpt/train-{summary['train_run_id']}/")
+    assert v2.tags["shardline.checkpoint_uri"] == summary["checkpoint_uri"]
     assert "testing" not in json.dumps(client.get_run(children["shard_dataset"].info.run_id).data.params)
 
     # `shardline lineage` follows the same chain from the champion back to the digest the data stage logged
