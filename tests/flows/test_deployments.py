@@ -41,9 +41,9 @@ def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_pa
             out = {}
             for name in ("nightly", "manual", "on-new-data"):
                 out[name] = await client.read_deployment_by_name(f"shardline/{name}")
-            return out
+            return out, await client.read_automations()
 
-    deployments = run_coro_as_sync(read())
+    deployments, automations = run_coro_as_sync(read())
     nightly = deployments["nightly"]
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
     assert nightly.parameters == {"config": {"train": {"steps": 300}}}
@@ -54,3 +54,9 @@ def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_pa
     assert defs["TrainConfig"]["properties"]["steps"]["type"] == "integer"
     assert defs["TrainConfig"]["properties"]["steps"]["description"]
     assert deployments["nightly"].pull_steps[0]["prefect.deployments.steps.git_clone"]["branch"] == "main"
+    # The event trigger became an automation that runs the on-new-data deployment on `shardline.dataset.updated`.
+    target = deployments["on-new-data"].id
+    runs_it = [a for a in automations
+               if any(getattr(action, "deployment_id", None) == target for action in a.actions)]
+    assert len(runs_it) == 1
+    assert runs_it[0].trigger.expect == {"shardline.dataset.updated"}
