@@ -50,7 +50,8 @@ def _run_ray(args: list[str]) -> None:
     env.setdefault("RAY_AUTH_MODE", "token")
     proc = subprocess.run([_ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180)
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        # stderr only: stdout of `ray get-auth-token` is the token itself
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         raise ClusterError(f"`ray {' '.join(args[:2])}` failed: {tail[0]}")
 
 
@@ -68,6 +69,9 @@ def start_local_nodes(cfg: ClusterConfig) -> str:
 
 
 def _start_nodes(cfg: ClusterConfig, port: int, gcs: str, common: list[str]) -> None:
+    # A fresh machine has no ~/.ray/auth_token yet and `ray start --head` will not make one; this creates it only
+    # when missing. It prints the token, which _run_ray captures and drops.
+    _run_ray(["get-auth-token", "--generate"])
     _run_ray(
         ["start", "--head", f"--node-ip-address={cfg.host}", f"--port={port}", f"--num-cpus={cfg.num_cpus}",
          f"--num-gpus={cfg.num_gpus}", "--include-dashboard=false", *common]
