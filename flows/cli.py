@@ -56,10 +56,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("dataset digest", summary.dataset_digest),
         ("checkpoint", summary.checkpoint_uri),
     ]
-    print(_table(rows), file=sys.stderr if args.json else sys.stdout, flush=True)
+    out = sys.stderr if args.json else sys.stdout
+    print(_table(rows), file=out, flush=True)
+    print(_where_to_look(summary.model_name), file=out, flush=True)
     if args.json:
         print(json.dumps(summary.model_dump()), flush=True)
     return 0
+
+
+def _where_to_look(model_name: str) -> str:
+    """The commands that show this run afterwards, for the state dir and tracking store actually used."""
+    from infra.paths import shardline_home
+    from infra.tracking import resolve_tracking_uri
+
+    bin_dir = os.path.dirname(sys.executable)
+    lines = [f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {resolve_tracking_uri()}"]
+    if not os.environ.get("PREFECT_API_URL"):
+        lines.append(f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start")
+    lines.append(f"  lineage:            {bin_dir}/shardline lineage --model {model_name} --alias champion")
+    return "\n".join(lines)
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
