@@ -26,11 +26,11 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
     The dataset digest is read twice, from the version's tag and from the data run's logged dataset input,
     and `consistent` says whether they agree.
     """
-    import mlflow
     from mlflow.exceptions import MlflowException
 
-    uri = resolve_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(uri, registry_uri=uri)
+    from deployments.registry import client_for
+
+    client = client_for(resolve_tracking_uri(tracking_uri))
     try:
         if version_or_alias.isdigit():
             mv = client.get_model_version(model_name, version_or_alias)

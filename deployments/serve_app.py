@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -249,12 +248,6 @@ class CanaryApp:
         return f"{self.url}/metrics"
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def build_app(model_name: str, champion_version: str, challenger_version: str, tracking_uri: str,
               seed: int = 0, max_request_bytes: int = 2048, replica_cpus: float = REPLICA_CPUS) -> Any:
     """The Serve application: two ModelServer deployments bound to versions, behind one Router."""
@@ -275,6 +268,8 @@ def start_canary_app(model_name: str, champion_version: str, challenger_version:
     from ray import serve
 
     quiet = {"log_level": "WARNING", "enable_access_log": False}  # one line per request would flood the flow log
+    from infra.cluster import free_port
+
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port}, logging_config=quiet)
     host, port = _serving_address(host, port)

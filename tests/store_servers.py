@@ -13,17 +13,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from infra.cluster import free_port  # one free-port helper for code and tests
+
 REPO = Path(__file__).resolve().parent.parent
 AZURITE = REPO / "tests" / "services" / "node_modules" / ".bin" / "azurite-blob"
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 BUCKET = "shardline"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:

@@ -1,13 +1,9 @@
 """A real local Prefect server for the whole session (prefect_test_harness), shared by every flow test."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Telemetry is switched off for every test by tests/conftest.py.
 
 
 @pytest.fixture(scope="session")
