@@ -54,22 +54,22 @@ def bits_per_byte(
     from training.bpb import corpus_bits
 
     was_training = getattr(model, "training", False)
-    _eval(model)
+    _mode(model, "eval")
     try:
         bits, nbytes, _ = corpus_bits(model, texts, seq_len, batch_size, device)
     finally:
         if was_training:
-            model.train()
+            _mode(model, "train")
     if nbytes == 0:
         raise ValueError("bits_per_byte: no held-out text with at least 2 bytes")
     return bits / nbytes
 
 
-def _eval(model: object) -> None:
+def _mode(model: object, mode: str) -> None:
     try:
-        model.eval()  # type: ignore[attr-defined]
+        getattr(model, mode)()
     except (NotImplementedError, RuntimeError, AttributeError):
-        pass  # torch.export modules refuse .eval(); their graph is already in inference form
+        pass  # torch.export modules refuse .eval() and .train(); their graph is already in inference form
 
 
 def sample_texts(texts: Iterable[bytes], total: int, max_texts: int) -> Iterator[bytes]:

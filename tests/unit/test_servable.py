@@ -49,3 +49,15 @@ def test_a_model_that_cannot_serve_every_shape_is_rejected_before_registration(m
     uri = _logged(model, 32)
     with pytest.raises(NotServable, match=r"train.model_factory='tests:Specialises'.*serving shape \[1, 1\]"):
         check_servable(uri, model, 32, "tests:Specialises")
+
+
+def test_validation_scores_the_champions_exported_program_like_the_eager_model(mlflow_store):
+    """The champion is compared as served (a torch.export program refuses .eval()/.train()): same numbers."""
+    import mlflow
+
+    from training.evaluate import bits_per_byte
+
+    model = Causal()
+    exported = mlflow.pytorch.load_model(_logged(model, 32), map_location="cpu")
+    texts = [b"def main():\n    return 0\n" * 5, b"import os"]
+    assert bits_per_byte(exported, texts, 32) == pytest.approx(bits_per_byte(model, texts, 32), rel=1e-5)
