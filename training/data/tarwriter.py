@@ -1,5 +1,5 @@
-"""Writing WebDataset tar shards fast and reproducibly: a ustar writer with templated headers, the
-webdataset.ShardWriter that uses it, and a file that hashes what it writes on a background thread."""
+"""Writing WebDataset tar shards fast and reproducibly: a ustar writer with templated headers and a file that
+hashes what it writes on a background thread."""
 from __future__ import annotations
 
 import hashlib
@@ -53,23 +53,6 @@ class UstarWriter:
         end = self.offset + 2 * TAR_BLOCK
         self.stream.write(b"\0" * (2 * TAR_BLOCK + -end % TAR_RECORD))
         self.stream.close()
-
-
-def shard_writer_class() -> type:
-    import webdataset as wds
-
-    class ShardWriter(wds.ShardWriter):
-        """webdataset.ShardWriter (shard rollover, naming, opener, post hook) with UstarWriter per shard."""
-
-        def next_stream(self) -> None:
-            self.finish()
-            self.fname = self.pattern % self.shard
-            self.shard += 1
-            self.tarstream = UstarWriter(self.opener(self.fname))
-            self.count = 0
-            self.size = 0
-
-    return ShardWriter
 
 
 class HashingFile:
