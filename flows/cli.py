@@ -1,4 +1,5 @@
-"""The `shardline` command: `run` the pipeline from a TOML config, or show a model's `lineage`."""
+"""The `shardline` command: `run` the pipeline from a TOML config, `shard` the corpus alone, or show a model's
+`lineage`."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("MLflow run", summary.parent_run_id),
         ("dataset digest", summary.dataset_digest),
         ("checkpoint", summary.checkpoint_uri),
+        ("stage seconds", ", ".join(f"{k} {v:.1f}" for k, v in summary.stage_seconds.items())),
     ]
     out = sys.stderr if args.json else sys.stdout
     print(_table(rows), file=out, flush=True)
@@ -113,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default as for `run`)")
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
+
+    from flows import cmd_shard
+
+    cmd_shard.register(sub)
     return parser
 
 
