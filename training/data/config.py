@@ -80,7 +80,7 @@ class DataConfig(BaseModel):
         "read the corpus and, for an s3:// or az:// output, upload the shards themselves.",
     )
     chunk_bytes: int = Field(
-        64 * 1024 * 1024,
+        16 * 1024 * 1024,
         ge=1024,
         description="Listed corpus bytes per chunk, the unit of parallel work: consecutive files or objects of "
         "the sorted listing (a file is never split). Part of the layout: changing it changes the shards.",
