@@ -103,3 +103,14 @@ def test_gate_in_batches_gives_the_verdict_of_one_frame(tmp_path, batch):
                                                      "batch_records": batch}
     between = [r for r in err.value.report["results"] if r["expectation_config"]["type"].endswith("between")]
     assert all(r["result"]["element_count"] == 30 for r in between if "element_count" in r["result"])
+
+
+def test_ray_engine_without_a_cluster_is_one_line(tmp_path):
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("another test left Ray connected in this process")
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"^data.engine='ray' needs a Ray cluster: run the pipeline"):
+        build_shards(config(make_corpus(tmp_path / "c"), out, engine="ray"))
+    assert list((out / "_staging").iterdir()) == []

@@ -30,7 +30,7 @@ from infra.paths import shardline_home
 from training.data import quality
 from training.data.config import DataConfig
 from training.data.corpus import Tally, no_usable_records
-from training.data.engine import local_workers, run_chunks
+from training.data.engine import local_workers, ray_workers, run_chunks
 from training.data.plan import plan_chunks
 from training.data.shardset import DataError, ShardSet
 from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, ShardEntry, SplitEntry
@@ -117,7 +117,7 @@ def build_shards(cfg: DataConfig) -> ShardSet:
 def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate) -> tuple[Manifest, Tally, int, int]:
     """Write every chunk, feed their rows to the gate in corpus order; the manifest, what was skipped, the number
     of chunks and of workers."""
-    workers = cfg.workers if cfg.engine == "ray" else local_workers(cfg.workers)
+    workers = ray_workers(cfg.workers) if cfg.engine == "ray" else local_workers(cfg.workers)
     shards: dict[str, list[ShardEntry]] = {split: [] for split in SPLITS}
     samples = dict.fromkeys(SPLITS, 0)
     tally, chunks = Tally(), 0

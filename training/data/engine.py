@@ -23,6 +23,16 @@ def local_workers(configured: int) -> int:
     return configured or len(os.sched_getaffinity(0))
 
 
+def ray_workers(configured: int) -> int:
+    """data.workers, or the connected Ray cluster's CPUs when it is 0; DataError when Ray is not connected."""
+    import ray
+
+    if not ray.is_initialized():
+        raise DataError("data.engine='ray' needs a Ray cluster: run the pipeline, which provisions one, "
+                        "or `shardline shard`, which provisions [cluster]")
+    return configured or max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
 def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int) -> Iterator[ChunkResult]:
     """Each chunk's result, in chunk order.
 
@@ -71,10 +81,7 @@ def _ray(chunks: Iterator[Chunk], job: ChunkJob, workers: int) -> Iterator[Chunk
     import ray
     from ray.exceptions import RayTaskError
 
-    if not ray.is_initialized():
-        raise DataError("data.engine='ray' needs a Ray cluster: run the pipeline, which provisions one, "
-                        "or `shardline shard`, which provisions [cluster]")
-    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    workers = ray_workers(workers)
     # max_retries: a chunk is idempotent, so a lost node only costs a rerun; errors of the chunk itself are final.
     task = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(shard_chunk)
 

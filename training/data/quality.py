@@ -59,10 +59,6 @@ class QualityGate:
     def __init__(self, cfg: DataConfig, workdir: Path) -> None:
         import sqlite3
 
-        os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-        import great_expectations as gx
-        from great_expectations.data_context.types.base import ProgressBarsConfig
-
         spec = load_suite_json()
         self.name, self.specs, self.params = spec["name"], spec["expectations"], suite_parameters(cfg)
         self.row_wise = [i for i, e in enumerate(self.specs) if e["type"] not in AGGREGATES]
@@ -70,11 +66,7 @@ class QualityGate:
             if not self.specs[i]["type"].startswith(ROW_WISE):
                 raise ValueError(f"{SUITE_PATH.name}: {self.specs[i]['type']} is neither row-wise nor one of "
                                  f"{AGGREGATES}, so it cannot be checked batch by batch")
-        context = gx.get_context(mode="ephemeral")
-        context.variables.progress_bars = ProgressBarsConfig(globally=False)
-        self._batches = (context.data_sources.add_pandas("shardline").add_dataframe_asset("records")
-                         .add_batch_definition_whole_dataframe("batch"))
-        self._suite = gx.ExpectationSuite(name=self.name, expectations=[self.specs[i] for i in self.row_wise])
+        self._gx: tuple[Any, Any] | None = None  # (batch definition, suite), made with the first batch
         self._db = sqlite3.connect(workdir / "gate.sqlite")
         for pragma in ("journal_mode=OFF", "synchronous=OFF", "temp_store=FILE", "cache_size=-8192"):
             self._db.execute(f"PRAGMA {pragma}")
@@ -85,6 +77,21 @@ class QualityGate:
         self._merged: dict[int, dict[str, Any]] = {}
         self._pending: list[dict[str, Any]] = []
         self.batch_records, self.records, self.batches = cfg.gate_batch_records, 0, 0
+
+    def _validator(self) -> tuple[Any, Any]:
+        """GX's batch definition and the row-wise suite; imported late (~3 s), while the first chunks are written."""
+        if self._gx is None:
+            os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+            import great_expectations as gx
+            from great_expectations.data_context.types.base import ProgressBarsConfig
+
+            context = gx.get_context(mode="ephemeral")
+            context.variables.progress_bars = ProgressBarsConfig(globally=False)
+            batches = (context.data_sources.add_pandas("shardline").add_dataframe_asset("records")
+                       .add_batch_definition_whole_dataframe("batch"))
+            self._gx = (batches, gx.ExpectationSuite(name=self.name,
+                                                     expectations=[self.specs[i] for i in self.row_wise]))
+        return self._gx
 
     def add(self, rows: Iterable[dict[str, Any]]) -> None:
         """Take rows in corpus order; a full batch is validated at once and dropped."""
@@ -102,8 +109,9 @@ class QualityGate:
         self.records += len(rows)
         self.batches += 1
         frame = pd.DataFrame(rows)
-        result = self._batches.get_batch(batch_parameters={"dataframe": frame}).validate(
-            self._suite,
+        batches, suite = self._validator()
+        result = batches.get_batch(batch_parameters={"dataframe": frame}).validate(
+            suite,
             result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["key"],
                            "partial_unexpected_count": EXAMPLE_KEYS},
             expectation_parameters=self.params,

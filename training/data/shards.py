@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from training.data.config import DataConfig
 from training.data.corpus import Record
-from training.data.tarwriter import TAR_BLOCK, TAR_RECORD, HashingFile, UstarWriter
+from training.data.tarwriter import TAR_BLOCK, TAR_RECORD, HashingFile, UstarWriter, regular_member_names
 
 SHARD_FORMAT = "shardline.shards/2"  # 2: chunked layout
 MANIFEST_NAME = "manifest.json"
@@ -204,9 +204,8 @@ def _utf8(data: bytes) -> bool:
 
 def count_samples(path: Path) -> int:
     """Distinct sample keys in a tar shard, read back from disk (what a reader will actually see)."""
-    keys = set()
-    with tarfile.open(path, "r:") as tar:
-        for member in tar:
-            if member.isfile():
-                keys.add(member.name.split(".", 1)[0])
-    return len(keys)
+    names = regular_member_names(str(path))
+    if names is None:
+        with tarfile.open(path, "r:") as tar:
+            names = [member.name for member in tar if member.isfile()]
+    return len({name.split(".", 1)[0] for name in names})
