@@ -86,26 +86,27 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     job = ChunkJob(cfg, shards=stage if tasks_upload else str(local_shards),
                    rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir))
     staged = tasks_upload  # whether _staging in the store may hold something of this build
+    gate: quality.QualityGate | None = None
     try:
         gate = quality.QualityGate(cfg, gate_dir)
         manifest, tally, chunks, workers = _write_chunks(cfg, job, gate)
         final = storage.join(output, manifest.dataset_digest)
         if _reusable(final, manifest, cfg):
             return _shard_set(final, manifest, True, tally, chunks, workers)
-        report = gate.finish()
-        validation = json.dumps(report, indent=1, sort_keys=True).encode()
-        if not remote:
-            (local_shards / VALIDATION_NAME).write_bytes(validation)
-            _publish_local(local_shards, manifest, Path(final), cfg)
+        validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
+        if tasks_upload:
+            storage.write_bytes(storage.join(stage, VALIDATION_NAME), validation, cfg.storage_retries)
         else:
-            if tasks_upload:
-                storage.write_bytes(storage.join(stage, VALIDATION_NAME), validation, cfg.storage_retries)
-            else:
-                (local_shards / VALIDATION_NAME).write_bytes(validation)
+            (local_shards / VALIDATION_NAME).write_bytes(validation)
+        if remote:
             staged = True
             _publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
+        else:
+            _publish_local(local_shards, manifest, Path(final), cfg)
         return _shard_set(final, manifest, False, tally, chunks, workers)
     finally:
+        if gate is not None:
+            gate.close()
         shutil.rmtree(work, ignore_errors=True)
         if staged:
             try:

@@ -182,6 +182,10 @@ class QualityGate:
                 "exception_info": {"raised_exception": False, "exception_traceback": None,
                                    "exception_message": None}}
 
+    def close(self) -> None:
+        """Release the on-disk key table (finish does; a build that stops early must too)."""
+        self._db.close()
+
     def finish(self) -> dict[str, Any]:
         """The report when every expectation passed; QualityError listing each failure otherwise."""
         try:
@@ -195,7 +199,7 @@ class QualityGate:
                 else:
                     results.append(self._merged.get(i) or self._aggregate(spec, True, {"element_count": 0}))
         finally:
-            self._db.close()
+            self.close()
         passed = sum(1 for r in results if r["success"])
         import great_expectations as gx
 
