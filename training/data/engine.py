@@ -20,7 +20,8 @@ from training.data.worker import ChunkJob, ChunkResult, shard_chunk
 
 def local_workers(configured: int) -> int:
     """data.workers, or the cores this process may run on when it is 0."""
-    return configured or len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return configured or cores
 
 
 def ray_workers(configured: int) -> int:
