@@ -1,4 +1,5 @@
-"""The `shardline` command: `run` the pipeline from a TOML config, or show a model's `lineage`."""
+"""The `shardline` command: `run` the pipeline from a TOML config, `shard` the corpus alone, or show a model's
+`lineage`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("dataset digest", summary.dataset_digest),
         ("checkpoint", summary.checkpoint_uri),
         ("endpoint", summary.endpoint_url or "-"),
+        ("stage seconds", ", ".join(f"{k} {v:.1f}" for k, v in summary.stage_seconds.items())),
     ]
     out = sys.stderr if args.json else sys.stdout
     print(_table(rows), file=out, flush=True)
@@ -119,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
 
-    from flows import cmd_serve
+    from flows import cmd_serve, cmd_shard
 
     cmd_serve.add_parser(sub)
+    cmd_shard.register(sub)
     return parser
 
 

@@ -5,12 +5,12 @@ from typing import Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
 from deployments.release_lock import release_lock
 from infra.cluster import ClusterInfo, teardown
-from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri
+from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.data import shard_dataset
@@ -35,6 +35,7 @@ class PipelineSummary(BaseModel):
     checkpoint_uri: str
     flow_run_id: str
     endpoint_url: str = ""
+    stage_seconds: dict[str, float] = Field(default_factory=dict, description="Wall seconds per stage run.")
 
 
 @flow(name="shardline", log_prints=True)
@@ -57,10 +58,16 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     logger.info("MLflow parent run %s (%s)", lineage.parent_run_id, tracking_uri.split("://")[0])
 
     cluster: ClusterInfo | None = None
+    sharding = None
     ok = False
     try:
-        shards = shard_dataset(config.data, lineage)
-        cluster = provision_cluster(config.cluster, lineage)
+        if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
+            cluster = provision_cluster(config.cluster, lineage)
+            shards = shard_dataset(config.data, lineage, cluster)
+        else:  # independent: the corpus is sharded while Ray starts (on this thread, where Ray wants its driver)
+            sharding = shard_dataset.submit(config.data, lineage)
+            cluster = provision_cluster(config.cluster, lineage)
+            shards = sharding.result()
         trained = train_fsdp(config.train, shards, cluster, lineage)
         validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
@@ -70,6 +77,8 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
         ok = True
     finally:
+        if sharding is not None:
+            sharding.wait()  # provisioning failed first: let the data stage finish, not leave it running
         teardown(cluster)
         close_run(tracking_uri, lineage.parent_run_id, ok)
 
@@ -94,6 +103,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         checkpoint_uri=trained.checkpoint_uri,
         flow_run_id=run_id,
         endpoint_url=canary.endpoint_url,
+        stage_seconds=stage_seconds(tracking_uri, lineage.parent_run_id),
     )
     logger.info("decision=%s version=%s champion=%s: %s", decision, promoted.version, champion, reason)
     return summary

@@ -121,6 +121,20 @@ def child_run_id(tracking_uri: str, parent_run_id: str, stage: str) -> str:
     return client.create_run(parent.info.experiment_id, run_name=stage, tags=tags).info.run_id
 
 
+def stage_seconds(tracking_uri: str, parent_run_id: str) -> dict[str, float]:
+    """Wall seconds of each finished stage run under `parent_run_id` (first start to last end, so a retried stage
+    counts its retries), in pipeline order; stages that overlapped each count their own time."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{TAG_PARENT}` = '{parent_run_id}'")
+    spans = {r.data.tags.get(TAG_STAGE, ""): (r.info.end_time - r.info.start_time) / 1000.0
+             for r in runs if r.info.end_time and r.info.start_time}
+    order = {stage: i for i, stage in enumerate(STAGES)}
+    return {k: round(spans[k], 2) for k in sorted(spans, key=lambda k: (order.get(k, len(order)), k))}
+
+
 @contextlib.contextmanager
 def stage_run(lineage: Lineage, stage: str) -> Iterator[str]:
     """Make the stage's child run the active MLflow run of this thread; FINISHED on exit, FAILED on error.

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, stage_run
+from infra.cluster import ClusterInfo
+from infra.tracking import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, stage_run
 from training.data import DataError, ShardSet, build_shards
 from tasks.retry import retry_unless
 from training.data.config import DataConfig
@@ -23,12 +25,13 @@ from training.data.config import DataConfig
     retry_condition_fn=retry_unless(DataError),
     cache_policy=NO_CACHE,  # idempotence is the content-addressed output, not Prefect's cache
 )
-def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
+def shard_dataset(cfg: DataConfig, lineage: Lineage, cluster: ClusterInfo | None = None) -> ShardSet:
     """Read the corpus, split it, write validated WebDataset shards and publish them under their digest.
 
     Args:
-        cfg: the `data` section: source, output, split, shard limits and the bad-input policies.
+        cfg: the `data` section: source, output, split, shard limits, parallelism and the bad-input policies.
         lineage: the flow run's MLflow parent run; this stage logs into its `shard_dataset` child run.
+        cluster: the Ray cluster the chunks run on when data.engine='ray' (this process is its driver).
     """
     import mlflow
 
@@ -43,6 +46,9 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
     with stage_run(lineage, "shard_dataset") as run_id:
         check_locations(cfg)  # a URI with credentials in it must fail before the config is logged
         mlflow.log_params(flat_params("data", cfg))
+        if cluster is not None:
+            mlflow.set_tag(TAG_CLUSTER_ADDRESS, cluster.address)
+        start = time.monotonic()
         try:
             shards = build_shards(cfg)
         except QualityError as err:
@@ -52,10 +58,14 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
         mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri})
         mlflow.log_metrics({"num_train": shards.num_train, "num_val": shards.num_val,
                             "total_bytes": shards.total_bytes, "cache_hit": int(shards.cache_hit),
+                            "chunks": shards.chunks, "workers": shards.workers,
+                            "seconds": time.monotonic() - start,
                             **{f"skipped_{k}": v for k, v in shards.skipped.items()}})
         logger.info(
-            "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s", shards.dataset_digest,
-            shards.num_train, shards.num_val, len(shards.train_shards) + len(shards.val_shards),
-            shards.total_bytes / 1e6, "cache hit" if shards.cache_hit else "published", shards.skipped or "none",
+            "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s; %d chunks, engine %s, %d workers, "
+            "%.1f s", shards.dataset_digest, shards.num_train, shards.num_val,
+            len(shards.train_shards) + len(shards.val_shards), shards.total_bytes / 1e6,
+            "cache hit" if shards.cache_hit else "published", shards.skipped or "none", shards.chunks, cfg.engine,
+            shards.workers, time.monotonic() - start,
         )
     return shards.model_copy(update={"data_run_id": run_id})

@@ -84,6 +84,9 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
     children = _children(client, summary.parent_run_id)
     assert sorted(children) == sorted(STAGES)
     assert all(r.info.status == "FINISHED" for r in children.values())
+    assert list(summary.stage_seconds) == list(STAGES) and all(v > 0 for v in summary.stage_seconds.values())
+    shard, provision = children["shard_dataset"].info, children["provision_cluster"].info
+    assert provision.start_time < shard.end_time and shard.start_time < provision.end_time  # they overlapped
 
     champion = client.get_model_version_by_alias(cfg.registry.model_name, "champion")
     assert str(champion.version) == "1"

@@ -177,3 +177,20 @@ def test_relative_output_is_published_as_an_absolute_path(tmp_path, monkeypatch)
     shards = build_shards(config(corpus, "rel-out"))
     assert Path(shards.uri).is_absolute() and Path(shards.uri).parent == tmp_path / "rel-out"
     assert all(Path(u).is_absolute() for u in shards.train_shards)
+
+
+def test_shard_read_back_counts_what_tarfile_counts_and_rejects_a_corrupt_header(tmp_path):
+    from training.data.shards import count_samples
+    from training.data.tarwriter import regular_member_names
+
+    shards = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out"))
+    for uri in shards.train_shards + shards.val_shards:
+        with tarfile.open(uri) as tar:
+            assert regular_member_names(uri) == [m.name for m in tar if m.isfile()]
+    assert count_samples(Path(shards.train_shards[0])) == 8
+    bad = tmp_path / "bad.tar"
+    data = bytearray(Path(shards.train_shards[0]).read_bytes())
+    data[1024 + 10] ^= 0x01  # the second member's header (after the first .json: 512 header + 512 data)
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="bad tar header checksum at byte 1024"):
+        count_samples(bad)

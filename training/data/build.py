@@ -1,30 +1,41 @@
-"""build_shards: read -> split -> write shards locally -> digest -> (cache hit | validate -> publish, manifest last).
+"""build_shards: plan chunks -> write them in parallel (checked, split, sharded, counted back) -> stream the rows
+through the quality gate -> digest -> (cache hit | gate verdict -> publish, manifest last).
 
 Layout of an output location:
-    {output}/{digest}/train-000000.tar ... val-000000.tar, validation.json, manifest.json (written last)
+    {output}/{digest}/train-CCCCCC-NNNNNN.tar ... val-..., validation.json, manifest.json (written last)
     {output}/_staging/...   work in progress; never read as a dataset
 Local outputs are built inside {output}/_staging and published with one directory rename. Object-store outputs
-are built in a local temp directory, uploaded to {output}/_staging/{digest}-{token}/, copied server-side into
-{output}/{digest}/, then the manifest is written; a set without a manifest is invisible to readers.
+are built in a local temp directory (or, with data.engine='ray', uploaded by the Ray tasks themselves) into
+{output}/_staging/build-{token}/, copied server-side into {output}/{digest}/, then the manifest is written; a set
+without a manifest is invisible to readers.
+
+Memory: the coordinator holds the plan of at most 2 x workers chunks, one quality-gate batch of rows and the
+manifest's list of shards; each worker one record and its write buffers. Neither grows with the corpus' records.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from infra import storage
 from infra.paths import shardline_home
 from training.data import quality
 from training.data.config import DataConfig
-from training.data.corpus import Tally, read_corpus
+from training.data.corpus import Tally, no_usable_records
+from training.data.engine import local_workers, ray_workers, run_chunks
+from training.data.plan import plan_chunks
 from training.data.shardset import DataError, ShardSet
-from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, dataset_digest, quality_rows
-from training.data.shards import write_shards
+from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, ShardEntry, SplitEntry
+from training.data.shards import dataset_digest, manifest_of
+from training.data.worker import ChunkJob, ChunkResult
 
 STAGING = "_staging"
 
@@ -50,7 +61,7 @@ def resolve_output(cfg: DataConfig) -> str:
 
 
 def build_shards(cfg: DataConfig) -> ShardSet:
-    """Build (or find) the validated shard set of `cfg`'s corpus.
+    """Build (or find) the validated shard set of `cfg`'s corpus, data.workers chunks at a time.
 
     Returns:
         The published ShardSet; `cache_hit` is True when an identical verified set already existed.
@@ -66,29 +77,83 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(parent)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=parent))
-    tally = Tally()
+    local_shards, gate_dir = work / "shards", work / "gate"
+    local_shards.mkdir()
+    gate_dir.mkdir()
+    # Ray tasks may run on other machines: with an object-store output they upload their shards themselves.
+    stage = storage.join(output, STAGING, f"build-{uuid.uuid4().hex[:12]}") if remote else ""
+    tasks_upload = remote and cfg.engine == "ray"
+    job = ChunkJob(cfg, shards=stage if tasks_upload else str(local_shards),
+                   rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir))
+    staged = tasks_upload  # whether _staging in the store may hold something of this build
+    gate: quality.QualityGate | None = None
     try:
-        written = write_shards(read_corpus(cfg, tally), work, cfg)
-        for split in SPLITS:
-            if written.splits[split].num_samples == 0:
-                total = sum(written.splits[s].num_samples for s in SPLITS)
-                raise DataError(
-                    f"{cfg.source}: the {split} split is empty ({total} records, data.val_fraction="
-                    f"{cfg.val_fraction}, data.seed={cfg.seed}); add records or change val_fraction"
-                )
-        manifest = written.manifest(cfg)
+        gate = quality.QualityGate(cfg, gate_dir)
+        manifest, tally, chunks, workers = _write_chunks(cfg, job, gate)
         final = storage.join(output, manifest.dataset_digest)
         if _reusable(final, manifest, cfg):
-            return _shard_set(final, manifest, True, tally)
-        report = quality.check(quality_rows(written, work), cfg)
-        (work / VALIDATION_NAME).write_bytes(json.dumps(report, indent=1, sort_keys=True).encode())
-        if remote:
-            _publish_remote(work, manifest, output, cfg.storage_retries)
+            return _shard_set(final, manifest, True, tally, chunks, workers)
+        validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
+        if tasks_upload:
+            storage.write_bytes(storage.join(stage, VALIDATION_NAME), validation, cfg.storage_retries)
         else:
-            _publish_local(work, manifest, Path(final), cfg)
-        return _shard_set(final, manifest, False, tally)
+            (local_shards / VALIDATION_NAME).write_bytes(validation)
+        if remote:
+            staged = True
+            _publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
+        else:
+            _publish_local(local_shards, manifest, Path(final), cfg)
+        return _shard_set(final, manifest, False, tally, chunks, workers)
     finally:
+        if gate is not None:
+            gate.close()
         shutil.rmtree(work, ignore_errors=True)
+        if staged:
+            try:
+                storage.delete_prefix(stage, retries=1)
+            except storage.StorageError:
+                pass  # the store is down; _staging is never read as a dataset
+
+
+def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate) -> tuple[Manifest, Tally, int, int]:
+    """Write every chunk, feed their rows to the gate in corpus order; the manifest, what was skipped, the number
+    of chunks and of workers."""
+    workers = ray_workers(cfg.workers) if cfg.engine == "ray" else local_workers(cfg.workers)
+    shards: dict[str, list[ShardEntry]] = {split: [] for split in SPLITS}
+    samples = dict.fromkeys(SPLITS, 0)
+    tally, chunks = Tally(), 0
+    with contextlib.closing(run_chunks(plan_chunks(cfg), job, cfg.engine, workers)) as results:
+        for result in results:
+            chunks += 1
+            tally.merge(result.skipped, result.examples)
+            for split in SPLITS:
+                shards[split] += result.splits[split]
+                samples[split] += result.samples[split]
+            gate.add(_rows(result, cfg.storage_retries))
+    total = sum(samples.values())
+    if total == 0:
+        raise no_usable_records(cfg, tally)
+    for split in SPLITS:
+        if samples[split] == 0:
+            raise DataError(
+                f"{cfg.source}: the {split} split is empty ({total} records, data.val_fraction="
+                f"{cfg.val_fraction}, data.seed={cfg.seed}); add records or change val_fraction"
+            )
+    splits = {split: SplitEntry(num_samples=samples[split], shards=shards[split]) for split in SPLITS}
+    return manifest_of(splits, cfg), tally, chunks, workers
+
+
+def _rows(result: ChunkResult, retries: int) -> Iterator[dict[str, Any]]:
+    """The chunk's per-record rows for the gate, with its shard's listed and read-back counts; then deleted."""
+    listed = {entry.name: (split, entry.samples) for split in SPLITS for entry in result.splits[split]}
+    with storage.open_read(result.rows_uri, retries) as fh:
+        for line in fh:
+            key, is_val, n_bytes, utf8_valid, shard = json.loads(line)
+            split, count = listed[shard]
+            yield {"key": key, "split": split, "is_val": is_val, "n_bytes": n_bytes, "utf8_valid": utf8_valid,
+                   "shard": f"{split}/{shard}", "shard_manifest_count": count,
+                   "shard_tar_count": result.tar_counts.get(shard, -1)}
+    storage.delete(result.rows_uri, retries)
 
 
 ABANDONED_AFTER_S = 24 * 3600
@@ -105,13 +170,14 @@ def _remove_abandoned(staging: Path) -> None:
             continue  # removed concurrently
 
 
-def _shard_set(final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None) -> ShardSet:
+def _shard_set(final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None, chunks: int = 0,
+               workers: int = 0) -> ShardSet:
     uris = {split: [storage.join(final, s.name) for s in manifest.splits[split].shards] for split in SPLITS}
     return ShardSet(
         dataset_digest=manifest.dataset_digest, uri=final, manifest_uri=storage.join(final, MANIFEST_NAME),
         train_shards=uris["train"], val_shards=uris["val"], num_train=manifest.splits["train"].num_samples,
         num_val=manifest.splits["val"].num_samples, total_bytes=manifest.total_bytes, cache_hit=cache_hit,
-        skipped=dict(sorted(tally.skipped.items())) if tally else {},
+        skipped=dict(sorted(tally.skipped.items())) if tally else {}, chunks=chunks, workers=workers,
     )
 
 
@@ -190,21 +256,17 @@ def _publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig)
     _fsync_dir(final.parent)
 
 
-def _publish_remote(work: Path, manifest: Manifest, output: str, retries: int) -> None:
+def _publish_remote(local: Path | None, stage: str, manifest: Manifest, output: str, retries: int) -> None:
+    """Upload the set from `local` into `stage` (unless the Ray tasks did), copy it server-side into
+    {output}/{digest}, then write the manifest. The caller deletes `stage`."""
     final = storage.join(output, manifest.dataset_digest)
-    stage = storage.join(output, STAGING, f"{manifest.dataset_digest}-{uuid.uuid4().hex[:8]}")
     names = [*manifest.shard_names(), VALIDATION_NAME]
-    try:
+    if local is not None:
         for name in names:
-            storage.upload_file(work / name, storage.join(stage, name), retries)
-        for name in names:
-            storage.copy(storage.join(stage, name), storage.join(final, name), retries)
-        storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
-    finally:
-        try:
-            storage.delete_prefix(stage, retries=1)
-        except storage.StorageError:
-            pass  # the store is down; _staging is never read as a dataset
+            storage.upload_file(local / name, storage.join(stage, name), retries)
+    for name in names:
+        storage.copy(storage.join(stage, name), storage.join(final, name), retries)
+    storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
 
 
 def load_shard_set(uri: str, verify: str = "size", retries: int = 5) -> ShardSet:

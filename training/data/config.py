@@ -67,6 +67,30 @@ class DataConfig(BaseModel):
         description="How an already published set is verified before it is reused (cache hit): every shard's "
         "sha256, or only its size (cheaper for large remote sets).",
     )
+    workers: int = Field(
+        0,
+        ge=0,
+        description="Chunks processed at once: worker processes (engine=local) or Ray tasks in flight "
+        "(engine=ray). 0 means the cores this process may use (local) or the cluster's CPUs (ray). The shards "
+        "are byte-identical whatever the number.",
+    )
+    engine: Literal["local", "ray"] = Field(
+        "local",
+        description="local: worker processes on this machine; ray: Ray tasks on the provisioned cluster, which "
+        "read the corpus and, for an s3:// or az:// output, upload the shards themselves.",
+    )
+    chunk_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="Listed corpus bytes per chunk, the unit of parallel work: consecutive files or objects of "
+        "the sorted listing (a file is never split). Part of the layout: changing it changes the shards.",
+    )
+    gate_batch_records: int = Field(
+        10_000,
+        ge=1,
+        description="Records per Great Expectations batch: bounds the quality gate's memory whatever the corpus "
+        "size (uniqueness and the split fraction are exact aggregates over all records).",
+    )
     storage_retries: int = Field(
         5, ge=0, description="Retries (exponential backoff) of one storage call on endpoint errors, 5xx, timeouts."
     )

@@ -1,6 +1,6 @@
 """Corpus readers (stdlib, directory tree, JSON Lines, object-store prefix, plug-in) and the bad-input policies.
 
-Readers yield `Record`s and `Problem`s; `read_corpus` checks every record and applies the configured policy per
+Readers yield `Record`s and `Problem`s; `checked` checks every record and applies the configured policy per
 cause: `fail` raises DataError with a one-line cause naming the file, `skip` counts it. Causes and their fields:
 
     empty        data.on_empty_record   record shorter than data.min_record_bytes
@@ -16,31 +16,40 @@ matching `data.include`, is always an error.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from training.data.config import DataConfig
 from training.data.readers import records_of
 from training.data.records import POLICY_FIELD, Problem, Record, Tally, check_record, describe, load_callable
 from training.data.shardset import DataError
 
-__all__ = ["POLICY_FIELD", "Problem", "Record", "Tally", "check_record", "load_callable", "read_corpus"]
+__all__ = ["POLICY_FIELD", "Problem", "Record", "Tally", "check_record", "checked", "load_callable", "no_usable_records",
+           "read_corpus"]
 
 
-def read_corpus(cfg: DataConfig, tally: Tally) -> Iterator[Record]:
-    """Good records of the configured source, in a deterministic order; bad ones fail or are counted in `tally`."""
-    produced = 0
-    for item in records_of(cfg):
+def checked(items: Iterable[Record | Problem], cfg: DataConfig, tally: Tally) -> Iterator[Record]:
+    """The good records of `items`, in order; a bad one raises DataError under `fail`, is counted under `skip`."""
+    for item in items:
         problem = item if isinstance(item, Problem) else check_record(item, cfg)
         if problem is None:
-            produced += 1
             yield item  # type: ignore[misc]
             continue
         policy = getattr(cfg, POLICY_FIELD[problem.kind])
         if policy == "fail":
             raise DataError(f"{describe(problem)} (data.{POLICY_FIELD[problem.kind]}=fail)")
-        tally.skipped[problem.kind] += 1
-        if len(tally.examples) < 20:
-            tally.examples.append(describe(problem))
+        tally.count(problem.kind, describe(problem))
+
+
+def no_usable_records(cfg: DataConfig, tally: Tally) -> DataError:
+    counts = ", ".join(f"{k}={v}" for k, v in sorted(tally.skipped.items())) or "none"
+    return DataError(f"{cfg.source}: no usable records (skipped: {counts})")
+
+
+def read_corpus(cfg: DataConfig, tally: Tally) -> Iterator[Record]:
+    """Good records of the whole corpus in this process, in a deterministic order (benchmarks, one-off use)."""
+    produced = 0
+    for record in checked(records_of(cfg), cfg, tally):
+        produced += 1
+        yield record
     if produced == 0:
-        counts = ", ".join(f"{k}={v}" for k, v in sorted(tally.skipped.items())) or "none"
-        raise DataError(f"{cfg.source}: no usable records (skipped: {counts})")
+        raise no_usable_records(cfg, tally)

@@ -1,8 +1,11 @@
-"""The quality gate: the Great Expectations suite in expectations.json, run over per-record statistics."""
+"""The quality gate: the Great Expectations suite in expectations.json, run over per-record statistics that
+arrive chunk by chunk, in memory bounded by a batch (QualityGate)."""
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,37 +38,195 @@ def suite_parameters(cfg: DataConfig) -> dict[str, float]:
     }
 
 
-def run_suite(rows: list[dict[str, Any]], cfg: DataConfig) -> dict[str, Any]:
-    """Validate the per-record rows; return the GX result as a JSON-ready dict (with 'success')."""
-    os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
-    import great_expectations as gx
-    import pandas as pd
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+AGGREGATES = ("expect_column_values_to_be_unique", "expect_column_mean_to_be_between")
+ROW_WISE = ("expect_column_values_to_", "expect_column_pair_values_", "expect_multicolumn_")
+EXAMPLES = 20  # unexpected values and index entries kept per expectation, whatever the corpus size
+SUMMED = ("element_count", "unexpected_count", "missing_count")
+LISTED = ("partial_unexpected_list", "partial_unexpected_index_list", "unexpected_list", "unexpected_index_list")
+BATCH_LOCAL = ("unexpected_index_query", "partial_unexpected_counts")  # meaningless once batches are summed
 
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch_def = (
-        context.data_sources.add_pandas("shardline")
-        .add_dataframe_asset("records")
-        .add_batch_definition_whole_dataframe("all")
-    )
-    spec = load_suite_json()
-    suite = gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
-    batch = batch_def.get_batch(batch_parameters={"dataframe": pd.DataFrame(rows)})
-    result = batch.validate(
-        suite,
-        result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["key"],
-                       "partial_unexpected_count": EXAMPLE_KEYS},
-        expectation_parameters=suite_parameters(cfg),
-    )
-    # to_json_dict leaves numpy scalars in places; a round trip through json with str() fallback cleans them.
-    return json.loads(json.dumps(result.to_json_dict(), default=_plain))
+
+class QualityGate:
+    """The suite over a stream of per-record rows, in memory bounded by the batch size, not the corpus.
+
+    Row-wise expectations (one verdict per record: values between / in set, pair equal) run in GX on batches of at
+    most data.gate_batch_records rows, and their results are summed. The two that look at a whole column are exact
+    aggregates over every record instead of one frame of all of them: uniqueness through a SQLite table on disk
+    (GROUP BY sorts externally), the column mean through a running sum. The report keeps GX's result layout, one
+    result per expectation in the suite's order, plus meta.shardline (records, batches).
+    """
+
+    def __init__(self, cfg: DataConfig, workdir: Path) -> None:
+        import sqlite3
+
+        spec = load_suite_json()
+        self.name, self.specs, self.params = spec["name"], spec["expectations"], suite_parameters(cfg)
+        self.row_wise = [i for i, e in enumerate(self.specs) if e["type"] not in AGGREGATES]
+        for i in self.row_wise:
+            if not self.specs[i]["type"].startswith(ROW_WISE):
+                raise ValueError(f"{SUITE_PATH.name}: {self.specs[i]['type']} is neither row-wise nor one of "
+                                 f"{AGGREGATES}, so it cannot be checked batch by batch")
+        self._gx: tuple[Any, Any] | None = None  # (batch definition, suite), made with the first batch
+        self._db = sqlite3.connect(workdir / "gate.sqlite")
+        for pragma in ("journal_mode=OFF", "synchronous=OFF", "temp_store=FILE", "cache_size=-8192"):
+            self._db.execute(f"PRAGMA {pragma}")
+        for i, e in enumerate(self.specs):
+            if e["type"] == AGGREGATES[0]:
+                self._db.execute(f"CREATE TABLE u{i} (v TEXT)")  # rowid keeps arrival (corpus) order
+        self._sums = {i: [0.0, 0] for i, e in enumerate(self.specs) if e["type"] == AGGREGATES[1]}
+        self._merged: dict[int, dict[str, Any]] = {}
+        self._pending: list[dict[str, Any]] = []
+        self.batch_records, self.records, self.batches = cfg.gate_batch_records, 0, 0
+
+    def _validator(self) -> tuple[Any, Any]:
+        """GX's batch definition and the row-wise suite; imported late (~3 s), while the first chunks are written."""
+        if self._gx is None:
+            os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+            import great_expectations as gx
+            from great_expectations.data_context.types.base import ProgressBarsConfig
+
+            context = gx.get_context(mode="ephemeral")
+            context.variables.progress_bars = ProgressBarsConfig(globally=False)
+            batches = (context.data_sources.add_pandas("shardline").add_dataframe_asset("records")
+                       .add_batch_definition_whole_dataframe("batch"))
+            self._gx = (batches, gx.ExpectationSuite(name=self.name,
+                                                     expectations=[self.specs[i] for i in self.row_wise]))
+        return self._gx
+
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Take rows in corpus order; a full batch is validated at once and dropped."""
+        for row in rows:
+            self._pending.append(row)
+            if len(self._pending) >= self.batch_records:
+                self._flush()
+
+    def _flush(self) -> None:
+        import pandas as pd
+
+        rows, self._pending = self._pending, []
+        if not rows:
+            return
+        self.records += len(rows)
+        self.batches += 1
+        frame = pd.DataFrame(rows)
+        batches, suite = self._validator()
+        result = batches.get_batch(batch_parameters={"dataframe": frame}).validate(
+            suite,
+            result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["key"],
+                           "partial_unexpected_count": EXAMPLE_KEYS},
+            expectation_parameters=self.params,
+        )
+        # to_json_dict leaves numpy scalars in places; a round trip through json with str() fallback cleans them.
+        report = json.loads(json.dumps(result.to_json_dict(), default=_plain))
+        for index, res in zip(self.row_wise, report["results"], strict=True):
+            self._merge(index, res)
+        for i in self._sums:
+            column = frame[self.specs[i]["kwargs"]["column"]].dropna()
+            self._sums[i][0] += float(column.sum())
+            self._sums[i][1] += int(column.count())
+        for i, e in enumerate(self.specs):
+            if e["type"] == AGGREGATES[0]:
+                values = ((str(v),) for v in frame[e["kwargs"]["column"]])
+                self._db.executemany(f"INSERT INTO u{i} (v) VALUES (?)", values)
+
+    def _merge(self, index: int, res: dict[str, Any]) -> None:
+        out = res.get("result", {})
+        kept = self._merged.setdefault(index, {**res, "result": {k: v for k, v in out.items()
+                                                                  if k not in (*SUMMED, *LISTED, *BATCH_LOCAL)}})
+        kept["success"] = bool(kept["success"] and res.get("success"))
+        if (res.get("exception_info") or {}).get("raised_exception"):
+            kept["exception_info"] = res["exception_info"]
+        merged = kept["result"]
+        for key in SUMMED:
+            if key in out:
+                merged[key] = merged.get(key, 0) + out[key]
+        for key in LISTED:
+            if key in out:
+                have = merged.setdefault(key, [])
+                have += (out[key] or [])[: EXAMPLES - len(have)]
+        total, missing = merged.get("element_count", 0), merged.get("missing_count", 0)
+        if "unexpected_count" in merged:
+            unexpected = merged["unexpected_count"]
+            merged["unexpected_percent"] = merged["unexpected_percent_nonmissing"] = _pct(unexpected, total - missing)
+            merged["unexpected_percent_total"] = _pct(unexpected, total)
+            merged["missing_percent"] = _pct(missing, total)
+
+    def _resolved(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.params[v["$PARAMETER"]] if isinstance(v, dict) and "$PARAMETER" in v else v
+                for k, v in kwargs.items()}
+
+    def _unique(self, index: int, spec: dict[str, Any]) -> dict[str, Any]:
+        column, duplicates, examples = spec["kwargs"]["column"], 0, []
+        query = f"SELECT v, COUNT(*) FROM u{index} GROUP BY v HAVING COUNT(*) > 1 ORDER BY MIN(rowid)"
+        for value, count in self._db.execute(query):
+            duplicates += count
+            if len(examples) < EXAMPLES:
+                examples.append(value)
+        result = {"element_count": self.records, "unexpected_count": duplicates,
+                  "unexpected_percent": _pct(duplicates, self.records), "partial_unexpected_list": examples,
+                  "unexpected_index_list": [{column: v} for v in examples], "evaluated": "exact, all records"}
+        return self._aggregate(spec, duplicates == 0, result)
+
+    def _mean(self, index: int, spec: dict[str, Any]) -> dict[str, Any]:
+        total, count = self._sums[index]
+        kwargs = self._resolved(spec["kwargs"])
+        observed = total / count if count else None
+        ok = observed is not None and (kwargs.get("min_value") is None or observed >= kwargs["min_value"]) and (
+            kwargs.get("max_value") is None or observed <= kwargs["max_value"])
+        return self._aggregate(spec, ok, {"observed_value": observed, "element_count": count,
+                                          "evaluated": "exact, all records"})
+
+    def _aggregate(self, spec: dict[str, Any], ok: bool, result: dict[str, Any]) -> dict[str, Any]:
+        config = {"type": spec["type"], "kwargs": self._resolved(spec["kwargs"]), "meta": spec.get("meta", {})}
+        return {"success": ok, "expectation_config": config, "result": result, "meta": {},
+                "exception_info": {"raised_exception": False, "exception_traceback": None,
+                                   "exception_message": None}}
+
+    def close(self) -> None:
+        """Release the on-disk key table (finish does; a build that stops early must too)."""
+        self._db.close()
+
+    def finish(self) -> dict[str, Any]:
+        """The report when every expectation passed; QualityError listing each failure otherwise."""
+        try:
+            self._flush()
+            results = []
+            for i, spec in enumerate(self.specs):
+                if spec["type"] == AGGREGATES[0]:
+                    results.append(self._unique(i, spec))
+                elif spec["type"] == AGGREGATES[1]:
+                    results.append(self._mean(i, spec))
+                else:
+                    results.append(self._merged.get(i) or self._aggregate(spec, True, {"element_count": 0}))
+        finally:
+            self.close()
+        passed = sum(1 for r in results if r["success"])
+        import great_expectations as gx
+
+        report = {
+            "success": passed == len(results), "results": results, "suite_name": self.name,
+            "statistics": {"evaluated_expectations": len(results), "successful_expectations": passed,
+                           "unsuccessful_expectations": len(results) - passed,
+                           "success_percent": _pct(passed, len(results))},
+            "meta": {"great_expectations_version": gx.__version__,
+                     "shardline": {"records": self.records, "batches": self.batches,
+                                   "batch_records": self.batch_records}},
+        }
+        if report["success"]:
+            return report
+        lines = failures(report)
+        head = f"data quality gate failed ({SUITE_PATH.name}): {len(lines)} of {len(results)} expectations"
+        raise QualityError("\n".join([head, *(f"  {line}" for line in lines)]), report)
 
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return str(value)
+
+
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
 
 
 def failures(report: dict[str, Any]) -> list[str]:
@@ -93,12 +254,9 @@ def failures(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def check(rows: list[dict[str, Any]], cfg: DataConfig) -> dict[str, Any]:
-    """Run the suite; return the report when it passes, else raise QualityError listing each failure."""
-    report = run_suite(rows, cfg)
-    if report.get("success"):
-        return report
-    lines = failures(report)
-    total = len(report.get("results", []))
-    head = f"data quality gate failed ({SUITE_PATH.name}): {len(lines)} of {total} expectations"
-    raise QualityError("\n".join([head, *(f"  {line}" for line in lines)]), report)
+def check(rows: Iterable[dict[str, Any]], cfg: DataConfig) -> dict[str, Any]:
+    """Run the suite over `rows` through a QualityGate; the report when it passes, else QualityError."""
+    with tempfile.TemporaryDirectory(prefix="shardline-gate-") as tmp:
+        gate = QualityGate(cfg, Path(tmp))
+        gate.add(rows)
+        return gate.finish()

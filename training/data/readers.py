@@ -1,6 +1,8 @@
 """The built-in corpus readers: stdlib, local directory tree or file, object-store prefix, JSON Lines, plug-in.
 
-Each yields Records and Problems in a deterministic order; policies are applied by corpus.read_corpus.
+Reading is two steps, so that chunks of a corpus can be read in parallel: `list_sources` lists the inputs (files,
+objects, and problems found while listing) in one deterministic order, with their sizes; `read_sources` reads any
+run of them into Records and Problems. Policies are applied by corpus.checked.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import stat
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -23,17 +26,43 @@ from training.data.shardset import DataError
 JSON_ESCAPE_FACTOR = 6
 
 
+@dataclass(frozen=True)
+class Source:
+    """One listed input: a local file or an object in S3/Azure, keyed relative to data.source."""
+
+    where: str  # local path or object URI
+    key: str
+    size: int  # as listed (stat / object size): what chunks are planned by
+
+
 def records_of(cfg: DataConfig) -> Iterator[Record | Problem]:
-    """The reader for `cfg`: data.reader if set, else stdlib, an object-store prefix, or a local path."""
+    """Every record of `cfg`'s corpus in one process: data.reader if set, else the listed sources, read in order."""
     if cfg.reader:
-        return _plugin(cfg)
+        return plugin_records(cfg)
+    return read_sources(list_sources(cfg), cfg)
+
+
+def list_sources(cfg: DataConfig) -> Iterator[Source | Problem]:
+    """The inputs of the corpus (not a plug-in's) in a deterministic order; DataError when there are none."""
     if cfg.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(".py"))
-        return _read_local_files(((str(p), p.name) for p in files), cfg)
+        return iter([Source(str(p), p.name, p.stat().st_size) for p in files])
     if storage.is_remote(cfg.source):
-        return _remote(cfg)
-    return _local(cfg)
+        return _list_remote(cfg)
+    return _list_local(cfg)
+
+
+def read_sources(items: Iterable[Source | Problem], cfg: DataConfig) -> Iterator[Record | Problem]:
+    """The records of listed inputs, in order (a JSON Lines file gives one per line); problems pass through."""
+    remote = cfg.source != "stdlib" and storage.is_remote(cfg.source)
+    for item in items:
+        if isinstance(item, Problem):
+            yield item
+        elif remote:
+            yield from _read_object(item, cfg)
+        else:
+            yield from _read_local_file(item, cfg)
 
 
 def _include(cfg: DataConfig) -> str:
@@ -43,26 +72,26 @@ def _include(cfg: DataConfig) -> str:
 # ---------------------------------------------------------------------------------------------- local
 
 
-def _local(cfg: DataConfig) -> Iterator[Record | Problem]:
+def _list_local(cfg: DataConfig) -> Iterator[Source | Problem]:
     root = Path(cfg.source).expanduser()
     if not root.exists() and not root.is_symlink():
         raise DataError(f"{cfg.source}: no such file or directory (data.source)")
     if root.is_file():
-        yield from _read_local_files([(str(root), root.name)], cfg)
+        yield Source(str(root), root.name, root.stat().st_size)
         return
     if not root.is_dir():
         raise DataError(f"{cfg.source}: not a directory or regular file (data.source)")
     found = [False]
-    yield from _read_local_files(_walk(root, _include(cfg), found), cfg)
+    yield from _walk(root, _include(cfg), found)
     if not found[0]:
         raise DataError(f"{cfg.source}: no files matching {_include(cfg)!r} (empty directory? data.include)")
 
 
-def _walk(root: Path, pattern: str, found: list[bool]) -> Iterator[tuple[str, str] | Problem]:
-    """(path, key) of every matching regular file under root, sorted, following directory links once."""
+def _walk(root: Path, pattern: str, found: list[bool]) -> Iterator[Source | Problem]:
+    """Every matching file under root, sorted, following directory links once."""
     top = os.stat(root)
 
-    def visit(directory: str, rel: str, ancestors: frozenset[tuple[int, int]]) -> Iterator[tuple[str, str] | Problem]:
+    def visit(directory: str, rel: str, ancestors: frozenset[tuple[int, int]]) -> Iterator[Source | Problem]:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as err:
@@ -89,51 +118,47 @@ def _walk(root: Path, pattern: str, found: list[bool]) -> Iterator[tuple[str, st
                 yield from visit(path, f"{key}/", ancestors | {ident})
             elif fnmatch.fnmatch(entry.name, pattern):
                 found[0] = True
-                yield (path, key)
+                yield Source(path, key, st.st_size)
 
     yield from visit(str(root), "", frozenset({(top.st_dev, top.st_ino)}))
 
 
-def _read_local_files(items: Iterable[tuple[str, str] | Problem], cfg: DataConfig) -> Iterator[Record | Problem]:
-    for item in items:
-        if isinstance(item, Problem):
-            yield item
-            continue
-        path, key = item
+def _read_local_file(item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:
+    path, key = item.where, item.key
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        yield Problem("unreadable", path, f"cannot stat: {err.strerror}")
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "special file"
+        yield Problem("unreadable", path, f"not a regular file ({kind})")
+        return
+    if cfg.format == "jsonl":
         try:
-            st = os.stat(path)
-        except OSError as err:
-            yield Problem("unreadable", path, f"cannot stat: {err.strerror}")
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "special file"
-            yield Problem("unreadable", path, f"not a regular file ({kind})")
-            continue
-        if cfg.format == "jsonl":
-            try:
-                with open(path, "rb") as fh:
-                    yield from _jsonl(fh, path, key, cfg)
-            except OSError as err:
-                yield Problem("unreadable", path, f"cannot read: {err.strerror or err}")
-            continue
-        if st.st_size > cfg.max_record_bytes:
-            yield Problem("oversize", path, f"{st.st_size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
-            continue
-        try:
-            # O_NONBLOCK: a file swapped for a FIFO after the stat above must not hang the stage.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as fh:
-                data = fh.read(cfg.max_record_bytes + 1)
+            with open(path, "rb") as fh:
+                yield from _jsonl(fh, path, key, cfg)
         except OSError as err:
             yield Problem("unreadable", path, f"cannot read: {err.strerror or err}")
-            continue
-        yield Record(key, data, path)
+        return
+    if st.st_size > cfg.max_record_bytes:
+        yield Problem("oversize", path, f"{st.st_size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+        return
+    try:
+        # O_NONBLOCK: a file swapped for a FIFO after the stat above must not hang the stage.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(cfg.max_record_bytes + 1)
+    except OSError as err:
+        yield Problem("unreadable", path, f"cannot read: {err.strerror or err}")
+        return
+    yield Record(key, data, path)
 
 
 # ---------------------------------------------------------------------------------------------- remote
 
 
-def _remote(cfg: DataConfig) -> Iterator[Record | Problem]:
+def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
     prefix = cfg.source.rstrip("/")
     try:
         entries = storage.list_prefix(prefix, retries=cfg.storage_retries)
@@ -149,23 +174,27 @@ def _remote(cfg: DataConfig) -> Iterator[Record | Problem]:
         key = entry.uri[len(prefix) + 1:]
         if unsafe_key(key):
             yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..' or absolute component)")
-            continue
-        if cfg.format == "jsonl":
-            try:
-                with storage.open_read(entry.uri, retries=cfg.storage_retries) as fh:
-                    yield from _jsonl(fh, entry.uri, key, cfg)
-            except storage.StorageError as err:
-                yield Problem("unreadable", entry.uri, f"cannot read: {str(err).split(': ', 1)[-1]}")
-            continue
-        if entry.size > cfg.max_record_bytes:
-            yield Problem("oversize", entry.uri, f"{entry.size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
-            continue
+        else:
+            yield Source(entry.uri, key, entry.size)
+
+
+def _read_object(item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:
+    if cfg.format == "jsonl":
         try:
-            data = storage.read_bytes(entry.uri, retries=cfg.storage_retries)
+            with storage.open_read(item.where, retries=cfg.storage_retries) as fh:
+                yield from _jsonl(fh, item.where, item.key, cfg)
         except storage.StorageError as err:
-            yield Problem("unreadable", entry.uri, f"cannot read: {str(err).split(': ', 1)[-1]}")
-            continue
-        yield Record(key, data, entry.uri)
+            yield Problem("unreadable", item.where, f"cannot read: {str(err).split(': ', 1)[-1]}")
+        return
+    if item.size > cfg.max_record_bytes:
+        yield Problem("oversize", item.where, f"{item.size} bytes > data.max_record_bytes={cfg.max_record_bytes}")
+        return
+    try:
+        data = storage.read_bytes(item.where, retries=cfg.storage_retries)
+    except storage.StorageError as err:
+        yield Problem("unreadable", item.where, f"cannot read: {str(err).split(': ', 1)[-1]}")
+        return
+    yield Record(item.key, data, item.where)
 
 
 # ---------------------------------------------------------------------------------------------- JSON Lines
@@ -223,7 +252,8 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
 # ---------------------------------------------------------------------------------------------- plug-in
 
 
-def _plugin(cfg: DataConfig) -> Iterator[Record | Problem]:
+def plugin_records(cfg: DataConfig) -> Iterator[Record | Problem]:
+    """The records data.reader yields; a plug-in is one opaque stream, so it is always one chunk."""
     fn = load_callable(cfg.reader, "data.reader")
     try:
         for index, item in enumerate(fn(cfg.source, cfg)):  # type: ignore[operator]

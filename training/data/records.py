@@ -40,6 +40,18 @@ class Tally:
     skipped: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
 
+    EXAMPLES = 20
+
+    def count(self, kind: str, example: str) -> None:
+        self.skipped[kind] += 1
+        if len(self.examples) < self.EXAMPLES:
+            self.examples.append(example)
+
+    def merge(self, skipped: dict[str, int], examples: list[str]) -> None:
+        """Add a later chunk's counts and examples (examples stay the first ones in corpus order)."""
+        self.skipped.update(skipped)
+        self.examples += examples[: self.EXAMPLES - len(self.examples)]
+
 
 def describe(problem: Problem) -> str:
     return f"{problem.origin}: {problem.cause}"

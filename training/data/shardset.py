@@ -22,3 +22,5 @@ class ShardSet(BaseModel):
     cache_hit: bool = Field(description="True when an identical, verified shard set was already published.")
     skipped: dict[str, int] = Field(default_factory=dict, description="Records skipped by policy, per cause.")
     data_run_id: str = Field("", description="MLflow run id of the shard_dataset stage that produced this.")
+    chunks: int = Field(0, description="Chunks the corpus was written in (0 when opened, not built).")
+    workers: int = Field(0, description="Worker processes, or Ray tasks in flight, that wrote them.")

@@ -1,5 +1,5 @@
-"""Writing WebDataset tar shards fast and reproducibly: a ustar writer with templated headers, the
-webdataset.ShardWriter that uses it, and a file that hashes what it writes on a background thread."""
+"""Writing WebDataset tar shards fast and reproducibly: a ustar writer with templated headers and a file that
+hashes what it writes on a background thread."""
 from __future__ import annotations
 
 import hashlib
@@ -55,23 +55,6 @@ class UstarWriter:
         self.stream.close()
 
 
-def shard_writer_class() -> type:
-    import webdataset as wds
-
-    class ShardWriter(wds.ShardWriter):
-        """webdataset.ShardWriter (shard rollover, naming, opener, post hook) with UstarWriter per shard."""
-
-        def next_stream(self) -> None:
-            self.finish()
-            self.fname = self.pattern % self.shard
-            self.shard += 1
-            self.tarstream = UstarWriter(self.opener(self.fname))
-            self.count = 0
-            self.size = 0
-
-    return ShardWriter
-
-
 class HashingFile:
     """A write-only file whose sha256 is computed on a background thread: written pieces are handed over in
     batches of ~4 MB (by reference, no copy); hashlib releases the GIL, so hashing overlaps with writing."""
@@ -110,3 +93,31 @@ class HashingFile:
 def _update(sha: Any, pieces: list[bytes]) -> None:
     for piece in pieces:
         sha.update(piece)
+
+
+def regular_member_names(path: str) -> list[str] | None:
+    """Names of the regular-file members of a ustar file, read back header by header with each header checksum
+    verified (ValueError when one is wrong); None when the file uses pax/GNU extensions (ask tarfile then).
+
+    Why not tarfile: reading back every shard with it cost ~45 us per member, a quarter of the whole stage
+    (measured, cProfile); this walk reads only the 512-byte headers and seeks over the data."""
+    names = []
+    with open(path, "rb", buffering=0) as fh:
+        offset = 0
+        while True:
+            fh.seek(offset)
+            header = fh.read(TAR_BLOCK)
+            if len(header) < TAR_BLOCK or header == _ZEROS:
+                return names
+            stored = int(header[148:156].strip(b"\0 ") or b"0", 8)
+            if stored != sum(header[:148]) + 8 * 32 + sum(header[156:]):
+                raise ValueError(f"{path}: bad tar header checksum at byte {offset}")
+            kind = header[156:157]
+            if kind not in (b"0", b"\0", b"5"):
+                return None
+            size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+            if kind != b"5":
+                name = header[:100].split(b"\0", 1)[0]
+                prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+                names.append((prefix + b"/" + name if prefix else name).decode("utf-8"))
+            offset += TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK

@@ -1,0 +1,91 @@
+"""`shardline shard`: the data stage alone (what nanoGPT's prepare is to its train), logged to MLflow as the
+pipeline's stage is: a parent run tagged shardline.stage=shard with the shard_dataset child run under it."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import uuid
+
+from flows.config import ConfigError, load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `shard` subcommand to the `shardline` parser."""
+    shard = sub.add_parser("shard", help="run the data stage alone: shard, validate and publish the corpus")
+    shard.add_argument("--config", metavar="FILE.toml", help="pipeline config (only [data], [cluster], [registry] "
+                       "are used; default: built-in defaults)")
+    shard.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one config value, e.g. --set data.workers=4 (repeatable)")
+    shard.add_argument("--json", action="store_true", help="print the shard set as one JSON object, last on stdout")
+    shard.set_defaults(func=cmd_shard)
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    """Exit 0 with the shard set; 2 for a config mistake, 1 when the stage failed (one line each, no traceback)."""
+    from flows.cli import _table, prepare_environment
+    from training.data import DataError
+    from training.data.build import check_locations
+
+    try:
+        config = load_config(args.config, args.set)
+        check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
+    except (ConfigError, DataError) as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
+    prepare_environment()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("shardline").setLevel(logging.INFO)
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    start = time.monotonic()
+    try:
+        out = _shard(config)
+    except KeyboardInterrupt:
+        print("shardline: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the stage's MLflow run holds the details; the user gets one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"shardline: shard failed: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
+    out["wall_seconds"] = round(time.monotonic() - start, 3)
+    rows = [("dataset digest", out["dataset_digest"]), ("records", f"{out['num_train']} train / {out['num_val']} val"),
+            ("shards", f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, "
+                       f"{out['total_bytes'] / 1e6:.1f} MB"),
+            ("skipped", ", ".join(f"{k}={v}" for k, v in out["skipped"].items()) or "none"),
+            ("published", "cache hit (already published)" if out["cache_hit"] else "yes"),
+            ("manifest", out["manifest_uri"]), ("chunks", f"{out['chunks']} on {out['engine']}, {out['workers']} "
+                                                           "workers"),
+            ("wall seconds", f"{out['wall_seconds']:.1f}"), ("MLflow run", out["parent_run_id"])]
+    print(_table(rows), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+def _shard(config) -> dict:
+    """Run shard_dataset under a fresh parent run (and, for data.engine='ray', a cluster per [cluster])."""
+    from infra.cluster import provision, teardown
+    from infra.tracking import TAG_STAGE, Lineage, close_run, open_parent_run, resolve_tracking_uri
+    from tasks.data import shard_dataset
+
+    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
+    run_key = f"shard-{uuid.uuid4().hex[:12]}"
+    parent = open_parent_run(tracking_uri, config.registry.experiment, run_key, "shard")
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri).set_tag(parent, TAG_STAGE, "shard")  # not a pipeline run
+    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, parent_run_id=parent,
+                      flow_run_id=run_key)
+    cluster, ok = None, False
+    try:
+        if config.data.engine == "ray":
+            cluster = provision(config.cluster)
+        shards = shard_dataset.fn(config.data, lineage, cluster)
+        ok = True
+    finally:
+        if config.data.engine == "ray":
+            teardown(cluster)
+        close_run(tracking_uri, parent, ok)
+    return {**shards.model_dump(), "parent_run_id": parent, "engine": config.data.engine}

@@ -1,0 +1,102 @@
+"""Running chunks concurrently: worker processes on this machine (engine=local) or Ray tasks (engine=ray).
+
+Results come back in chunk order, with at most 2 x workers chunks in flight, so the coordinator's memory does not
+grow with the corpus, and the first error in corpus order is the one raised (as a sequential run would).
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from training.data.plan import Chunk
+from training.data.shardset import DataError
+from training.data.worker import ChunkJob, ChunkResult, shard_chunk
+
+
+def local_workers(configured: int) -> int:
+    """data.workers, or the cores this process may run on when it is 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return configured or cores
+
+
+def ray_workers(configured: int) -> int:
+    """data.workers, or the connected Ray cluster's CPUs when it is 0; DataError when Ray is not connected."""
+    import ray
+
+    if not ray.is_initialized():
+        raise DataError("data.engine='ray' needs a Ray cluster: run the pipeline, which provisions one, "
+                        "or `shardline shard`, which provisions [cluster]")
+    return configured or max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int) -> Iterator[ChunkResult]:
+    """Each chunk's result, in chunk order.
+
+    engine=local with workers > 1 and more than one chunk uses a pool of `workers` processes (spawned: the caller
+    may hold threads, e.g. Prefect's); otherwise chunks run in this process. engine=ray needs Ray connected.
+    """
+    it = iter(chunks)
+    head = list(itertools.islice(it, 2))
+    rest = itertools.chain(head, it)
+    if engine == "ray":
+        yield from _ray(rest, job, workers)
+    elif workers <= 1 or len(head) < 2:
+        yield from _ordered(rest, lambda c: c, lambda c: shard_chunk(c, job), lambda pending: None, window=1)
+    else:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            yield from _ordered(rest, lambda c: pool.submit(shard_chunk, c, job), lambda f: f.result(),
+                                lambda pending: [f.cancel() for f in pending], window=2 * workers)
+
+
+def _ordered(chunks: Iterator[Chunk], submit: Callable[[Chunk], Any], get: Callable[[Any], ChunkResult],
+             cancel: Callable[[list[Any]], Any], window: int) -> Iterator[ChunkResult]:
+    pending: deque[tuple[Chunk, Any]] = deque()
+
+    def fill() -> None:
+        while len(pending) < window:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return
+            pending.append((chunk, None if chunk.error else submit(chunk)))
+
+    try:
+        fill()
+        while pending:
+            chunk, handle = pending.popleft()
+            if chunk.error:
+                raise DataError(chunk.error)
+            result = get(handle)
+            fill()
+            yield result
+    finally:
+        cancel([handle for _, handle in pending if handle is not None])
+
+
+def _ray(chunks: Iterator[Chunk], job: ChunkJob, workers: int) -> Iterator[ChunkResult]:
+    import ray
+    from ray.exceptions import RayTaskError
+
+    workers = ray_workers(workers)
+    # max_retries: a chunk is idempotent, so a lost node only costs a rerun; errors of the chunk itself are final.
+    task = ray.remote(num_cpus=1, max_retries=3, retry_exceptions=False)(shard_chunk)
+
+    def get(ref: Any) -> ChunkResult:
+        try:
+            return ray.get(ref)
+        except RayTaskError as err:  # the chunk's own error, not Ray's wrapper with the remote traceback
+            cause = err.cause
+            raise (cause if isinstance(cause, Exception) else err) from None
+
+    def cancel(refs: list[Any]) -> None:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        if refs:  # nothing may still write into the build directory the caller is about to delete
+            ray.wait(refs, num_returns=len(refs), timeout=60)
+
+    yield from _ordered(chunks, lambda c: task.remote(c, job), get, cancel, window=2 * workers)
