@@ -7,14 +7,20 @@ import os
 import sys
 from typing import Any
 
+from flows.cmd_notify import add_notify_command
+from flows.cmd_stack import add_stack_commands
 from flows.config import ConfigError, load_config
 
 
 def _prepare_environment() -> None:
-    """Telemetry off; with no Prefect server configured, keep Prefect's own state under $SHARDLINE_HOME."""
+    """Telemetry off; use the stack `shardline up` runs here, if any; else keep Prefect's state under $SHARDLINE_HOME."""
     from infra.paths import quiet_telemetry, shardline_home
 
     quiet_telemetry()
+    from infra.stack.state import stack_environment
+
+    for key, value in stack_environment().items():  # a running `shardline up` stack: its Prefect and MLflow
+        os.environ.setdefault(key, value)
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
         os.environ["PREFECT_HOME"] = str(shardline_home() / "prefect")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
@@ -113,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default as for `run`)")
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
+    add_stack_commands(sub)
+    add_notify_command(sub)
     return parser
 
 
