@@ -35,11 +35,11 @@ def dataset_resource(source: str) -> dict[str, str]:
             "shardline.source": source}
 
 
-async def _emit(resource: dict[str, str]) -> str:
+async def _emit(resource: dict[str, str], config: dict) -> str:
     from prefect.events import Event
     from prefect.events.clients import get_events_client
 
-    event = Event(event=EVENT, resource=resource)
+    event = Event(event=EVENT, resource=resource, payload={"config": config} if config else {})
     async with get_events_client() as client:
         await client.emit(event)
     return str(event.id)
@@ -48,9 +48,14 @@ async def _emit(resource: dict[str, str]) -> str:
 def _cmd_notify(args: argparse.Namespace) -> int:
     from flows.cli import _prepare_environment
 
+    from flows.config import ConfigError, load_config, read_raw
+
     try:
         source = resolve_source(args.source)
-    except ValueError as e:
+        load_config(args.config, args.set)  # refuse a bad config here, not in a run started later
+        overrides, _ = read_raw(args.config, args.set)
+        overrides.pop("stack", None)  # `shardline up`'s table, not a run's
+    except (ValueError, ConfigError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
     _prepare_environment()
@@ -61,7 +66,7 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     try:
-        event_id = run_coro_as_sync(_emit(dataset_resource(source)))
+        event_id = run_coro_as_sync(_emit(dataset_resource(source), overrides))
     except Exception as e:  # noqa: BLE001 - unreachable server, refused websocket: one line, not a traceback
         print(f"shardline: could not emit {EVENT} to {os.environ['PREFECT_API_URL']}: {e}", file=sys.stderr)
         return 1
@@ -73,4 +78,7 @@ def add_notify_command(sub: argparse._SubParsersAction) -> None:
     """Register `notify-dataset` on the `shardline` parser."""
     p = sub.add_parser("notify-dataset", help=f"emit {EVENT} so the on-new-data deployment retrains on SOURCE")
     p.add_argument("source", metavar="SOURCE", help="corpus location: a local path, s3://bucket/prefix, az://...")
+    p.add_argument("--config", metavar="FILE.toml", help="config the started run uses (its data.source is SOURCE)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value of the started run (repeatable)")
     p.set_defaults(func=_cmd_notify)

@@ -69,7 +69,8 @@ def describe_errors(err: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def _read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
+def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
+    """The TOML file with overrides applied, unvalidated, and a name for it in messages."""
     raw: dict[str, Any] = {}
     origin = "config"
     if path is not None:
@@ -99,7 +100,7 @@ def load_stack_config(
     Raises:
         ConfigError: as for load_config, with keys of the stack table named `stack.KEY`.
     """
-    raw, origin = _read_raw(path, overrides)
+    raw, origin = read_raw(path, overrides)
     try:
         stack = _StackTable.model_validate({"stack": raw.pop("stack", {})}).stack
         return stack, PipelineConfig.model_validate(raw)
