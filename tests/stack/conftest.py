@@ -16,17 +16,17 @@ from infra.cluster import free_port
 SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.find_spec("flows.cmd_serve") is not None
 
 
-def up_args(model_name: str, extra: list[str] | None = None) -> list[str]:
+def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int = 0) -> list[str]:
     """`shardline up` on free ports with the debug config, its endpoint serving `model_name`."""
-    return ["up", "--config", str(REPO / "configs" / "debug.toml"), "--prefect-port", str(free_port()),
+    return ["up", "--config", str(REPO / "configs" / "debug.toml"), "--prefect-port", str(prefect_port or free_port()),
             "--mlflow-port", str(free_port()), "--set", f"registry.model_name={model_name}",
             "--set", "stack.mlflow_workers=1",
             *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]), *(extra or [])]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """A running stack: {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
+    """One running stack for the stack tests (session-wide: starting one takes ~50 s): {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
     home = tmp_path_factory.mktemp("stack-home")
     env = stack_env(home)
     proc = shardline(up_args("stack-test"), env, timeout=600)
