@@ -22,8 +22,11 @@ $(STAMP): $(BIN)/python pyproject.toml tests/services/package.json
 
 install: $(STAMP)
 
+# Brings the stack up (kept if already up), runs the demo through it, ends with the URLs, a curl and how to stop.
 demo: install
+	$(BIN)/shardline up --config configs/demo.toml
 	$(BIN)/shardline run --config configs/demo.toml
+	@$(BIN)/shardline status || true
 
 # The stack tests start a throwaway PostgreSQL (initdb/pg_ctl) and drive Debian's chromium; install them when
 # missing. No cluster is created or started by the package (createcluster.d), the tests make their own.

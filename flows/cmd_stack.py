@@ -80,6 +80,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for name, part in report.items():
             pids = ",".join(str(p) for p in part["pids"]) or "-"
             print(f"  {name:<9} {'up' if part['up'] else 'DOWN':<5} {part['url'] or '-':<45} pids {pids}")
+        print("\n".join(summary_lines(report)))
     return 0 if all(p["up"] for p in report.values()) else 1
 
 
