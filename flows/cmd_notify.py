@@ -46,7 +46,7 @@ async def _emit(resource: dict[str, str], config: dict) -> str:
 
 
 def _cmd_notify(args: argparse.Namespace) -> int:
-    from flows.cli import _prepare_environment
+    from flows.cli import prepare_environment
 
     from flows.config import ConfigError, load_config, read_raw
 
@@ -58,7 +58,7 @@ def _cmd_notify(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
-    _prepare_environment()
+    prepare_environment()
     if not os.environ.get("PREFECT_API_URL"):
         print("shardline: no Prefect server to notify: start one with `shardline up` or set PREFECT_API_URL",
               file=sys.stderr)

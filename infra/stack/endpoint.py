@@ -7,12 +7,17 @@ from infra.stack.state import PartState
 
 def start(config, recorded: PartState | None) -> PartState:
     """Start (or attach to) the serving app on the stack's Ray head; `config` is the PipelineConfig."""
-    from flows.cmd_serve import serve_up
+    from flows.cmd_serve import serve_up  # noqa: F401 - the name the live endpoint exports
 
     serve = getattr(config, "serve", None)
     known = f"http://{serve.host}:{serve.port}" if serve is not None else (recorded.url if recorded else "")
     was_serving = bool(known) and http_ok(f"{known}/healthz")
-    info = serve_up(config)
+    from infra.cluster import teardown
+
+    try:
+        info = serve_up(config)
+    finally:
+        teardown(None)  # this command only drove the cluster; the head and the app stay up
     url = str(info["url"]).rstrip("/")
     # Ours if this stack started it earlier, or if nothing served there before this call.
     started = (recorded is not None and recorded.started_by_us) or not was_serving
@@ -21,10 +26,20 @@ def start(config, recorded: PartState | None) -> PartState:
 
 
 def stop(part: PartState, config) -> bool:
-    """Remove the serving app when this stack started it (never another application)."""
+    """Remove the serving app when this stack started it (never another application, never Serve itself).
+
+    The Ray head is the `ray` part's to stop (only if this stack started it), so `serve_down`, which also stops
+    the head, is not what is called here.
+    """
     if not part.started_by_us:
         return False
-    from flows.cmd_serve import serve_down
+    import ray
 
-    serve_down(config)
-    return True
+    from deployments.endpoint import remove
+    from infra.cluster import provision, teardown
+
+    info = provision(config.cluster) if not ray.is_initialized() else None
+    try:
+        return bool(remove(config.serve, config.registry.model_name))
+    finally:
+        teardown(info)
