@@ -7,12 +7,11 @@ from infra.stack.state import PartState
 
 def start(config, recorded: PartState | None) -> PartState:
     """Start (or attach to) the serving app on the stack's Ray head; `config` is the PipelineConfig."""
-    from flows.cmd_serve import serve_up  # noqa: F401 - the name the live endpoint exports
-
-    serve = getattr(config, "serve", None)
-    known = f"http://{serve.host}:{serve.port}" if serve is not None else (recorded.url if recorded else "")
-    was_serving = bool(known) and http_ok(f"{known}/healthz")
+    from flows.cmd_serve import serve_up
     from infra.cluster import teardown
+
+    known = f"http://{config.serve.host}:{config.serve.port}"
+    was_serving = http_ok(f"{known}/healthz")
 
     try:
         info = serve_up(config)

@@ -22,6 +22,10 @@ def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) ->
         StackError: a part did not come up; the parts started before it stay recorded, so `down` stops them.
     """
     quiet_telemetry()
+    # Before anything imports prefect: its settings are read from the environment once, at import. The head and
+    # the endpoint (serve_up takes the release lock on this Prefect server) must see the stack's servers.
+    os.environ["PREFECT_API_URL"] = prefect_server.api_url(cfg)
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.tracking_url(cfg)
     home = shardline_home()
     old = read_state()
     state = StackState(home=str(home), parts=dict(old.parts) if old and old.home == str(home) else {})
@@ -44,9 +48,6 @@ def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) ->
     prefect = record(prefect_server.start(cfg, home, state.parts.get("prefect"), backend))
     mlflow = record(mlflow_server.start(cfg, home, state.parts.get("mlflow"), backend))
     record(worker.start(cfg, home, state.parts.get("worker"), prefect.url, mlflow.url))
-    # The head and the endpoint read the registry and $SHARDLINE_HOME from this process's environment.
-    os.environ["MLFLOW_TRACKING_URI"] = mlflow.url
-    os.environ["PREFECT_API_URL"] = prefect.url
     if cfg.ray:
         record(ray_head.start(pipeline_config.cluster, state.parts.get("ray")))
     if cfg.endpoint:

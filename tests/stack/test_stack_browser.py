@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack_support import REPO, assert_completed, deployment, runs_of, small_config, wait_for_run
+from stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
@@ -32,7 +32,7 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
     api, ui = stack["api"], stack["status"]["prefect"]["ui"]
     manual = deployment(api, "shardline/manual")
     # The operator's defaults for this deployment: the debug model, so the run takes about a minute here.
-    defaults = {"config": small_config("stack-ui", steps=30)}
+    defaults = {"config": stack["config"]("stack-ui", steps=30)}
     httpx.patch(f"{api}/deployments/{manual['id']}", json={"parameters": defaults}, timeout=30).raise_for_status()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, small_config, \
+from stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, \
     wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -53,7 +53,7 @@ def test_push_redeploys_and_the_worker_runs_the_pushed_commit(stack, tmp_path):
     assert git("-C", str(bare), "rev-parse", "main").strip() == head != pushed
 
     try:
-        run = create_run(stack["api"], manual["id"], {"config": small_config("stack-git")})
+        run = create_run(stack["api"], manual["id"], {"config": stack["config"]("stack-git")})
         done = wait_for_run(stack["api"], run["id"], 420, stack["log"])
         assert_completed(done, stack["log"])
         commits = {r.data.tags.get("shardline.git_commit") for r in mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])

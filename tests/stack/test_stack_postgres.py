@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 from conftest import up_args
+
+from infra.cluster import free_port
 from postgres_server import PostgresServer, pg_bin
 from stack_support import REPO, SHARDLINE, shardline, stack_env, status
 
@@ -27,7 +29,9 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
     import psycopg2
 
     env = stack_env(tmp_path / "home")
-    up = shardline(up_args("stack-pg", ["--backend", postgres, "--set", "stack.deploy=false"]), env)
+    serve_port = free_port()
+    up = shardline(up_args("stack-pg", ["--backend", postgres, "--set", "stack.deploy=false"], serve_port=serve_port),
+                   env)
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         report = status(env)
@@ -38,7 +42,7 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
         # Three `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases
         # of one model serialising is the release lock's test; these register three models side by side.)
         cmd = [SHARDLINE, "run", "--config", str(REPO / "configs" / "debug.toml"), "--json",
-               "--set", "train.steps=10", "--set", "train.checkpoint_every=5"]
+               "--set", "train.steps=10", "--set", "train.checkpoint_every=5", "--set", f"serve.port={serve_port}"]
         procs = [subprocess.Popen([*cmd, "--set", f"registry.model_name=stack-pg-{i}"], env=env, cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
         outs = [p.communicate(timeout=900) for p in procs]

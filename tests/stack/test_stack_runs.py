@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 from stack_support import (
-    assert_completed, create_run, deployment, mlflow_runs_of_flow_run, runs_of, shardline, small_config,
+    assert_completed, create_run, deployment, mlflow_runs_of_flow_run, runs_of, shardline,
     wait_for_run,
 )
 
@@ -19,7 +19,7 @@ RUN_TIMEOUT_S = 420
 def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack):
     api = stack["api"]
     manual = deployment(api, "shardline/manual")
-    run = create_run(api, manual["id"], {"config": small_config("stack-test")})
+    run = create_run(api, manual["id"], {"config": stack["config"]("stack-test")})
     done = wait_for_run(api, run["id"], RUN_TIMEOUT_S, stack["log"])
     assert_completed(done, stack["log"])
     assert done["parameters"]["config"]["train"]["steps"] == 10
@@ -59,7 +59,7 @@ def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(s
     assert len({t.date() for t in times}) == len(times)  # one per night
 
     first = scheduled[0]
-    httpx.patch(f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": small_config("stack-nightly")}},
+    httpx.patch(f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}},
                 timeout=30).raise_for_status()
     now = dt.datetime.now(dt.timezone.utc).isoformat()
     httpx.post(f"{api}/flow_runs/{first['id']}/set_state", timeout=30, json={
@@ -96,7 +96,8 @@ def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_start
     corpus = make_corpus(tmp_path / "new-corpus", n=120)
     proc = shardline(["notify-dataset", str(corpus), "--config", "configs/debug.toml",
                       "--set", "train.steps=10", "--set", "train.checkpoint_every=5",
-                      "--set", "registry.model_name=stack-event"], stack["env"], timeout=120)
+                      "--set", "registry.model_name=stack-event", "--set", f"serve.port={stack['serve_port']}"],
+                     stack["env"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"for {corpus}" in proc.stdout
 
