@@ -9,7 +9,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-system bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,22 @@ $(STAMP): $(BIN)/python pyproject.toml tests/services/package.json
 
 install: $(STAMP)
 
+# Brings the stack up (kept if already up), runs the demo through it, ends with the URLs, a curl and how to stop.
 demo: install
+	$(BIN)/shardline up --config configs/demo.toml
 	$(BIN)/shardline run --config configs/demo.toml
+	@$(BIN)/shardline status || true
 
-test: install
+# The stack tests start a throwaway PostgreSQL (initdb/pg_ctl) and drive Debian's chromium; install them when
+# missing. No cluster is created or started by the package (createcluster.d), the tests make their own.
+test-system:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  mkdir -p /etc/postgresql-common/createcluster.d && \
+	  echo 'create_main_cluster = false' > /etc/postgresql-common/createcluster.d/shardline.conf && \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
+	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+test: install test-system
 	$(BIN)/python -m pytest tests
 
 bench: install

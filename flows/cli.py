@@ -8,14 +8,20 @@ import os
 import sys
 from typing import Any
 
+from flows.cmd_notify import add_notify_command
+from flows.cmd_stack import add_stack_commands
 from flows.config import ConfigError, load_config
 
 
 def prepare_environment() -> None:
-    """Telemetry off; with no Prefect server configured, keep Prefect's own state under $SHARDLINE_HOME."""
+    """Telemetry off; use the stack `shardline up` runs here, if any; else keep Prefect's state under $SHARDLINE_HOME."""
     from infra.paths import quiet_telemetry, shardline_home
 
     quiet_telemetry()
+    from infra.stack.state import stack_environment
+
+    for key, value in stack_environment().items():  # a running `shardline up` stack: its Prefect and MLflow
+        os.environ.setdefault(key, value)
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
         os.environ["PREFECT_HOME"] = str(shardline_home() / "prefect")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
@@ -125,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmd_serve.add_parser(sub)
     cmd_shard.register(sub)
+    add_stack_commands(sub)
+    add_notify_command(sub)
     return parser
 
 

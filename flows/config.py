@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from infra.config import ClusterConfig
+from infra.stack.config import StackConfig
 from training.config import TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 
@@ -69,12 +70,8 @@ def describe_errors(err: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
-    """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
-
-    Raises:
-        ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
-    """
+def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
+    """The TOML file with overrides applied, unvalidated, and a name for it in messages."""
     raw: dict[str, Any] = {}
     origin = "config"
     if path is not None:
@@ -89,7 +86,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(raw, assignment)
     if overrides:
         origin = f"{origin} (with --set)"
+    return raw, origin
+
+
+class _StackTable(BaseModel):
+    stack: StackConfig = Field(default_factory=StackConfig)
+
+
+def load_stack_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> tuple[StackConfig, PipelineConfig]:
+    """The `[stack]` table of a config file (settings of `shardline up`) and the pipeline sections beside it.
+
+    Raises:
+        ConfigError: as for load_config, with keys of the stack table named `stack.KEY`.
+    """
+    raw, origin = read_raw(path, overrides)
     try:
-        return PipelineConfig.model_validate(raw)
+        stack = _StackTable.model_validate({"stack": raw.pop("stack", {})}).stack
+        return stack, PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(describe_errors(e, origin)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
+
+    A `[stack]` table is `shardline up`'s; it is checked and set aside, so one file can serve both commands.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
+    """
+    return load_stack_config(path, overrides)[1]

@@ -15,11 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_prefect_yaml_parameters_are_valid_pipeline_configs():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    names = {d["name"] for d in spec["deployments"]}
-    assert names == {"nightly", "manual", "on-new-data"}
+    entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
+    assert entrypoints == {
+        "nightly": "flows/pipeline.py:shardline_pipeline", "manual": "flows/pipeline.py:shardline_pipeline",
+        "on-new-data": "flows/pipeline.py:shardline_pipeline", "release-from-shards": "flows/release.py:release_from_shards",
+        "canary-version": "flows/canary_version.py:canary_version",
+    }
     for d in spec["deployments"]:
-        assert d["entrypoint"] == "flows/pipeline.py:shardline_pipeline"
         PipelineConfig.model_validate(d.get("parameters", {}).get("config", {}))
+        assert d["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
 
 
 def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_path):
@@ -27,7 +31,7 @@ def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_pa
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_GIT_REPOSITORY": "https://example.invalid/shardline.git",
-           "SHARDLINE_GIT_BRANCH": "main", "PREFECT_HOME": str(tmp_path)}
+           "SHARDLINE_GIT_COMMIT": "0123456789abcdef0123456789abcdef01234567", "PREFECT_HOME": str(tmp_path)}
     prefect = str(Path(sys.executable).with_name("prefect"))
     pool = subprocess.run([prefect, "work-pool", "create", "shardline-process", "--type", "process"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -53,7 +57,9 @@ def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_pa
     assert {"DataConfig", "TrainConfig", "CanaryConfig"} <= set(defs)
     assert defs["TrainConfig"]["properties"]["steps"]["type"] == "integer"
     assert defs["TrainConfig"]["properties"]["steps"]["description"]
-    assert deployments["nightly"].pull_steps[0]["prefect.deployments.steps.git_clone"]["branch"] == "main"
+    # Workers clone the deployed commit, not a branch head.
+    clone = deployments["nightly"].pull_steps[0]["prefect.deployments.steps.git_clone"]
+    assert clone["commit_sha"] == "0123456789abcdef0123456789abcdef01234567" and "branch" not in clone
     # The event trigger became an automation that runs the on-new-data deployment on `shardline.dataset.updated`.
     target = deployments["on-new-data"].id
     runs_it = [a for a in automations

@@ -1,0 +1,62 @@
+"""Canary one registered version against the current champion, on the held-out shards it was trained with."""
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from deployments.registry import CHAMPION, PromotionResult, client_for, read_aliases
+from flows.config import PipelineConfig
+from flows.release import FLOW_TIMEOUT_S, open_shard_set
+from infra.cluster import ClusterInfo, teardown
+from infra.tracking import TAG_MANIFEST_URI, Lineage, close_run, open_parent_run, resolve_tracking_uri
+from tasks.canary import canary_deploy
+from tasks.cluster import provision_cluster
+
+
+def challenge(model_name: str, version: str, aliases: dict[str, str]) -> PromotionResult:
+    """The promotion result the canary expects, for an existing version against today's champion.
+
+    Raises:
+        ValueError: no champion to compare against, or the version is the champion already.
+    """
+    champion = aliases.get(CHAMPION)
+    if champion is None:
+        raise ValueError(f"{model_name} has no champion; there is nothing to canary version {version} against")
+    if champion == version:
+        raise ValueError(f"{model_name} version {version} is the champion already")
+    return PromotionResult(model_name=model_name, version=version, decision="challenger",
+                           champion_version=champion, challenger_version=version)
+
+
+@flow(name="shardline-canary", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
+def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008
+    """Ramp traffic from the champion to `version` and promote it or roll it back, by the canary's gates.
+
+    Args:
+        version: the registered model version (of `config.registry.model_name`) to canary.
+        config: the pipeline config; its `registry`, `cluster` and `canary` sections are used.
+    """
+    logger = get_run_logger()
+    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
+    client = client_for(tracking_uri)
+    name = config.registry.model_name
+    promoted = challenge(name, str(version), read_aliases(client, name))
+    manifest = client.get_model_version(name, promoted.version).tags.get(TAG_MANIFEST_URI, "")
+    if not manifest:
+        raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are unknown")
+    run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline-canary")
+    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, flow_run_id=run_id,
+                      parent_run_id=open_parent_run(tracking_uri, config.registry.experiment, run_id, run_name))
+    cluster: ClusterInfo | None = None
+    ok = False
+    try:
+        shards = open_shard_set(manifest, lineage)
+        cluster = provision_cluster(config.cluster, lineage)
+        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        ok = True
+    finally:
+        teardown(cluster)
+        close_run(tracking_uri, lineage.parent_run_id, ok)
+    logger.info("version %s of %s: %s (%s)", promoted.version, name, canary.decision, canary.reason)
+    return {"model_name": name, "model_version": promoted.version, "decision": canary.decision,
+            "reason": canary.reason, "parent_run_id": lineage.parent_run_id}

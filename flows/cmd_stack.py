@@ -1,0 +1,103 @@
+"""`shardline up`, `shardline down`, `shardline status`: the local service stack (infra/stack)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flows.config import ConfigError, load_stack_config
+
+FLAG_KEYS = {"backend": "backend", "host": "host", "prefect_port": "prefect_port", "mlflow_port": "mlflow_port"}
+
+
+def _configs(args: argparse.Namespace):
+    overrides = list(args.set)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f'stack.{key}="{value}"' if isinstance(value, str) else f"stack.{key}={value}")
+    return load_stack_config(args.config, overrides)
+
+
+def summary_lines(status: dict) -> list[str]:
+    """Where to look, what to curl and how to stop: the end of `up` and of `make demo`."""
+    lines = []
+    labels = {"prefect": ("Prefect UI", "ui"), "mlflow": ("MLflow UI", None), "ray": ("Ray dashboard", None),
+              "endpoint": ("model endpoint", None)}
+    for name, (label, key) in labels.items():
+        part = status.get(name)
+        if part:
+            lines.append(f"  {label:<15} {part.get(key) if key else part['url']}")
+    endpoint = status.get("endpoint")
+    if endpoint:
+        lines.append(f"  try:            curl -s -X POST {endpoint['url']}/v1/completions "
+                     "-H 'content-type: application/json' -d '{\"prompt\": \"def \", \"max_tokens\": 32}'")
+    lines.append("  stop it all:    shardline down")
+    return lines
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from infra.stack.procs import StackError
+    from infra.stack.stack import status, up
+
+    try:
+        stack_cfg, pipeline_cfg = _configs(args)
+    except ConfigError as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
+    print("shardline up:", flush=True)
+    try:
+        up(stack_cfg, pipeline_cfg, say=lambda line: print(line, flush=True))
+    except StackError as e:
+        print(f"shardline: {e}\n  (what did start is recorded; `shardline down` stops it)", file=sys.stderr)
+        return 1
+    print("\n".join(summary_lines(status())), flush=True)
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from infra.stack.stack import down
+
+    try:
+        _, pipeline_cfg = _configs(args)
+    except ConfigError as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
+    print("shardline down:", flush=True)
+    down(pipeline_cfg, say=lambda line: print(line, flush=True))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from infra.stack.stack import status
+
+    report = status()
+    if args.json:
+        print(json.dumps(report), flush=True)
+    elif not report:
+        print("no stack is recorded here; start one with `shardline up`")
+    else:
+        for name, part in report.items():
+            pids = ",".join(str(p) for p in part["pids"]) or "-"
+            print(f"  {name:<9} {'up' if part['up'] else 'DOWN':<5} {part['url'] or '-':<45} pids {pids}")
+        print("\n".join(summary_lines(report)))
+    return 0 if all(p["up"] for p in report.values()) else 1
+
+
+def add_stack_commands(sub: argparse._SubParsersAction) -> None:
+    """Register `up`, `down` and `status` on the `shardline` parser."""
+    up = sub.add_parser("up", help="start the local stack: Prefect, MLflow, worker, Ray head, endpoint")
+    down = sub.add_parser("down", help="stop exactly what `shardline up` started")
+    for p in (up, down):
+        p.add_argument("--config", metavar="FILE.toml", help="a config file; its [stack] table configures `up`")
+        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a value, e.g. --set stack.prefect_port=4300 (repeatable)")
+    up.add_argument("--backend", help="postgresql://USER@HOST:PORT/NAME for MLflow and Prefect (stack.backend)")
+    up.add_argument("--host", help="address the services bind to (stack.host)")
+    up.add_argument("--prefect-port", type=int, help="Prefect server port (stack.prefect_port)")
+    up.add_argument("--mlflow-port", type=int, help="MLflow server port (stack.mlflow_port)")
+    up.set_defaults(func=_cmd_up)
+    down.set_defaults(func=_cmd_down)
+    status = sub.add_parser("status", help="each part of the stack: up or down, URL, PIDs")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=_cmd_status)

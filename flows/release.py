@@ -1,0 +1,77 @@
+"""Retrain and release from an existing shard set: provision -> train -> validate -> promote -> canary.
+
+The data stage is skipped: the shard set named by its prefix (or manifest) is opened and verified as published.
+"""
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from flows.config import PipelineConfig
+from infra.cluster import ClusterInfo, teardown
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, close_run, open_parent_run, \
+    resolve_tracking_uri, stage_run
+from tasks.canary import canary_deploy
+from tasks.cluster import provision_cluster
+from tasks.promote import promote_model
+from tasks.train import train_fsdp
+from tasks.validate import validate_checkpoint
+from training.data import ShardSet
+
+# Bounds, so a hung stage frees its concurrency slot instead of holding the deployment forever.
+FLOW_TIMEOUT_S = 12 * 3600
+OPEN_TIMEOUT_S = 600
+
+
+def shard_set_prefix(uri: str) -> str:
+    """The shard-set prefix for a prefix or a manifest URI ('.../DIGEST' or '.../DIGEST/manifest.json')."""
+    uri = uri.strip().rstrip("/")
+    if not uri:
+        raise ValueError("shard_set is empty; give the shard set's prefix or manifest URI")
+    return uri.removesuffix("/manifest.json")
+
+
+@task(name="open_shard_set", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, timeout_seconds=OPEN_TIMEOUT_S)
+def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
+    """Open and verify a published shard set; its digest and manifest are tagged on the data child run."""
+    import mlflow
+
+    from training.data.build import load_shard_set
+
+    with stage_run(lineage, "shard_dataset") as run_id:
+        shards = load_shard_set(shard_set_prefix(uri))
+        mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri,
+                         "shardline.reused_shard_set": "true"})
+    return shards.model_copy(update={"data_run_id": run_id})
+
+
+@flow(name="shardline-release", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
+def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008
+    """Train a new version on an existing shard set and release it through the canary.
+
+    Args:
+        shard_set: prefix ({data.output}/{digest}) or manifest URI of a published shard set.
+        config: the pipeline config; its `data` section is not used.
+    """
+    logger = get_run_logger()
+    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
+    run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline-release")
+    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, flow_run_id=run_id,
+                      parent_run_id=open_parent_run(tracking_uri, config.registry.experiment, run_id, run_name))
+    cluster: ClusterInfo | None = None
+    ok = False
+    try:
+        shards = open_shard_set(shard_set, lineage)
+        cluster = provision_cluster(config.cluster, lineage)
+        trained = train_fsdp(config.train, shards, cluster, lineage)
+        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage)
+        promoted = promote_model(config.registry, validated, trained, shards, lineage)
+        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        ok = True
+    finally:
+        teardown(cluster)
+        close_run(tracking_uri, lineage.parent_run_id, ok)
+    logger.info("version %s of %s: %s (%s)", promoted.version, promoted.model_name, canary.decision, canary.reason)
+    return {"model_name": promoted.model_name, "model_version": promoted.version, "decision": canary.decision,
+            "reason": canary.reason, "dataset_digest": shards.dataset_digest, "parent_run_id": lineage.parent_run_id}

@@ -1,0 +1,33 @@
+"""StackConfig: where the local stack's services listen and what they store; the `[stack]` table of a config file."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StackConfig(BaseModel):
+    """The services `shardline up` starts on this machine. Ports are each service's usual default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address every service binds to; 127.0.0.1 unless you mean otherwise.")
+    prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server API and UI port.")
+    mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow tracking server (and UI) port.")
+    mlflow_workers: int = Field(2, ge=1, description="MLflow server worker processes (each imports MLflow: ~200 MB).")
+    backend: str = Field(
+        "",
+        description="PostgreSQL server for the MLflow backend store and the Prefect database, e.g. "
+        "'postgresql://shardline@db:5432/shardline': databases NAME_mlflow and NAME_prefect are created there if "
+        "missing. A password is taken from PGPASSWORD, never from this string's log or state. Empty: SQLite files "
+        "under $SHARDLINE_HOME.",
+    )
+    artifacts: str = Field(
+        "",
+        description="Where the MLflow server stores artifacts: a local path, 's3://bucket/prefix' or an Azure "
+        "'wasbs://' URI. Empty: $SHARDLINE_HOME/mlartifacts.",
+    )
+    work_pool: str = Field("shardline-process", description="Name of the process work pool the deployments use.")
+    worker_limit: int = Field(4, ge=1, description="Flow runs the worker runs at once (each trains on Ray).")
+    ray: bool = Field(True, description="Start (or reuse) the long-lived local Ray head training and serving use.")
+    endpoint: bool = Field(True, description="Start the model endpoint (serves the registry's champion).")
+    deploy: bool = Field(True, description="Deploy prefect.yaml to the Prefect server once it answers.")
+    start_timeout_s: float = Field(180.0, gt=0, description="How long `up` waits for each service to answer.")

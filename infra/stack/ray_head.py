@@ -1,0 +1,27 @@
+"""The Ray part: the long-lived local Ray head (infra.head) that runs use for training and serving."""
+from __future__ import annotations
+
+from infra.config import ClusterConfig
+from infra.stack.procs import Proc, _start_ticks
+from infra.stack.state import PartState
+
+
+def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:
+    """Start the head, or reuse the one infra.head recorded; `down` stops it only if this `up` started it."""
+    from infra.head import ensure_head, read_head
+
+    before = read_head()
+    head = ensure_head(cluster)
+    started = before is None or (recorded is not None and recorded.started_by_us)
+    procs = [Proc(pid=pid, start_ticks=ticks) for pid in head.pids if (ticks := _start_ticks(pid)) is not None]
+    return PartState(name="ray", url=head.dashboard_url, procs=procs, started_by_us=started,
+                     detail={"gcs_address": head.gcs_address})  # the dashboard wants Ray's token: up = PIDs alive
+
+
+def stop(part: PartState) -> bool:
+    """Stop the head through infra.head (its recorded PIDs), only when this stack started it."""
+    if not part.started_by_us:
+        return False
+    from infra.head import stop_head
+
+    return stop_head()

@@ -1,0 +1,61 @@
+"""One HTTP service of the stack: keep it when it already answers, else start it detached and wait for it."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from infra.stack.procs import StackError, http_ok, port_open, spawn, stop, wait_until
+from infra.stack.state import PartState, part_up
+
+
+def bin_path(name: str) -> str:
+    """A console script of the environment shardline runs in (prefect, mlflow), not whatever PATH finds first."""
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else name
+
+
+def service_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment with telemetry off, this interpreter's bin first on PATH, and `extra`."""
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
+           "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def ensure_service(
+    name: str, recorded: PartState | None, url: str, health_url: str, host: str, port: int,
+    argv: list[str], env: dict[str, str], log_dir: Path, timeout_s: float, detail: dict[str, str] | None = None,
+) -> PartState:
+    """Return the part as running: the recorded one if it answers, one already answering on the port (kept, and
+    marked not ours so `down` leaves it), or a new process started here and waited for.
+
+    Raises:
+        StackError: the port is taken by something that does not answer like this service, or it did not start.
+    """
+    detail = {**(detail or {}), "health_url": health_url}
+    if recorded is not None and recorded.port == port and part_up(recorded):
+        return recorded
+    if http_ok(health_url):
+        return PartState(name=name, url=url, port=port, started_by_us=False, detail=detail)
+    if port_open(host, port):
+        raise StackError(f"{name}: port {host}:{port} is taken by something that is not a {name} server; "
+                         f"choose another port")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = spawn(name, argv, env, log_dir)
+    part = PartState(name=name, url=url, port=port, procs=[proc], started_by_us=True,
+                     detail={**detail, "log": str(log_dir / f"{name}.log")})
+    try:
+        wait_until(name, lambda: http_ok(health_url), timeout_s, proc, log_dir / f"{name}.log")
+    except StackError:
+        stop(proc)  # nothing half-started is left behind
+        raise
+    return part
+
+
+def stop_part(part: PartState) -> bool:
+    """Stop the processes `up` recorded for this part, and only if `up` started them; True if any was running."""
+    if not part.started_by_us:
+        return False
+    return any([stop(p) for p in part.procs])

@@ -1,0 +1,101 @@
+"""`up`, `down`, `status` of the whole local stack, in dependency order, recorded in $SHARDLINE_HOME/stack.json."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from infra.paths import quiet_telemetry, shardline_home
+from infra.stack import deploy, endpoint, mlflow_server, prefect_server, ray_head, worker
+from infra.stack.config import StackConfig
+from infra.stack.postgres import ensure_databases, parse_backend
+from infra.stack.procs import StackError
+from infra.stack.service import stop_part
+from infra.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
+
+
+def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) -> StackState:
+    """Bring every part up (keeping those already answering), record each as it comes, deploy prefect.yaml.
+
+    Idempotent: a second `up` finds every part answering and changes nothing but the deployments.
+
+    Raises:
+        StackError: a part did not come up; the parts started before it stay recorded, so `down` stops them.
+    """
+    quiet_telemetry()
+    # Before anything imports prefect: its settings are read from the environment once, at import. The head and
+    # the endpoint (serve_up takes the release lock on this Prefect server) must see the stack's servers.
+    os.environ["PREFECT_API_URL"] = prefect_server.api_url(cfg)
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.tracking_url(cfg)
+    home = shardline_home()
+    old = read_state()
+    state = StackState(home=str(home), parts=dict(old.parts) if old and old.home == str(home) else {})
+
+    def record(part: PartState) -> PartState:
+        state.parts[part.name] = part
+        write_state(state)
+        how = "started" if part.started_by_us else "kept (already running)"
+        say(f"  {part.name:<9} {part.url or '-':<45} {how}")
+        return part
+
+    backend = parse_backend(cfg.backend) if cfg.backend else None
+    if backend is not None:
+        created = ensure_databases(backend)
+        record(PartState(name="postgres", url=backend.display, port=backend.port,
+                         detail={"databases": ",".join(backend.databases.values()),
+                                 "created": ",".join(created) or "none"}))
+    else:
+        state.parts.pop("postgres", None)
+    prefect = record(prefect_server.start(cfg, home, state.parts.get("prefect"), backend))
+    mlflow = record(mlflow_server.start(cfg, home, state.parts.get("mlflow"), backend))
+    record(worker.start(cfg, home, state.parts.get("worker"), prefect.url, mlflow.url))
+    if cfg.ray:
+        record(ray_head.start(pipeline_config.cluster, state.parts.get("ray")))
+    if cfg.endpoint:
+        record(endpoint.start(pipeline_config, state.parts.get("endpoint")))
+    if cfg.deploy:
+        commit = deploy.deploy_all(prefect.url)
+        prefect.detail["deployed_commit"] = commit
+        write_state(state)
+        say(f"  deployed  prefect.yaml at commit {commit[:12]} to pool {cfg.work_pool!r}")
+    return state
+
+
+def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
+    """Stop what `up` started, by the PIDs it recorded, in reverse order; return the parts stopped.
+
+    Parts that were already running when `up` came (started_by_us false) are left alone, and so is every process
+    that `up` did not record. The state file is removed once nothing recorded is left running.
+    """
+    state = read_state()
+    if state is None:
+        say("no stack recorded in " + str(state_path()))
+        return []
+    stopped = []
+    for name in reversed(PARTS):
+        part = state.parts.get(name)
+        if part is None:
+            continue
+        try:
+            if name == "endpoint":
+                done = endpoint.stop(part, pipeline_config)
+            elif name == "ray":
+                done = ray_head.stop(part)
+            else:
+                done = stop_part(part)
+        except (StackError, OSError, ImportError) as e:
+            say(f"  {name:<9} could not be stopped: {e}")
+            continue
+        if done:
+            stopped.append(name)
+        say(f"  {name:<9} {'stopped' if done else 'left running (not started by shardline up)' if not part.started_by_us else 'was not running'}")
+        state.parts.pop(name)
+        write_state(state)
+    if not state.parts:
+        state_path().unlink(missing_ok=True)
+    return stopped
+
+
+def status() -> dict:
+    """Each recorded part: up or down, URL, PIDs, and whether `up` started it; {} when no stack is recorded."""
+    state = read_state()
+    return dump_status(state) if state is not None else {}

@@ -1,0 +1,91 @@
+"""Helpers for the stack tests: run the `shardline` command, talk to the stack's Prefect REST API, wait for runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+SHARDLINE = str(Path(sys.executable).with_name("shardline"))
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def shardline(args: list[str], env: dict[str, str], timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run the shardline command with `env`; output captured."""
+    return subprocess.run([SHARDLINE, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def stack_env(home: Path) -> dict[str, str]:
+    """An environment whose $SHARDLINE_HOME is `home` and that points at no other Prefect or MLflow."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "RAY_ADDRESS")}
+    return {**env, "SHARDLINE_HOME": str(home)}
+
+
+def status(env: dict[str, str]) -> dict:
+    proc = shardline(["status", "--json"], env, timeout=60)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+
+
+def small_config(model_name: str, steps: int = 10, **sections) -> dict:
+    """configs/debug.toml at `steps` training steps, registering as `model_name`, as a flow `config` parameter."""
+    cfg = tomllib.loads((REPO / "configs" / "debug.toml").read_text())
+    cfg["train"].update(steps=steps, checkpoint_every=5, log_every=5, warmup_steps=2)
+    cfg["registry"]["model_name"] = model_name
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def deployment(api: str, name: str) -> dict:
+    r = httpx.get(f"{api}/deployments/name/{name}", timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def create_run(api: str, deployment_id: str, parameters: dict) -> dict:
+    """Exactly the UI's "Custom run": POST /deployments/{id}/create_flow_run with the form's parameters."""
+    r = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters}, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def runs_of(api: str, deployment_id: str) -> list[dict]:
+    body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC",
+            "limit": 200}
+    r = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_for_run(api: str, run_id: str, timeout_s: float, log: Path | None = None) -> dict:
+    """Poll the flow run until it is final; return it. On timeout the assertion shows the worker's log tail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
+        if run["state"]["type"] in FINAL:
+            return run
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise AssertionError(f"flow run {run_id} still {run['state']['type']} after {timeout_s:.0f} s\n{tail}")
+        time.sleep(3)
+
+
+def assert_completed(run: dict, log: Path) -> None:
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+    assert run["state"]["type"] == "COMPLETED", f"{run['state']['type']}: {run['state'].get('message')}\n{tail}"
+
+
+def mlflow_runs_of_flow_run(tracking_uri: str, flow_run_id: str) -> list:
+    """Every MLflow run tagged with this Prefect flow run id (the parent and its stage children)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments, filter_string=f"tags.`shardline.prefect_flow_run_id` = '{flow_run_id}'")

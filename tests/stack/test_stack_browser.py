@@ -1,0 +1,80 @@
+"""The Prefect UI, driven in a real browser (Debian's chromium through Playwright): open the `manual` deployment,
+Run -> Custom run, change train.steps in the parameter form, submit; the worker runs it with that value."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+CHROMIUM = "/usr/bin/chromium"
+# Debian's build, headless; no Playwright browser download, no calls home.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = REPO / "tests" / "artifacts"
+STEPS = 7
+
+
+def form_property(scope, label: str):
+    """The innermost schema-form property whose label starts with `label` (e.g. 'Train', 'Steps')."""
+    title = scope.page.locator("span.schema-form-property__label", has_text=re.compile(rf"^{label}\b"))
+    return scope.locator("div.schema-form-property").filter(has=title).last
+
+
+@pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="no /usr/bin/chromium (make test installs it)")
+def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
+    from playwright.sync_api import sync_playwright
+
+    api, ui = stack["api"], stack["status"]["prefect"]["ui"]
+    manual = deployment(api, "shardline/manual")
+    # The operator's defaults for this deployment: the debug model, so the run takes about a minute here.
+    defaults = {"config": stack["config"]("stack-ui", steps=30)}
+    httpx.patch(f"{api}/deployments/{manual['id']}", json={"parameters": defaults}, timeout=30).raise_for_status()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(f"{ui}/deployments/deployment/{manual['id']}")
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run", exact=True).click()
+            page.wait_for_url(re.compile(r"/deployments/deployment/.+/run"))
+
+            train = form_property(page.locator("body"), "Train")
+            steps = form_property(train, "Steps").locator("input[type=number]")
+            assert steps.input_value() == "30"  # the form shows the deployment's parameters
+            steps.fill(str(STEPS))
+            before = {r["id"] for r in runs_of(api, manual["id"])}
+            page.get_by_role("button", name="Submit").click()
+            page.wait_for_url(re.compile(r"/deployments/deployment/[0-9a-f-]{36}(\?.*)?$"))  # back on the deployment
+            new = [r["id"] for r in runs_of(api, manual["id"]) if r["id"] not in before]
+            assert len(new) == 1, new
+            run_id = new[0]
+
+            done = wait_for_run(api, run_id, 420, stack["log"])
+            page.goto(f"{ui}/runs/flow-run/{run_id}")
+            page.get_by_text("Completed").first.wait_for()
+            page.get_by_role("tab", name="Parameters").click()  # the screenshot shows the submitted steps
+            page.get_by_text(f'"steps": {STEPS}').first.wait_for()
+            page.screenshot(path=str(ARTIFACTS / "prefect-ui-custom-run.png"), full_page=True)
+            browser.close()
+    finally:
+        httpx.patch(f"{api}/deployments/{manual['id']}", json={"parameters": {}}, timeout=30).raise_for_status()
+    assert_completed(done, stack["log"])
+    assert done["deployment_id"] == manual["id"]
+    assert done["parameters"]["config"]["train"]["steps"] == STEPS
+    assert done["parameters"]["config"]["registry"]["model_name"] == "stack-ui"
+    # The run really trained that many steps: the training stage logged its last step.
+    import mlflow
+
+    client = mlflow.MlflowClient(stack["tracking_uri"])
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    train_run = client.search_runs(experiments, filter_string=f"tags.`shardline.prefect_flow_run_id` = '{run_id}' "
+                                                              "and tags.`shardline.stage` = 'train_fsdp'")[0]
+    assert train_run.data.params["train.steps"] == str(STEPS)
+    assert Path(ARTIFACTS / "prefect-ui-custom-run.png").stat().st_size > 10_000

@@ -1,0 +1,85 @@
+"""`shardline up` is idempotent and `shardline down` stops exactly what it started: no process, no port left."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import up_args
+from stack_support import shardline, stack_env, status
+
+from infra.cluster import free_port
+from infra.stack.procs import http_ok, port_open
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def group_members(pgid: int) -> set[int]:
+    """Every live process of a process group (a server's uvicorn workers, a worker's flow runs)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                out.add(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_path):
+    env = stack_env(tmp_path / "home")
+    # A Prefect server somebody else runs: `up` uses it, and `down` must leave it running.
+    foreign_port = free_port()
+    foreign = subprocess.Popen(
+        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port",
+         str(foreign_port), "--analytics-off"], env={**env, "PREFECT_HOME": str(tmp_path / "foreign")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        args = up_args("stack-lifecycle", ["--set", "stack.deploy=false"], prefect_port=foreign_port)
+        deadline = time.monotonic() + 120
+        while not http_ok(f"http://127.0.0.1:{foreign_port}/api/health"):
+            assert time.monotonic() < deadline and foreign.poll() is None, "the foreign Prefect server did not start"
+            time.sleep(1)
+        first = shardline(args, env)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "prefect   http://127.0.0.1" in first.stdout and "kept (already running)" in first.stdout
+        before = status(env)
+        assert before["prefect"]["started_by_us"] is False and before["mlflow"]["started_by_us"] is True
+        assert all(part["up"] for part in before.values()), before
+
+        second = shardline(args, env)
+        assert second.returncode == 0, second.stdout + second.stderr
+        after = status(env)
+        assert {n: p["pids"] for n, p in after.items()} == {n: p["pids"] for n, p in before.items()}
+
+        ours = [p for part in after.values() if part["started_by_us"] for p in part["pids"]]
+        members = set().union(*(group_members(pid) for pid in ours))
+        assert members >= set(ours)
+        ports = [int(part["url"].split(":")[2].split("/")[0]) for name, part in after.items()
+                 if part["started_by_us"] and name in ("mlflow",)]
+
+        down = shardline(["down"], env, timeout=300)
+        assert down.returncode == 0, down.stderr
+        assert "left running (not started by shardline up)" in down.stdout
+        assert not [pid for pid in members if alive(pid)], "processes of the stack are still running"
+        assert not any(port_open("127.0.0.1", port) for port in ports)
+        assert status(env) == {}
+        assert not (tmp_path / "home" / "stack.json").exists()
+        # ...and the server it did not start still answers.
+        assert foreign.poll() is None and http_ok(f"http://127.0.0.1:{foreign_port}/api/health")
+    finally:
+        os.killpg(foreign.pid, signal.SIGTERM)
+        foreign.wait(timeout=60)

@@ -1,0 +1,69 @@
+"""`shardline up --backend postgresql://...`: MLflow's store and Prefect's database on one PostgreSQL server
+(separate databases, created), and three pipeline runs at once against it."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import up_args
+
+from infra.cluster import free_port
+from postgres_server import PostgresServer, pg_bin
+from stack_support import REPO, SHARDLINE, shardline, stack_env, status
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture
+def postgres():
+    if pg_bin() is None:
+        pytest.skip("no PostgreSQL server binaries (make test installs them)")
+    server = PostgresServer()
+    url = server.start()
+    yield url
+    server.stop()
+
+
+def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
+    import psycopg2
+
+    env = stack_env(tmp_path / "home")
+    serve_port = free_port()
+    up = shardline(up_args("stack-pg", ["--backend", postgres, "--set", "stack.deploy=false"], serve_port=serve_port),
+                   env)
+    try:
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        report = status(env)
+        assert report["postgres"]["databases"] == "shardline_mlflow,shardline_prefect"
+        assert report["prefect"]["database"].startswith("postgresql://shardline@127.0.0.1:")
+        assert report["mlflow"]["backend"].endswith("/shardline_mlflow")
+
+        # Three `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases
+        # of one model serialising is the release lock's test; these register three models side by side.)
+        cmd = [SHARDLINE, "run", "--config", str(REPO / "configs" / "debug.toml"), "--json",
+               "--set", "train.steps=10", "--set", "train.checkpoint_every=5", "--set", f"serve.port={serve_port}"]
+        procs = [subprocess.Popen([*cmd, "--set", f"registry.model_name=stack-pg-{i}"], env=env, cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+        outs = [p.communicate(timeout=900) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            assert "database is locked" not in err
+        summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == \
+            [(f"stack-pg-{i}", "1", "first-champion") for i in range(3)]
+
+        # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
+        base = dict(host="127.0.0.1", port=int(postgres.rsplit(":", 1)[1].split("/")[0]), user="shardline")
+        with psycopg2.connect(dbname="shardline_mlflow", **base) as conn, conn.cursor() as cur:
+            cur.execute("SELECT value FROM tags WHERE key = 'shardline.prefect_flow_run_id'")
+            mlflow_flow_runs = {row[0] for row in cur.fetchall()}
+            cur.execute("SELECT name FROM model_versions WHERE name LIKE 'stack-pg-%' ORDER BY name")
+            assert [row[0] for row in cur.fetchall()] == ["stack-pg-0", "stack-pg-1", "stack-pg-2"]
+        with psycopg2.connect(dbname="shardline_prefect", **base) as conn, conn.cursor() as cur:
+            cur.execute("SELECT id::text FROM flow_run WHERE state_type = 'COMPLETED'")
+            prefect_flow_runs = {row[0] for row in cur.fetchall()}
+        assert {s["flow_run_id"] for s in summaries} <= mlflow_flow_runs & prefect_flow_runs
+    finally:
+        down = shardline(["down"], env, timeout=300)
+        assert down.returncode == 0, down.stderr

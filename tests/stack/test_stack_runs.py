@@ -1,0 +1,117 @@
+"""Deployments that really run: the stack's worker executes runs started the ways users start them (REST/UI
+"Custom run", the schedule, a dataset event) and they write to the stack's MLflow server and $SHARDLINE_HOME."""
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import httpx
+import pytest
+from stack_support import (
+    assert_completed, create_run, deployment, mlflow_runs_of_flow_run, runs_of, shardline,
+    wait_for_run,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+RUN_TIMEOUT_S = 420
+
+
+def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack):
+    api = stack["api"]
+    manual = deployment(api, "shardline/manual")
+    run = create_run(api, manual["id"], {"config": stack["config"]("stack-test")})
+    done = wait_for_run(api, run["id"], RUN_TIMEOUT_S, stack["log"])
+    assert_completed(done, stack["log"])
+    assert done["parameters"]["config"]["train"]["steps"] == 10
+
+    # The MLflow server holds the run tree of this flow run: the parent and one child per stage.
+    runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])
+    stages = {r.data.tags.get("shardline.stage") for r in runs}
+    assert stages == {"pipeline", "shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoint",
+                      "promote_model", "canary_deploy"}
+    parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
+    # ...and the code that ran is the deployed commit, from the run's clone.
+    assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]
+    # What it made is under the stack's $SHARDLINE_HOME, which outlives the run's temporary clone.
+    home = stack["home"]
+    assert any((home / "shards").rglob("manifest.json"))
+    assert any((home / "checkpoints").iterdir())
+    import mlflow
+
+    champion = mlflow.MlflowClient(stack["tracking_uri"]).get_model_version_by_alias("stack-test", "champion")
+    assert champion.tags["shardline.prefect_flow_run_id"] == run["id"]
+    endpoint = stack["status"].get("endpoint")
+    if endpoint is not None:  # the endpoint part (issue 7's serving app) serves the new champion
+        served = httpx.post(f"{endpoint['url']}/v1/score", json={"text": "def f(x):\n    return x\n"}, timeout=60)
+        assert served.status_code == 200, served.text
+        assert served.json()["model_version"] == champion.version
+
+
+def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(stack):
+    api = stack["api"]
+    nightly = deployment(api, "shardline/nightly")
+    deadline = time.monotonic() + 90  # the scheduler service fills the schedule when the deployment is created
+    while not (scheduled := [r for r in runs_of(api, nightly["id"]) if r["state"]["type"] == "SCHEDULED"]):
+        assert time.monotonic() < deadline, "the server created no scheduled run for the nightly deployment"
+        time.sleep(3)
+    times = [dt.datetime.fromisoformat(r["expected_start_time"]) for r in scheduled]
+    assert all((t.hour, t.minute, t.second) == (3, 0, 0) and t.utcoffset() == dt.timedelta(0) for t in times)
+    assert len({t.date() for t in times}) == len(times)  # one per night
+
+    first = scheduled[0]
+    httpx.patch(f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}},
+                timeout=30).raise_for_status()
+    now = dt.datetime.now(dt.timezone.utc).isoformat()
+    httpx.post(f"{api}/flow_runs/{first['id']}/set_state", timeout=30, json={
+        "state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}},
+        "force": True}).raise_for_status()
+    done = wait_for_run(api, first["id"], RUN_TIMEOUT_S, stack["log"])
+    assert_completed(done, stack["log"])
+    assert done["deployment_id"] == nightly["id"]
+    assert {r.data.tags.get("shardline.stage") for r in mlflow_runs_of_flow_run(stack["tracking_uri"], first["id"])} \
+        >= {"pipeline", "train_fsdp", "promote_model"}
+
+
+def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_starts_none(stack, tmp_path):
+    from data_helpers import make_corpus
+
+    api = stack["api"]
+    on_new_data = deployment(api, "shardline/on-new-data")
+    assert runs_of(api, on_new_data["id"]) == []
+
+    # An event without a source must not start anything (and never the demo corpus).
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def emit_sourceless():
+        async with get_events_client() as client:
+            await client.emit(Event(event="shardline.dataset.updated",
+                                    resource={"prefect.resource.id": "shardline.dataset.nosource"}))
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        run_coro_as_sync(emit_sourceless())
+
+    corpus = make_corpus(tmp_path / "new-corpus", n=120)
+    proc = shardline(["notify-dataset", str(corpus), "--config", "configs/debug.toml",
+                      "--set", "train.steps=10", "--set", "train.checkpoint_every=5",
+                      "--set", "registry.model_name=stack-event", "--set", f"serve.port={stack['serve_port']}"],
+                     stack["env"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"for {corpus}" in proc.stdout
+
+    deadline = time.monotonic() + 60
+    while not (runs := runs_of(api, on_new_data["id"])):
+        assert time.monotonic() < deadline, "the automation started no run for the dataset event"
+        time.sleep(2)
+    time.sleep(5)  # both events were emitted before this one was seen; give a stray run time to show up
+    runs = runs_of(api, on_new_data["id"])
+    assert len(runs) == 1, [r["parameters"] for r in runs]
+    assert runs[0]["parameters"]["config"]["data"]["source"] == str(corpus)
+    assert runs[0]["parameters"]["config"]["train"]["steps"] == 10
+    done = wait_for_run(api, runs[0]["id"], RUN_TIMEOUT_S, stack["log"])
+    assert_completed(done, stack["log"])
+    shard_run = next(r for r in mlflow_runs_of_flow_run(stack["tracking_uri"], runs[0]["id"])
+                     if r.data.tags.get("shardline.stage") == "shard_dataset")
+    assert shard_run.data.params["data.source"] == str(corpus)
