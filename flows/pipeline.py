@@ -7,7 +7,8 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from flows.config import PipelineConfig
+from flows import log_hygiene
+from flows.config import PipelineConfig, check_no_credentials
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri
 from tasks.canary import canary_deploy
@@ -43,6 +44,8 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         config: one section per stage (data, cluster, train, validation, registry, canary); the same model
             as the TOML config file. Every field has a description in the form.
     """
+    log_hygiene.install()  # masked credentials, one-line expected failures (also when a worker runs the flow)
+    check_no_credentials(config, "flow parameter")
     logger = get_run_logger()
     tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
     run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline")

@@ -8,7 +8,7 @@ from prefect.exceptions import MissingContextError
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, stage_run
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, safe_tags, stage_run
 from training.data import DataError, ShardSet, build_shards
 from tasks.retry import retry_unless
 from training.data.config import DataConfig
@@ -49,7 +49,7 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage) -> ShardSet:
             mlflow.log_dict(err.report, "data/validation.json")
             raise
         log_dataset(shards, cfg.storage_retries)
-        mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri})
+        mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri}))
         mlflow.log_metrics({"num_train": shards.num_train, "num_val": shards.num_val,
                             "total_bytes": shards.total_bytes, "cache_hit": int(shards.cache_hit),
                             **{f"skipped_{k}": v for k, v in shards.skipped.items()}})
