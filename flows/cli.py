@@ -37,8 +37,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _prepare_environment()
     from flows import log_hygiene
     from flows.pipeline import shardline_pipeline
+    from infra.orphans import reap_orphans
 
     log_hygiene.install()
+    reap_orphans()  # what a killed earlier run left behind, by its recorded PIDs
     try:
         summary = shardline_pipeline(config)
     except KeyboardInterrupt:

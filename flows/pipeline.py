@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from flows import log_hygiene
 from flows.config import PipelineConfig, check_no_credentials
+from infra import orphans
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri
 from tasks.canary import canary_deploy
@@ -45,6 +46,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             as the TOML config file. Every field has a description in the form.
     """
     log_hygiene.install()  # masked credentials, one-line expected failures (also when a worker runs the flow)
+    orphans.record_children()  # e.g. Prefect's temporary server: a rerun stops it if this process is killed
     check_no_credentials(config, "flow parameter")
     logger = get_run_logger()
     tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
@@ -62,7 +64,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     try:
         shards = shard_dataset(config.data, lineage)
         cluster = provision_cluster(config.cluster, lineage)
-        trained = train_fsdp(config.train, shards, cluster, lineage)
+        trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
         validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage)
         promoted = promote_model(config.registry, validated, trained, shards, lineage)
         canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
@@ -70,6 +72,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     finally:
         teardown(cluster)
         close_run(tracking_uri, lineage.parent_run_id, ok)
+        orphans.forget()
 
     if promoted.decision == "first-champion":
         decision, reason, champion = "first-champion", "no champion existed", promoted.version

@@ -164,7 +164,7 @@ def _no_pickled_leaves(directory: str | os.PathLike) -> None:
         raise CheckpointError(f"{directory}: holds pickled (non-tensor) entries {pickled[:3]}; refusing to load")
 
 
-def _check_shapes(directory: str | os.PathLike, prefix: str, target: dict[str, Any]) -> None:
+def check_shapes(directory: str | os.PathLike, prefix: str, target: dict[str, Any]) -> None:
     """CheckpointError naming the first tensor whose saved (global) shape differs from the model's."""
     saved = read_metadata(directory).state_dict_metadata
     for key, value in target.items():
@@ -218,7 +218,7 @@ def load_checkpoint(
     info = verify_checkpoint(directory)
     _no_pickled_leaves(directory)
     state = training_state(model, optimizer, 0, 0, rank, world_size)
-    _check_shapes(directory, "model.", state["model"])
+    check_shapes(directory, "model.", state["model"])
     osd_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
     same_world = info.world_size == world_size
     if not same_world:
@@ -253,7 +253,7 @@ def load_unsharded(model: nn.Module, directory: str | os.PathLike) -> Checkpoint
     if set(target) != have:
         extra, missing = sorted(have - set(target)), sorted(set(target) - have)
         raise CheckpointError(f"{directory}: model keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
-    _check_shapes(directory, "model.", target)
+    check_shapes(directory, "model.", target)
     state = {"model": target}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
