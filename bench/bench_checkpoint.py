@@ -1,10 +1,11 @@
 """Checkpoint benchmark (prints ratios; not a test): DCP save of the training state (shardline's writer: N files
-per rank, fsync, then the sha256 manifest) against torch.save of the same state, with and without fsync.
-target >= 0.8x of torch.save.
+per rank hashed while written, per-tensor CRC32, fsync, then the manifest) against torch.save of the same state,
+fsynced too. target >= 0.8x of torch.save + fsync.
 
-    python bench/bench_checkpoint.py [--d-model 512] [--n-layer 8] [--repeat 3]
+    python bench/bench_checkpoint.py [--sizes demo,1gb] [--repeat 3]
 
-One process, world size 1 (gloo), FSDP2-sharded model + AdamW state after one step.
+One process, world size 1 (gloo), FSDP2-sharded model + AdamW state after one step, on CPU.
+`demo` is configs/demo.toml's model (d_model 128, 4 layers); `1gb` a ~1 GB state (d_model 1024, 7 layers).
 """
 from __future__ import annotations
 
@@ -27,16 +28,13 @@ from training.loop import build_optimizer  # noqa: E402
 from training.model import build_gpt  # noqa: E402
 from training.parallelize import parallelize  # noqa: E402
 
+SIZES = {"demo": dict(d_model=128, n_layer=4, n_head=4), "1gb": dict(d_model=1024, n_layer=7, n_head=8)}
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--n-layer", type=int, default=8)
-    p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cfg = TrainConfig(workers=1, seq_len=128, n_layer=args.n_layer, n_head=8, d_model=args.d_model)
+
+def bench_size(name: str, repeat: int) -> None:
+    cfg = TrainConfig(workers=1, seq_len=128, **SIZES[name])
     cpu = torch.device("cpu")
+    torch.manual_seed(0)
     model = parallelize(build_gpt(cfg), cfg, cpu, 1)
     opt = build_optimizer(model, cfg, cpu)
     model(torch.randint(0, 256, (2, 16))).sum().backward()
@@ -45,43 +43,52 @@ def main() -> None:
 
     def median(fn) -> float:
         times = []
-        for _ in range(args.repeat):
+        for _ in range(repeat):
             with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
                 t = time.perf_counter()
                 fn(tmp)
                 times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    def torch_save(tmp: str, fsync: bool) -> None:
+    def torch_save(tmp: str) -> None:
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
         with open(f"{tmp}/state.pt", "wb") as f:
             torch.save({"model": full, "optim": opt.state_dict()}, f)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
+
+    import torch.distributed.checkpoint as dcp
+
+    def dcp_plain(tmp: str, threads: int) -> None:  # DCP's own writer: no hashing, no checksums, no manifest
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        dcp.save(ckpt.training_state(model, opt, 1, 1, 0, 1),
+                 storage_writer=FileSystemWriter(f"{tmp}/w", thread_count=threads, sync_files=True))
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt.save_checkpoint(f"{tmp}/probe", model, opt, 1, 1, 0, 1)
         mb = sum(f.stat().st_size for f in Path(tmp, "probe").iterdir()) / 2**20
-    ts_nosync = median(lambda d: torch_save(d, False))
-    ts_sync = median(lambda d: torch_save(d, True))
-    print(f"state: {params / 1e6:.1f}M params, {mb:.0f} MB (model + AdamW moments); median of {args.repeat}")
-    print(f"{'writer':34s} {'s':>7s} {'MB/s':>8s} {'vs torch.save':>14s} {'vs torch.save+fsync':>20s}")
-    print(f"{'torch.save (no fsync)':34s} {ts_nosync:7.2f} {mb / ts_nosync:8.0f} {1.0:14.2f} "
-          f"{ts_sync / ts_nosync:20.2f}")
-    print(f"{'torch.save + fsync':34s} {ts_sync:7.2f} {mb / ts_sync:8.0f} {ts_nosync / ts_sync:14.2f} {1.0:20.2f}")
-    import torch.distributed.checkpoint as dcp
-
-    def dcp_write(tmp: str, threads: int) -> None:  # without the manifest (no sha256)
-        dcp.save(ckpt.training_state(model, opt, 1, 1, 0, 1), storage_writer=ckpt._writer(f"{tmp}/w", threads))
-
-    for threads in (1, 4, 8):
-        for label, fn in ((f"DCP write only, {threads} file(s)/rank", lambda d, n=threads: dcp_write(d, n)),
-                          (f"DCP + manifest, {threads} file(s)/rank",
-                           lambda d, n=threads: ckpt.save_checkpoint(f"{d}/c", model, opt, 1, 1, 0, 1, threads=n))):
+    ts = median(torch_save)
+    print(f"[{name}] state: {params / 1e6:.1f}M params, {mb:.0f} MB (model + AdamW moments); median of {repeat}")
+    print(f"[{name}] {'writer (all fsynced)':36s} {'s':>7s} {'MB/s':>8s} {'vs torch.save':>14s}")
+    print(f"[{name}] {'torch.save':36s} {ts:7.2f} {mb / ts:8.0f} {1.0:14.2f}")
+    for threads in (1, 4):
+        for label, fn in ((f"DCP plain, {threads} file(s)/rank", lambda d, n=threads: dcp_plain(d, n)),
+                          (f"DCP + hashes + manifest, {threads} file(s)", lambda d, n=threads:
+                           ckpt.save_checkpoint(f"{d}/c", model, opt, 1, 1, 0, 1, threads=n))):
             t = median(fn)
-            print(f"{label:34s} {t:7.2f} {mb / t:8.0f} {ts_nosync / t:14.2f} {ts_sync / t:20.2f}")
-    print("target: DCP >= 0.8x torch.save")
+            print(f"[{name}] {label:36s} {t:7.2f} {mb / t:8.0f} {ts / t:14.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="demo,1gb", help="comma-separated: " + ", ".join(SIZES))
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for name in args.sizes.split(","):
+        bench_size(name.strip(), args.repeat)
+    print("target: DCP + hashes + manifest >= 0.8x torch.save (both fsynced)")
     dist.destroy_process_group()
 
 

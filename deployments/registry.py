@@ -84,8 +84,9 @@ def register_version(
 ) -> str:
     """Register `model_uri` as a new version of `name` whose run is `run_id` (the training run); return it.
 
-    Idempotent: a version of `name` with the same source and run id is reused (a retried task must not
-    register twice); its tags are (re)applied.
+    Idempotent: a version of `name` with the same source and run id, or made from the same checkpoint (its
+    `shardline.checkpoint_uri` tag: a rerun after a crash validates and logs the reused checkpoint again), is
+    reused; its tags are (re)applied.
     """
     import mlflow
 
@@ -94,8 +95,11 @@ def register_version(
         mlflow.set_tracking_uri(client.tracking_uri)
     ensure_registered_model(client, name)
     tags = {k: str(v)[:_MAX_TAG_VALUE] for k, v in (tags or {}).items() if v not in (None, "")}
+    from infra.tracking import TAG_CHECKPOINT_URI
+
+    checkpoint = tags.get(TAG_CHECKPOINT_URI)
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
-        if mv.source == model_uri:
+        if mv.source == model_uri or (checkpoint and (mv.tags or {}).get(TAG_CHECKPOINT_URI) == checkpoint):
             for key, value in tags.items():
                 client.set_model_version_tag(name, mv.version, key, value)
             return str(mv.version)

@@ -42,16 +42,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
     prepare_environment()
+    from flows import log_hygiene
     from flows.pipeline import shardline_pipeline
+    from infra.orphans import reap_orphans
 
+    log_hygiene.install()
+    reap_orphans()  # what a killed earlier run left behind, by its recorded PIDs
     try:
         summary = shardline_pipeline(config)
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the stage already logged its traceback; the user gets one line
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"shardline: pipeline failed: {type(e).__name__}: {first}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - an unexpected error's traceback is in the log; the user gets one line
+        print(f"shardline: pipeline failed: {log_hygiene.one_line(e)}", file=sys.stderr)
         return 1
     rows = [
         ("model", f"{summary.model_name} v{summary.model_version}"),
@@ -79,7 +82,9 @@ def _where_to_look(model_name: str, endpoint_url: str = "") -> str:
     from infra.tracking import resolve_tracking_uri
 
     bin_dir = os.path.dirname(sys.executable)
-    lines = [f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {resolve_tracking_uri()}"]
+    from infra.redact import redact
+
+    lines = [f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {redact(resolve_tracking_uri())}"]
     if not os.environ.get("PREFECT_API_URL"):
         lines.append(f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start")
     lines.append(f"  lineage:            {bin_dir}/shardline lineage --model {model_name} --alias champion")

@@ -59,7 +59,12 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
 
 
 def describe_errors(err: ValidationError, origin: str) -> str:
-    """One line per problem, naming the dotted key and the value, e.g. `demo.toml: train.stepz: unknown key`."""
+    """One line per problem, naming the dotted key and the value, e.g. `demo.toml: train.stepz: unknown key`.
+
+    Values are shown with any credential in them masked.
+    """
+    from infra.redact import redact
+
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -67,7 +72,41 @@ def describe_errors(err: ValidationError, origin: str) -> str:
             lines.append(f"{origin}: unknown key '{key}'")
         else:
             lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+    return redact("\n".join(lines))
+
+
+_WHERE_INSTEAD = {
+    "registry.tracking_uri": "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or a password in "
+                             "$MLFLOW_TRACKING_URI)",
+    "cluster.address": "the cluster's own authentication (Ray token auth: RAY_AUTH_TOKEN in the environment)",
+}
+
+
+def check_no_credentials(config: PipelineConfig, origin: str = "config") -> None:
+    """ConfigError when any config value holds a credential (a password in a URI, a signed query, an account key).
+
+    The config is the Prefect flow parameter (stored in Prefect's database) and is logged to MLflow, so
+    credentials come from the environment or Prefect Secret blocks only. The message masks the credential.
+    """
+    from infra.redact import find_credential, redact
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(f"{prefix}[{i}]", v)
+        elif isinstance(value, str):
+            what = find_credential(value)
+            if what:
+                instead = _WHERE_INSTEAD.get(prefix, "the environment or a Prefect Secret block (see README)")
+                raise ConfigError(
+                    f"{origin}: {prefix}={redact(value)!r} holds {what}; configs are stored by Prefect and logged "
+                    f"to MLflow, so give credentials through {instead}"
+                )
+
+    walk("", config.model_dump())
 
 
 def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
@@ -104,9 +143,11 @@ def load_stack_config(
     raw, origin = read_raw(path, overrides)
     try:
         stack = _StackTable.model_validate({"stack": raw.pop("stack", {})}).stack
-        return stack, PipelineConfig.model_validate(raw)
+        config = PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(describe_errors(e, origin)) from None
+    check_no_credentials(config, origin)
+    return stack, config
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:

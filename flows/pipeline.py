@@ -7,8 +7,10 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from flows.config import PipelineConfig
 from deployments.release_lock import release_lock
+from flows import log_hygiene
+from flows.config import PipelineConfig, check_no_credentials
+from infra import orphans
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
 from tasks.canary import canary_deploy
@@ -46,6 +48,9 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         config: one section per stage (data, cluster, train, validation, registry, canary); the same model
             as the TOML config file. Every field has a description in the form.
     """
+    log_hygiene.install()  # masked credentials, one-line expected failures (also when a worker runs the flow)
+    orphans.record_children()  # e.g. Prefect's temporary server: a rerun stops it if this process is killed
+    check_no_credentials(config, "flow parameter")
     logger = get_run_logger()
     tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
     run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline")
@@ -68,7 +73,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             sharding = shard_dataset.submit(config.data, lineage)
             cluster = provision_cluster(config.cluster, lineage)
             shards = sharding.result()
-        trained = train_fsdp(config.train, shards, cluster, lineage)
+        trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
         validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
         with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
@@ -81,6 +86,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             sharding.wait()  # provisioning failed first: let the data stage finish, not leave it running
         teardown(cluster)
         close_run(tracking_uri, lineage.parent_run_id, ok)
+        orphans.forget()
 
     if promoted.decision == "first-champion":
         decision, reason, champion = "first-champion", "no champion existed", promoted.version

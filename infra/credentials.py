@@ -82,3 +82,69 @@ def azure_service() -> Any:
         os.environ.get("AZURE_STORAGE_CONNECTION_STRING", ""), os.environ.get("SHARDLINE_AZURE_SECRET_BLOCK", ""),
         os.getpid(),
     )
+
+
+def _connection_string_fields(conn: str) -> dict[str, str]:
+    fields = {}
+    for part in conn.split(";"):
+        key, sep, value = part.partition("=")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def arrow_filesystem(uri: str) -> tuple[Any, str] | None:
+    """(pyarrow filesystem, path without scheme) for an s3:// or az:// URI, built from the same credentials as
+    the shard store (environment or Secret block); None for a local path.
+
+    Ray Train takes this as RunConfig(storage_filesystem=..., storage_path=path): without it, pyarrow would look
+    only at its own defaults (no Secret block) and would refuse az:// (it knows Azure as abfs).
+    """
+    import pyarrow.fs as pafs
+
+    scheme, sep, path = uri.partition("://")
+    if not sep or scheme == "file":
+        return None
+    if scheme == "s3":
+        env = dict(_s3_settings())
+        kwargs: dict[str, Any] = {}
+        secret = _secret_block("SHARDLINE_S3_SECRET_BLOCK")
+        values = (json.loads(secret) if isinstance(secret, str) else dict(secret)) if secret else {}
+        key_id = values.get("aws_access_key_id") or env["AWS_ACCESS_KEY_ID"]
+        if key_id:
+            kwargs["access_key"] = key_id
+            kwargs["secret_key"] = values.get("aws_secret_access_key") or env["AWS_SECRET_ACCESS_KEY"]
+            token = values.get("aws_session_token") or env["AWS_SESSION_TOKEN"]
+            if token:
+                kwargs["session_token"] = token
+        endpoint = values.get("endpoint_url") or env["AWS_ENDPOINT_URL_S3"] or env["AWS_ENDPOINT_URL"]
+        if endpoint:
+            ep_scheme, _, authority = endpoint.rpartition("://")
+            kwargs["endpoint_override"] = authority.rstrip("/")
+            kwargs["scheme"] = ep_scheme or "https"
+        kwargs["region"] = values.get("region_name") or env["AWS_DEFAULT_REGION"] or "us-east-1"
+        return pafs.S3FileSystem(**kwargs), path
+    if scheme in ("az", "abfs", "abfss"):
+        conn = _secret_block("SHARDLINE_AZURE_SECRET_BLOCK") or os.environ.get("AZURE_STORAGE_CONNECTION_STRING", "")
+        if not conn:
+            raise CredentialsError(
+                f"{scheme}://: no credentials: set AZURE_STORAGE_CONNECTION_STRING or SHARDLINE_AZURE_SECRET_BLOCK"
+            )
+        f = _connection_string_fields(conn)
+        kwargs = {"account_name": f.get("AccountName", "")}
+        if f.get("AccountKey"):
+            kwargs["account_key"] = f["AccountKey"]
+        if f.get("SharedAccessSignature"):
+            kwargs["sas_token"] = f["SharedAccessSignature"]
+        if f.get("BlobEndpoint"):  # e.g. Azurite: http://127.0.0.1:10000/<account>
+            ep_scheme, _, rest = f["BlobEndpoint"].partition("://")
+            authority = rest.split("/", 1)[0]
+            kwargs.update(blob_storage_authority=authority, dfs_storage_authority=authority,
+                          blob_storage_scheme=ep_scheme, dfs_storage_scheme=ep_scheme)
+        elif f.get("EndpointSuffix"):
+            ep_scheme = f.get("DefaultEndpointsProtocol", "https")
+            kwargs.update(blob_storage_authority=f"blob.{f['EndpointSuffix']}",
+                          dfs_storage_authority=f"dfs.{f['EndpointSuffix']}",
+                          blob_storage_scheme=ep_scheme, dfs_storage_scheme=ep_scheme)
+        return pafs.AzureFileSystem(**kwargs), path
+    return None

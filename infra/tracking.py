@@ -38,12 +38,33 @@ STAGES = ("shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoi
 
 
 def resolve_tracking_uri(configured: str = "") -> str:
-    """The tracking URI: the configured one, else $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME."""
-    if configured:
-        return configured
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{shardline_home() / 'mlflow.db'}"
+    """The tracking URI: the configured one, else $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME.
+
+    A `user:password@` part (only possible from the environment: configs refuse credentials) is moved into
+    MLflow's own MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD variables of this process, and the URI
+    returned without it, so the password never travels inside task parameters, tags, logs or Ray configs.
+    """
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        return f"sqlite:///{shardline_home() / 'mlflow.db'}"
+    return _credentials_to_environment(uri)
+
+
+def _credentials_to_environment(uri: str) -> str:
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    if password:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    clean = urlunsplit(parts._replace(netloc=host))
+    if os.environ.get("MLFLOW_TRACKING_URI") == uri:
+        os.environ["MLFLOW_TRACKING_URI"] = clean  # child processes (Ray workers) see the clean URI + variables
+    return clean
 
 
 def setup_tracking(tracking_uri: str, experiment: str) -> str:
@@ -171,8 +192,15 @@ def git_tags() -> dict[str, str]:
 
 
 def flat_params(prefix: str, model: Any) -> dict[str, str]:
-    """A pydantic config as MLflow params `prefix.key`. Configs hold no credentials by design."""
-    out = {}
-    for key, value in model.model_dump().items():
-        out[f"{prefix}.{key}"] = str(value)[:500]
-    return out
+    """A pydantic config as MLflow params `prefix.key`, every value redacted (configs refuse credentials; this
+    is the second line of defence)."""
+    from infra.redact import redact
+
+    return {f"{prefix}.{key}": redact(value)[:500] for key, value in model.model_dump().items()}
+
+
+def safe_tags(tags: dict[str, Any]) -> dict[str, str]:
+    """Lineage tags with every value redacted: use for any tag that holds a URI or an address."""
+    from infra.redact import redact
+
+    return {k: redact(v) for k, v in tags.items()}

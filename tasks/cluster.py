@@ -8,7 +8,7 @@ from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo, provision, teardown
 from infra.config import ClusterConfig
-from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, stage_run
+from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, safe_tags, stage_run
 
 
 @task(name="provision_cluster", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
@@ -31,5 +31,5 @@ def provision_cluster(cfg: ClusterConfig, lineage: Lineage) -> ClusterInfo:
             raise
         mlflow.log_params(flat_params("cluster", cfg))
         mlflow.log_metrics({f"ray.{k}": v for k, v in info.resources.items()} | {"ray.nodes": info.nodes})
-        mlflow.set_tags({TAG_CLUSTER_ADDRESS: info.address, "shardline.ray_mode": info.mode})
+        mlflow.set_tags(safe_tags({TAG_CLUSTER_ADDRESS: info.address, "shardline.ray_mode": info.mode}))
         return info

@@ -10,7 +10,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo
-from infra.tracking import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, stage_run
+from infra.tracking import (
+    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, safe_tags, stage_run,
+)
 from training.data import DataError, ShardSet, build_shards
 from tasks.retry import retry_unless
 from training.data.config import DataConfig
@@ -55,7 +57,7 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage, cluster: ClusterInfo | None
             mlflow.log_dict(err.report, "data/validation.json")
             raise
         log_dataset(shards, cfg.storage_retries)
-        mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri})
+        mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri}))
         mlflow.log_metrics({"num_train": shards.num_train, "num_val": shards.num_val,
                             "total_bytes": shards.total_bytes, "cache_hit": int(shards.cache_hit),
                             "chunks": shards.chunks, "workers": shards.workers,

@@ -67,8 +67,15 @@ class TrainConfig(BaseModel):
     log_every: int = Field(10, ge=1, description="Rank 0 logs metrics to MLflow every this many steps.")
     storage_path: str = Field(
         "",
-        description="Ray Train storage for checkpoints: local path, s3://..., or empty for "
+        description="Ray Train storage for checkpoints: local path, s3://..., az://..., or empty for "
         "$SHARDLINE_HOME/checkpoints.",
+    )
+    init_from: str = Field(
+        "",
+        description="Start from existing model weights (continued training): '' (from scratch), 'champion' (the "
+        "registered model's champion; from scratch while there is none), 'models:/name/version', "
+        "'models:/name@alias', or a checkpoint URI. Only the model weights are loaded; optimizer and schedule "
+        "start fresh.",
     )
 
 

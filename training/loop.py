@@ -6,6 +6,7 @@ saved checkpoint (report it to Ray Train, or keep it in a local directory).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import shutil
@@ -180,6 +181,36 @@ class _MlflowLogger:
 # The loop
 # ---------------------------------------------------------------------------------------------------------
 
+def data_stream(shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, start: int,
+                position: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro batches from optimizer step `start` on; the resume rule lives here.
+
+    Same world size (`position` >= 0, the micro batches this rank had consumed when the checkpoint was saved):
+    the uninterrupted run's stream, its first `position` batches skipped, so a resumed run sees exactly the
+    batches an uninterrupted one would (skipping re-reads those records: O(position), no gradient work).
+    Another world size (`position` = -1): per-rank streams cannot be continued (each rank reads its own shards),
+    so each rank starts a fresh stream seeded by (seed, rank, start): the same distribution, no batch replayed
+    on purpose, but not the uninterrupted run's sequence.
+    The DataLoader draws its base seed from the global RNG; that draw is fenced off so the restored RNG state
+    (dropout) continues exactly as it would have.
+    """
+    from training.data.loader import train_batches  # the data part's streaming reader
+
+    if position >= 0:
+        stream = itertools.islice(train_batches(shard_uris, rank, world, cfg, 0), position, None)
+    else:
+        stream = iter(train_batches(shard_uris, rank, world, cfg, start))
+    with torch.random.fork_rng(devices=[]):
+        first = next(stream, None)
+    return itertools.chain([] if first is None else [first], stream)
+
+
+def _init_weights(model: nn.Module, checkpoint_uri: str) -> None:
+    """train.init_from: load a checkpoint's model weights into the plain model (before FSDP wraps it)."""
+    with ckpt.local_copy(checkpoint_uri) as directory:
+        ckpt.load_unsharded(model, directory)
+
+
 def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     """rank, world size, device; creates the process group when the launcher (torchrun) did not."""
     if not dist.is_initialized():
@@ -203,7 +234,8 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     """Train on this rank until `train.steps`, resuming from the latest complete checkpoint.
 
     config keys: train (TrainConfig as dict), train_shards (URIs), tracking_uri and run_id (MLflow; optional),
-    checkpoint_root (torchrun only: shared directory for checkpoints).
+    checkpoint_root (torchrun only: shared directory for checkpoints), init_checkpoint (optional: a checkpoint
+    whose model weights start the run, train.init_from resolved).
 
     Returns:
         Rank-local summary: final step, final loss, mean tokens/s (all ranks), world size.
@@ -215,13 +247,16 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     hooks: Any = _RayHooks() if _inside_ray_train() else _LocalHooks(config["checkpoint_root"], cfg.keep_checkpoints)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards, DDP broadcasts)
-    model = load_object(cfg.model_factory, "train.model_factory")(cfg).to(device)
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg)
+    if config.get("init_checkpoint"):  # continued training; a checkpoint of this run (below) still wins
+        _init_weights(model, config["init_checkpoint"])
+    model = model.to(device)
     fpt = flops_per_token(model, cfg.seq_len)
     model = parallelize(model, cfg, device, world)
     optimizer = build_optimizer(model, cfg, device)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank; restored exactly on resume
 
-    start = 0
+    start, position = 0, 0
     with hooks.resume_candidates() as candidates:
         found = ckpt.latest_complete(candidates)
         # Every rank must resume from the same step: agree on the smallest newest-complete step.
@@ -232,11 +267,9 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
                 found = ckpt.latest_complete(candidates, max_step=int(agreed))
             if found is None or found[0] != int(agreed):
                 raise ckpt.CheckpointError(f"rank {rank}: no complete checkpoint of step {int(agreed)} to resume")
-            start, _ = ckpt.load_checkpoint(found[1], model, optimizer, rank, world)
+            start, position = ckpt.load_checkpoint(found[1], model, optimizer, rank, world)
 
-    from training.data.loader import train_batches  # the data part's streaming reader
-
-    batches = iter(train_batches(config["train_shards"], rank, world, cfg, start))
+    batches = data_stream(config["train_shards"], rank, world, cfg, start, position)
     logger = _MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
     peak = cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS)
     autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32

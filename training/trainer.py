@@ -36,19 +36,24 @@ def checkpoint_uri(storage: str, checkpoint_path: str) -> str:
     return checkpoint_path
 
 
-def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str) -> dict[str, Any]:
+def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
+                  init_checkpoint: str = "") -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
     return {"train": cfg.model_dump(), "train_shards": list(train_shards), "tracking_uri": tracking_uri,
-            "run_id": train_run_id}
+            "run_id": train_run_id, "init_checkpoint": init_checkpoint}
 
 
 def run_training(
-    cfg: TrainConfig, shards: "ShardSet", tracking_uri: str, train_run_id: str, run_name: str
+    cfg: TrainConfig, shards: "ShardSet", tracking_uri: str, train_run_id: str, run_name: str,
+    init_checkpoint: str = "",
 ) -> TrainResult:
     """Train with Ray Train on the running Ray cluster (ray.init was called); resume when `run_name` has checkpoints.
 
-    The same `run_name` and storage resume the run from its latest checkpoint (a retried task continues, a
-    finished run returns at once). Ray restarts the worker group up to train.max_failures times.
+    The same `run_name` and storage resume the run from its latest complete checkpoint (a retried task, or a
+    rerun of the same training after the process died, continues; a finished run returns at once). Ray restarts
+    the worker group up to train.max_failures times. `init_checkpoint` (train.init_from resolved) gives the
+    model weights a fresh run starts from. Object-store storage gets a pyarrow filesystem built from the same
+    credentials as the shard store (environment or Secret block); az:// works although pyarrow calls it abfs.
 
     Raises:
         ValueError: a config problem (global batch, import paths) found before any worker starts.
@@ -65,17 +70,21 @@ def run_training(
     load_object(cfg.batch_format, "train.batch_format")
     if not shards.train_shards:
         raise ValueError(f"{shards.manifest_uri}: the shard set has no training shards")
+    from infra.credentials import arrow_filesystem
+
     storage = storage_root(cfg)
-    if "://" not in storage:
+    arrow = arrow_filesystem(storage)
+    if arrow is None:
         Path(storage).mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         train_func,
-        train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id),
+        train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"GPU": 1} if cfg.use_gpu else {"CPU": 1}),
         run_config=RunConfig(
             name=run_name,
-            storage_path=storage,
+            storage_path=arrow[1] if arrow else storage,
+            storage_filesystem=arrow[0] if arrow else None,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         ),

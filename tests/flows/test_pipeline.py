@@ -147,7 +147,9 @@ def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, h
     v1 = client.get_model_version(name, "1")
     assert v1.tags[TAG_DATASET_DIGEST] == v2.tags[TAG_DATASET_DIGEST] == summary["dataset_digest"]
     assert summary["manifest_uri"] == f"s3://shardline/flow-shards/{summary['dataset_digest']}/manifest.json"
-    assert summary["checkpoint_uri"].startswith(f"s3://shardline/flow-ckpt/train-{summary['train_run_id']}/")
+    train_tags = client.get_run(summary["train_run_id"]).data.tags
+    assert summary["checkpoint_uri"].startswith(f"s3://shardline/flow-ckpt/train-{train_tags['shardline.train_key']}/")
+    assert train_tags["shardline.init_from_version"] == f"{name}/1"  # debug.toml: init_from = "champion"
     assert v2.tags["shardline.checkpoint_uri"] == summary["checkpoint_uri"]
     assert "testing" not in json.dumps(client.get_run(children["shard_dataset"].info.run_id).data.params)
 

@@ -111,3 +111,34 @@ def recording_gpt(cfg) -> nn.Module:
 
 def worker_records(directory: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*-pid*.json"))]
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux /proc), whatever session or process group they moved to."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL `pid` and all its descendants at once (as an OOM killer or a lost node would); return the PIDs."""
+    import signal
+
+    pids = descendants(pid)
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids

@@ -178,3 +178,103 @@ def test_load_into_a_different_model_names_the_keys(saved):
     other = build_gpt(CFG.model_copy(update={"n_layer": 3}))
     with pytest.raises(ck.CheckpointError, match=r"model keys differ: missing \['blocks.2"):
         ck.load_unsharded(other, saved[0])
+
+
+# ------------------------------------------------------------------------------------- integrity (issue 9)
+
+def _chunk(directory, fqn: str):
+    """(file path, offset, length) of the stored chunk of `fqn` (world size 1: one chunk)."""
+    md = ck.read_metadata(directory)
+    index, info = next((i, s) for i, s in md.storage_data.items() if i.fqn == fqn)
+    return directory / str(info.relative_path), info.offset, info.length, index
+
+
+def _rehash_file(directory, name: str) -> None:
+    """Make the manifest's sha256 of `name` match the file again, as a corruption before hashing would."""
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    body["files"][name] = {"bytes": (directory / name).stat().st_size, "sha256": ck._sha256(directory / name)}
+    (directory / ck.manifest_name(0)).write_text(json.dumps(body))
+
+
+def _overwrite_floats(path, tensor: torch.Tensor, value: float, count: int = 4) -> None:
+    """Overwrite `count` float32 values of `tensor`'s stored bytes (found inside its torch.save record)."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.contiguous().numpy().tobytes())
+    assert at > 0, "the tensor's bytes are not stored verbatim"
+    data[at:at + 4 * count] = torch.full((count,), value, dtype=torch.float32).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_records_file_hashes_taken_while_writing(saved):
+    directory = saved[0]
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    for name, rec in body["files"].items():
+        assert rec == {"bytes": (directory / name).stat().st_size, "sha256": ck._sha256(directory / name)}, name
+    assert set(body["files"]) == {".metadata", "__0_0.distcp"}
+
+
+def test_manifest_records_a_checksum_of_every_saved_tensor(saved):
+    directory, model, _ = saved
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    stored = {i.fqn for i in ck.read_metadata(directory).storage_data}
+    assert {k.split("@")[0] for k in body["tensors"]} == stored
+    weight = _full(model)["wte.weight"]
+    rec = body["tensors"]["model.wte.weight@0,0"]
+    assert rec["sizes"] == list(weight.shape) and rec["crc32"] == ck.tensor_crc32(weight)
+
+
+def test_corruption_between_memory_and_disk_is_caught_by_tensor_checksum(saved):
+    # The bytes are damaged before they were hashed: the file's sha256 matches, the tensor does not.
+    directory, model, _ = saved
+    path, _, _, _ = _chunk(directory, "model.wte.weight")
+    _overwrite_floats(path, _full(model)["wte.weight"], 0.125)
+    _rehash_file(directory, path.name)
+    ck.verify_checkpoint(directory)  # the files are as the manifest says
+    with pytest.raises(ck.CheckpointError, match=r"__0_0.distcp: tensor model.wte.weight .*crc32 mismatch"):
+        ck.load_unsharded(build_gpt(CFG), directory)
+
+
+def test_nan_weights_under_a_manifest_that_matches_them_are_refused(saved):
+    directory, model, _ = saved
+    path, _, _, _ = _chunk(directory, "model.wte.weight")
+    _overwrite_floats(path, _full(model)["wte.weight"], float("nan"))
+    _rehash_file(directory, path.name)
+    # make the tensor checksum match the NaN bytes too: the whole manifest vouches for the damage
+    import torch.distributed.checkpoint as dcp
+
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    plain = build_gpt(CFG)
+
+    state = {"model": {k: v.detach().clone() for k, v in plain.state_dict().items()}}
+    dcp.load(state, storage_reader=ck.safe_reader(directory), no_dist=True)
+    body["tensors"]["model.wte.weight@0,0"]["crc32"] = ck.tensor_crc32(state["model"]["wte.weight"])
+    (directory / ck.manifest_name(0)).write_text(json.dumps(body))
+    with pytest.raises(ck.CheckpointError, match=r"non-finite values in \['wte.weight'\]"):
+        ck.load_unsharded(build_gpt(CFG), directory)
+
+
+def test_file_named_by_metadata_but_by_no_manifest_is_refused(saved):
+    directory = saved[0]
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    del body["files"]["__0_0.distcp"]
+    (directory / ck.manifest_name(0)).write_text(json.dumps(body))
+    with pytest.raises(ck.CheckpointError, match=r"__0_0.distcp: in no manifest .*named by .metadata"):
+        ck.verify_checkpoint(directory)
+
+
+def test_checkpoint_of_another_width_names_the_tensor_and_both_shapes(saved):
+    other = build_gpt(CFG.model_copy(update={"d_model": 32}))
+    with pytest.raises(ck.CheckpointError, match=r"tensor model.wte.weight has shape \[256, 16\] in the "
+                                                  r"checkpoint but \[256, 32\] in the model"):
+        ck.load_unsharded(other, saved[0])
+
+
+def test_resume_into_another_width_is_a_checkpoint_error_not_a_base_exception(saved):
+    wide = CFG.model_copy(update={"d_model": 32})
+    model = parallelize(build_gpt(wide), wide, CPU, 1)
+    try:
+        ck.load_checkpoint(saved[0], model, build_optimizer(model, wide, CPU), rank=0, world_size=1)
+    except Exception as e:  # noqa: BLE001 - the point: it is an Exception, so every handler on the way sees it
+        assert isinstance(e, ck.CheckpointError) and "shape [256, 16] in the checkpoint but [256, 32]" in str(e)
+    else:
+        pytest.fail("a checkpoint of another width loaded")

@@ -1,0 +1,108 @@
+"""Credentials are masked wherever a URI-like value can travel; configs refuse them; expected failures log one line."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flows import log_hygiene
+from flows.config import ConfigError, load_config
+from infra.redact import find_credential, redact
+from infra.tracking import flat_params, resolve_tracking_uri
+
+
+@pytest.mark.parametrize(("raw", "masked"), [
+    ("https://bob:hunter2@mlflow.example.com:5000/api", "https://bob:***@mlflow.example.com:5000/api"),
+    ("ray://alice:s3cret@head:10001", "ray://alice:***@head:10001"),
+    ("https://ghp_token123@github.com/o/r", "https://***@github.com/o/r"),
+    ("https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=AbC%2Bd&se=2030", "https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=***&se=2030"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAX&X-Amz-Signature=beef&v=1",
+     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&v=1"),
+    ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Zm9vYmFy==;EndpointSuffix=core.windows.net",
+     "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=***;EndpointSuffix=core.windows.net"),
+    ("BlobEndpoint=https://a/;SharedAccessSignature=sv=1&sig=xyz", "BlobEndpoint=https://a/;SharedAccessSignature=***"),
+    ("error talking to https://u:pw@h/x: 401", "error talking to https://u:***@h/x: 401"),
+])
+def test_redact_masks_every_kind_of_credential(raw, masked):
+    assert redact(raw) == masked
+    assert find_credential(raw) is not None
+
+
+@pytest.mark.parametrize("clean", ["s3://bucket/prefix", "http://127.0.0.1:5000", "az://container/p", "ray://head:10001",
+                                   "models:/shardline-gpt@champion", "sqlite:////tmp/x/mlflow.db", "plain text"])
+def test_values_without_credentials_are_unchanged(clean):
+    assert redact(clean) == clean and find_credential(clean) is None
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ('registry.tracking_uri="https://bob:hunter2@mlflow.example.com"', "registry.tracking_uri"),
+    ('cluster.address="ray://bob:hunter2@head:10001"', "cluster.address"),
+    ('train.storage_path="https://acct.blob.core.windows.net/c?sig=hunter2"', "train.storage_path"),
+])
+def test_config_refuses_credentials_without_repeating_them(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_config_type_errors_do_not_echo_credentials():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ['train.steps="https://u:hunter2@h"'])
+    assert "train.steps" in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_mlflow_params_are_redacted():
+    from infra.config import ClusterConfig
+
+    cfg = ClusterConfig.model_construct(mode="remote", address="ray://u:hunter2@head:10001")
+    assert flat_params("cluster", cfg)["cluster.address"] == "ray://u:***@head:10001"
+
+
+def test_tracking_password_from_the_environment_moves_into_mlflow_variables(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:hunter%402@127.0.0.1:5000")
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert resolve_tracking_uri() == "http://127.0.0.1:5000"
+    import os
+
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("bob", "hunter@2")
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:5000"
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def task_logger():
+    logger = logging.getLogger("prefect.task_runs")
+    capture = _Capture()
+    logger.addHandler(capture)
+    log_hygiene.install()
+    yield logger, capture
+    logger.removeHandler(capture)
+
+
+def test_expected_failure_is_logged_without_traceback_and_unexpected_keeps_it(task_logger):
+    from training.checkpoint import CheckpointError
+
+    logger, capture = task_logger
+    for exc in (CheckpointError("/ck/__0_0.distcp: sha256 does not match"), KeyError("a bug")):
+        try:
+            raise exc
+        except Exception as e:  # noqa: BLE001
+            logger.error("Task run failed with exception: %r", e, exc_info=True)
+    expected, unexpected = capture.lines
+    assert expected == "Task run failed with exception: CheckpointError('/ck/__0_0.distcp: sha256 does not match')"
+    assert "Traceback (most recent call last)" in unexpected and "KeyError: 'a bug'" in unexpected
+
+
+def test_log_messages_are_redacted_on_every_handler(task_logger):
+    logger, capture = task_logger
+    logger.warning("cannot reach %s", "https://bob:hunter2@mlflow.example.com")
+    assert capture.lines == ["cannot reach https://bob:***@mlflow.example.com"]

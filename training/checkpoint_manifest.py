@@ -1,0 +1,332 @@
+"""Checkpoint integrity: per-rank manifests of what DCP wrote, hashed while writing, and verification.
+
+Each rank's manifest (`manifest.rank<r>.json`, written after its files) records
+  - `files`: every file the rank wrote (rank 0 also `.metadata`), with its size and the sha256 of the bytes
+    handed to the file as they were written (no re-read), so later damage on disk is caught;
+  - `tensors`: a CRC32 of every tensor chunk the rank saved, taken from the tensor in memory just before DCP
+    serialised it, so damage between memory and disk (a bad write path, bit rot before hashing) is caught
+    when the chunk is loaded, even though the file checksum matches what reached the disk.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.dcp_metadata import METADATA_FILE, read_metadata
+
+MANIFEST_FORMAT = "shardline-dcp-manifest/2"
+_READABLE_FORMATS = ("shardline-dcp-manifest/1", MANIFEST_FORMAT)  # /1: no tensor checksums
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupt or does not fit the model; the message names the file or tensor."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What verify_checkpoint found: the training step, the world size that wrote it, its files and size."""
+
+    path: str
+    step: int
+    world_size: int
+    files: int
+    total_bytes: int
+
+
+def manifest_name(rank: int) -> str:
+    return f"manifest.rank{rank:05d}.json"
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 of a file's bytes (verification; saving hashes while it writes)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes in row-major order (CPU copy for device tensors)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0
+
+
+def chunk_key(fqn: str, offsets: Any) -> str:
+    """Manifest key of one saved tensor chunk: its state-dict key and its offsets in the global tensor."""
+    return f"{fqn}@{','.join(str(int(o)) for o in (offsets or ()))}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save side: hash files while writing, checksum tensors as DCP serialises them
+# ---------------------------------------------------------------------------------------------------------
+
+class _HashingStream(io.IOBase):
+    """A binary file that hashes (sha256) and counts every byte written through it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.size, self._sha = raw, 0, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._sha.update(view)  # releases the GIL for large buffers: writer threads hash in parallel
+        n = self.raw.write(view)
+        self.size += len(view)
+        return n if n is not None else len(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _hashing_filesystem() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        """DCP's local FileSystem, recording name -> {bytes, sha256} of every file it writes (renames followed)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.files: dict[str, dict[str, Any]] = {}
+            self._lock = threading.Lock()
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            path = Path(path)
+            with path.open(mode) as raw:
+                stream = _HashingStream(raw)
+                yield stream
+            with self._lock:
+                self.files[path.name] = {"bytes": stream.size, "sha256": stream.hexdigest()}
+
+        def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+            super().rename(path, new_path)
+            with self._lock:
+                if Path(path).name in self.files:
+                    self.files[Path(new_path).name] = self.files.pop(Path(path).name)
+
+    return HashingFileSystem()
+
+
+def writer(directory: str | os.PathLike, threads: int) -> Any:
+    """A DCP FileSystemWriter that fsyncs every file and records its sha256 in `writer.fs.files` as it writes."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    w = FileSystemWriter(str(directory), thread_count=threads, sync_files=True, overwrite=True)
+    w.fs = _hashing_filesystem()
+    return w
+
+
+def checksum_planner() -> Any:
+    """A DCP save planner recording {chunk key: {crc32, sizes, dtype}} of every tensor chunk in `.tensors`.
+
+    The checksum is taken from the tensor DCP is about to serialise (a device tensor is copied to CPU here,
+    and that copy is what gets written, so there is no second device-to-host copy).
+    """
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class ChecksumSavePlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tensors: dict[str, dict[str, Any]] = {}
+
+        def resolve_data(self, write_item: Any) -> Any:
+            data = super().resolve_data(write_item)
+            if write_item.type != WriteItemType.BYTE_IO and isinstance(data, torch.Tensor):
+                data = data.detach()
+                if data.device.type != "cpu":
+                    data = data.cpu()
+                chunk = write_item.tensor_data.chunk
+                self.tensors[chunk_key(write_item.index.fqn, chunk.offsets)] = {
+                    "crc32": tensor_crc32(data), "sizes": [int(s) for s in chunk.sizes],
+                    "dtype": str(data.dtype),
+                }
+            return data
+
+    return ChecksumSavePlanner()
+
+
+def write_manifest(
+    directory: str | os.PathLike, rank: int, world_size: int, step: int, resumed_from: int = 0,
+    files: dict[str, dict[str, Any]] | None = None, tensors: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Write `rank`'s manifest last, atomically (tmp + rename).
+
+    `files` are the digests recorded while writing; without them (a checkpoint written by another writer) the
+    rank's files are hashed from disk. `resumed_from` is the step this rank's attempt started from.
+    """
+    d = Path(directory)
+    names = sorted(p.name for p in d.iterdir() if p.name.startswith(f"__{rank}_") and p.is_file())
+    if rank == 0:
+        if not (d / METADATA_FILE).is_file():
+            raise CheckpointError(f"{d / METADATA_FILE}: missing after save; DCP did not finish")
+        names.append(METADATA_FILE)
+    recorded = files or {}
+    entries = {n: recorded.get(n) or {"bytes": (d / n).stat().st_size, "sha256": sha256_file(d / n)} for n in names}
+    body = {"format": MANIFEST_FORMAT, "rank": rank, "world_size": world_size, "step": step,
+            "resumed_from": resumed_from, "files": entries, "tensors": tensors or {}}
+    tmp = d / f".{manifest_name(rank)}.tmp"
+    tmp.write_text(json.dumps(body, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, d / manifest_name(rank))
+    return d / manifest_name(rank)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Verify and check on load
+# ---------------------------------------------------------------------------------------------------------
+
+def read_manifests(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """rank -> manifest body of a checkpoint directory (format checked)."""
+    d = Path(directory)
+    bodies: dict[int, dict[str, Any]] = {}
+    for m in sorted(d.glob("manifest.rank*.json")):
+        try:
+            body = json.loads(m.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{m}: unreadable manifest: {e}") from None
+        if not isinstance(body, dict) or body.get("format") not in _READABLE_FORMATS:
+            raise CheckpointError(f"{m}: unknown manifest format {body.get('format') if isinstance(body, dict) else body!r}")
+        bodies[int(body["rank"])] = body
+    return bodies
+
+
+def verify_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
+    """Check that a checkpoint directory is complete and intact; return its step and size.
+
+    Complete means: a manifest from every rank 0..W-1 (W read from the manifests), every file a manifest
+    names present with its recorded size and sha256, and every file DCP's .metadata names listed by a manifest
+    (so it was hashed) with enough bytes for the (offset, length) it records. The .metadata is itself a pickle
+    written by torch; it is read only AFTER its checksum matched rank 0's manifest, through an allow-list unpickler.
+
+    Raises:
+        CheckpointError: the first problem found, naming the file.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: no such checkpoint directory")
+    bodies = read_manifests(d)
+    if not bodies:
+        raise CheckpointError(f"{d}: no manifest; the checkpoint is partial or not a shardline checkpoint")
+    world = {int(b["world_size"]) for b in bodies.values()}
+    steps = {int(b["step"]) for b in bodies.values()}
+    if len(world) != 1 or len(steps) != 1:
+        raise CheckpointError(f"{d}: manifests disagree (world sizes {sorted(world)}, steps {sorted(steps)})")
+    (world_size,), (step,) = world, steps
+    missing = sorted(set(range(world_size)) - set(bodies))
+    if missing:
+        raise CheckpointError(f"{d}: no manifest from rank(s) {missing} of {world_size}; the checkpoint is partial")
+    sizes: dict[str, int] = {}
+    expected: dict[str, tuple[int, str]] = {}
+    for rank in sorted(bodies):
+        for name, rec in bodies[rank]["files"].items():
+            f = d / name
+            if Path(name).name != name:
+                raise CheckpointError(f"{d / manifest_name(rank)}: file name {name!r} is not a plain name")
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing (named by {manifest_name(rank)})")
+            size = f.stat().st_size
+            if size != rec["bytes"]:
+                raise CheckpointError(f"{f}: {size} bytes, manifest says {rec['bytes']}")
+            sizes[name] = size
+            expected[name] = (rank, rec["sha256"])
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(expected)))) as pool:  # hashlib releases the GIL
+        digests = dict(zip(expected, pool.map(lambda n: sha256_file(d / n), expected)))
+    for name, (rank, sha) in sorted(expected.items()):
+        if digests[name] != sha:
+            raise CheckpointError(f"{d / name}: sha256 does not match {manifest_name(rank)}")
+    if METADATA_FILE not in sizes:
+        raise CheckpointError(f"{d / METADATA_FILE}: not named by rank 0's manifest")
+    try:
+        md = read_metadata(d)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{d / METADATA_FILE}: unreadable: {e}") from None
+    for index, info in (md.storage_data or {}).items():
+        rel = str(info.relative_path)
+        if rel not in sizes:
+            where = "missing" if not (d / rel).is_file() else "in no manifest (no checksum vouches for it)"
+            raise CheckpointError(f"{d / rel}: {where} (named by {METADATA_FILE} for {index.fqn})")
+        if sizes[rel] < info.offset + info.length:
+            raise CheckpointError(
+                f"{d / rel}: {sizes[rel]} bytes, {METADATA_FILE} needs {info.offset + info.length} for {index.fqn}"
+            )
+    return CheckpointInfo(str(d), step, world_size, len(sizes), sum(sizes.values()))
+
+
+def recorded_checksums(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Chunk key -> {crc32, sizes, dtype, rank} over every rank's manifest."""
+    out: dict[str, dict[str, Any]] = {}
+    for rank, body in read_manifests(directory).items():
+        for key, rec in (body.get("tensors") or {}).items():
+            out[key] = {**rec, "rank": rank}
+    return out
+
+
+def checked_load_planner(directory: str | os.PathLike) -> Any:
+    """A DCP load planner that compares every stored chunk it reads whole with the CRC32 taken at save time.
+
+    A chunk read in part (another world size resharding it) cannot be compared; its file's sha256 still was.
+
+    Raises (from dcp.load):
+        CheckpointError: a chunk's bytes differ from the tensor that was in memory when it was saved.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    d = Path(directory)
+    recorded = recorded_checksums(d)
+    storage = read_metadata(d).storage_data or {}
+
+    class CheckedLoadPlanner(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            index = read_item.storage_index
+            rec = recorded.get(chunk_key(index.fqn, index.offset))
+            whole = (rec is not None and all(int(o) == 0 for o in read_item.storage_offsets)
+                     and [int(n) for n in read_item.lengths] == rec["sizes"] and str(tensor.dtype) == rec["dtype"])
+            if whole and tensor_crc32(tensor) != rec["crc32"]:
+                info = storage.get(index)
+                where = d / str(info.relative_path) if info is not None else d
+                raise CheckpointError(
+                    f"{where}: tensor {index.fqn} (chunk at {list(index.offset or ())}) differs from the values "
+                    f"in memory when rank {rec['rank']} saved it (crc32 mismatch); the bytes changed on the way "
+                    f"to disk"
+                )
+
+    return CheckedLoadPlanner()
