@@ -169,7 +169,7 @@ def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion
     """
     client = client_for(tracking_uri)
     found = reconcile(serve, model_name, tracking_uri, token_sha256, runtime_env)  # removes a dead canary's orphan
-    tag_abandoned(client, model_name, found.removed)
+    tag_abandoned(client, model_name, [v for v in found.removed if v != challenger])  # a rerun may retry it
     if found.champion != champion:
         raise AliasChanged(f"{model_name}: the registry's champion is {found.champion}, the canary expected {champion}")
     ramp = _Ramp(cfg, serve, model_name, champion, challenger, tracking_uri, token_sha256, runtime_env)

@@ -1,7 +1,6 @@
 """promote_model as a task (task.fn) on a real MLflow store: lineage tags, the canary's skip reasons, retry policy."""
 from __future__ import annotations
 
-import pytest
 
 from deployments.config import CanaryConfig, RegistryConfig
 from deployments.registry import AliasChanged, client_for, read_aliases
