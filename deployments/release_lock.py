@@ -106,7 +106,7 @@ def _prefect_lock(model_name: str, timeout_s: float) -> Iterator[str]:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     held = contextlib.ExitStack()
     try:
-        # a short lease, renewed by Prefect while held: a holder that was killed frees the slot within 30 s
+        # a short lease, renewed by Prefect while held: a killed holder frees the slot within 60 s (the minimum)
         held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=True, lease_duration=60))
     except TimeoutError:
         raise LockTimeout(f"Prefect concurrency limit {name} still held after {timeout_s} s") from None
