@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -73,9 +74,13 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     from deployments.serve_app import ModelServer, Router
 
     version = code_version(spec.tracking_uri, serve)
-    options: dict[str, Any] = {"num_cpus": serve.replica_cpus}
-    if runtime_env:
-        options["runtime_env"] = runtime_env
+    # An explicit runtime env, never the deploying job's: Serve would copy that job's environment (which differs
+    # from run to run) into the replicas' options, and a changed option restarts every replica of the application.
+    env = dict(runtime_env or {})
+    tracking_env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_TRACKING_")}  # to load models
+    if tracking_env:
+        env["env_vars"] = {**env.get("env_vars", {}), **tracking_env}
+    options: dict[str, Any] = {"num_cpus": serve.replica_cpus, "runtime_env": env}
     server = rs.deployment(ModelServer)
     models = {
         v: _pinned(server.options(
