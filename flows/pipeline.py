@@ -8,6 +8,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from flows.config import PipelineConfig
+from deployments.release_lock import release_lock
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
 from tasks.canary import canary_deploy
@@ -33,6 +34,7 @@ class PipelineSummary(BaseModel):
     manifest_uri: str
     checkpoint_uri: str
     flow_run_id: str
+    endpoint_url: str = ""
     stage_seconds: dict[str, float] = Field(default_factory=dict, description="Wall seconds per stage run.")
 
 
@@ -67,9 +69,12 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             cluster = provision_cluster(config.cluster, lineage)
             shards = sharding.result()
         trained = train_fsdp(config.train, shards, cluster, lineage)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage)
-        promoted = promote_model(config.registry, validated, trained, shards, lineage)
-        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        # one release at a time per model: a concurrent run waits here, then compares with the champion of then
+        with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
+            logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)
+            promoted = promote_model(config.registry, validated, trained, shards, lineage)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
         ok = True
     finally:
         if sharding is not None:
@@ -97,6 +102,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         manifest_uri=shards.manifest_uri,
         checkpoint_uri=trained.checkpoint_uri,
         flow_run_id=run_id,
+        endpoint_url=canary.endpoint_url,
         stage_seconds=stage_seconds(tracking_uri, lineage.parent_run_id),
     )
     logger.info("decision=%s version=%s champion=%s: %s", decision, promoted.version, champion, reason)
