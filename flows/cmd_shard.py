@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_shard(args: argparse.Namespace) -> int:
     """Exit 0 with the shard set; 2 for a config mistake, 1 when the stage failed (one line each, no traceback)."""
-    from flows.cli import _prepare_environment, _table
+    from flows.cli import _table, prepare_environment
     from training.data import DataError
     from training.data.build import check_locations
 
@@ -35,7 +35,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     except (ConfigError, DataError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
-    _prepare_environment()
+    prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("shardline").setLevel(logging.INFO)
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
