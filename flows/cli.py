@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cmd_serve, cmd_shard
 
     cmd_serve.add_parser(sub)
-    cmd_shard.register(sub)
+    cmd_shard.add_parser(sub)
     add_stack_commands(sub)
     add_notify_command(sub)
     return parser

@@ -12,7 +12,7 @@ import uuid
 from flows.config import ConfigError, load_config
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the `shard` subcommand to the `shardline` parser."""
     shard = sub.add_parser("shard", help="run the data stage alone: shard, validate and publish the corpus")
     shard.add_argument("--config", metavar="FILE.toml", help="pipeline config (only [data], [cluster], [registry] "

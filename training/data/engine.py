@@ -10,7 +10,8 @@ import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from training.data.plan import Chunk
@@ -50,8 +51,18 @@ def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int
     else:
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            yield from _ordered(rest, lambda c: pool.submit(shard_chunk, c, job), lambda f: f.result(),
+            yield from _ordered(rest, lambda c: pool.submit(shard_chunk, c, job), _result,
                                 lambda pending: [f.cancel() for f in pending], window=2 * workers)
+
+
+def _result(future: Future) -> ChunkResult:
+    try:
+        return future.result()
+    except BrokenProcessPool as err:  # retryable (the stage retries), but say what usually causes it
+        raise BrokenProcessPool(
+            "a data worker process died (killed for memory? or a script calling build_shards without "
+            "`if __name__ == '__main__':`, which spawned workers re-run)"
+        ) from err
 
 
 def _ordered(chunks: Iterator[Chunk], submit: Callable[[Chunk], Any], get: Callable[[Any], ChunkResult],
