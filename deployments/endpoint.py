@@ -171,7 +171,8 @@ def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None 
                blocking=False, logging_config=_QUIET)
     except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-        raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}") from None
+        raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
+                            f"{_deployment_causes(spec.app_name)}") from None
     deadline = time.monotonic() + timeout_s
     want = spec.router.model_dump()
     while True:
@@ -181,6 +182,19 @@ def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None 
         if time.monotonic() > deadline:
             raise EndpointError(f"application {spec.app_name}: the router did not take its new config in {timeout_s} s")
         time.sleep(0.2)
+
+
+def _deployment_causes(app_name: str) -> str:
+    """The last line of each unhealthy deployment's message in Serve's status (the replica's exception)."""
+    from ray import serve as rs
+
+    try:
+        app = rs.status().applications.get(app_name)
+        causes = [f"{name}: {(d.message.strip().splitlines() or [''])[-1][:300]}"
+                  for name, d in (app.deployments.items() if app else []) if d.message and d.status != "HEALTHY"]
+    except Exception:  # noqa: BLE001 - only enriches an error message
+        return ""
+    return f" ({'; '.join(causes)})" if causes else ""
 
 
 def drain(app_name: str, version: str, timeout_s: float) -> None:

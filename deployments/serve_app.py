@@ -86,7 +86,7 @@ class ModelServer:
         self.version = version
         self.seq_len = seq_len_of(uri)
         self.model = mlflow.pytorch.load_model(uri, map_location="cpu")
-        self.score(bytes(range(2 * self.seq_len + 3)))  # the first calls are slow: not on a request
+        self.score(bytes(i % 256 for i in range(2 * self.seq_len + 3)))  # the first calls are slow: not on a request
         self.complete(b"warm", 2, 0.0, 0)
 
     def describe(self) -> dict[str, Any]:
