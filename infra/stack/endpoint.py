@@ -11,7 +11,7 @@ def start(config, recorded: PartState | None) -> PartState:
     from infra.cluster import teardown
 
     known = f"http://{config.serve.host}:{config.serve.port}"
-    was_serving = http_ok(f"{known}/healthz")
+    was_serving = http_ok(f"{known}/-/healthz")
 
     try:
         info = serve_up(config)
@@ -20,8 +20,10 @@ def start(config, recorded: PartState | None) -> PartState:
     url = str(info["url"]).rstrip("/")
     # Ours if this stack started it earlier, or if nothing served there before this call.
     started = (recorded is not None and recorded.started_by_us) or not was_serving
+    # Up means Serve's HTTP proxy answers; before the first champion there is no application behind it yet.
     return PartState(name="endpoint", url=url, started_by_us=started,
-                     detail={"app": str(info.get("app", "")), "health_url": f"{url}/healthz"})
+                     detail={"app": str(info.get("app", "")), "champion": str(info.get("champion") or "none yet"),
+                             "health_url": f"{url}/-/healthz"})
 
 
 def stop(part: PartState, config) -> bool:

@@ -15,7 +15,7 @@ def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:
     started = before is None or (recorded is not None and recorded.started_by_us)
     procs = [Proc(pid=pid, start_ticks=ticks) for pid in head.pids if (ticks := _start_ticks(pid)) is not None]
     return PartState(name="ray", url=head.dashboard_url, procs=procs, started_by_us=started,
-                     detail={"gcs_address": head.gcs_address, "health_url": f"{head.dashboard_url}/api/version"})
+                     detail={"gcs_address": head.gcs_address})  # the dashboard wants Ray's token: up = PIDs alive
 
 
 def stop(part: PartState) -> bool:
