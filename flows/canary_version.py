@@ -4,6 +4,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from deployments.release_lock import release_lock
 from deployments.registry import CHAMPION, PromotionResult, client_for, read_aliases
 from flows.config import PipelineConfig
 from flows.release import FLOW_TIMEOUT_S, open_shard_set
@@ -40,8 +41,7 @@ def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> d
     tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
     client = client_for(tracking_uri)
     name = config.registry.model_name
-    promoted = challenge(name, str(version), read_aliases(client, name))
-    manifest = client.get_model_version(name, promoted.version).tags.get(TAG_MANIFEST_URI, "")
+    manifest = client.get_model_version(name, str(version)).tags.get(TAG_MANIFEST_URI, "")
     if not manifest:
         raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are unknown")
     run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline-canary")
@@ -52,11 +52,14 @@ def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> d
     try:
         shards = open_shard_set(manifest, lineage)
         cluster = provision_cluster(config.cluster, lineage)
-        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        # the champion is read under the release lock: another release may move it while this one waits
+        with release_lock(name, tracking_uri, config.canary.lock_timeout_s):
+            promoted = challenge(name, str(version), read_aliases(client, name))
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
         ok = True
     finally:
         teardown(cluster)
         close_run(tracking_uri, lineage.parent_run_id, ok)
-    logger.info("version %s of %s: %s (%s)", promoted.version, name, canary.decision, canary.reason)
-    return {"model_name": name, "model_version": promoted.version, "decision": canary.decision,
+    logger.info("version %s of %s: %s (%s)", version, name, canary.decision, canary.reason)
+    return {"model_name": name, "model_version": str(version), "decision": canary.decision,
             "reason": canary.reason, "parent_run_id": lineage.parent_run_id}

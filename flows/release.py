@@ -8,6 +8,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
+from deployments.release_lock import release_lock
 from flows.config import PipelineConfig
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, close_run, open_parent_run, \
@@ -65,9 +66,10 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
         shards = open_shard_set(shard_set, lineage)
         cluster = provision_cluster(config.cluster, lineage)
         trained = train_fsdp(config.train, shards, cluster, lineage)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage)
-        promoted = promote_model(config.registry, validated, trained, shards, lineage)
-        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s):
+            promoted = promote_model(config.registry, validated, trained, shards, lineage)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
         ok = True
     finally:
         teardown(cluster)

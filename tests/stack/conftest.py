@@ -26,6 +26,12 @@ def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int =
             *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]), *(extra or [])]
 
 
+def serve_of(model_name: str, serve_port: int) -> dict:
+    """A run's [serve] on the stack: its one Serve proxy, and a route prefix of the model's own (each model is an
+    application, and two cannot share a prefix); the stack's own model keeps '/'."""
+    return {"port": serve_port, "route_prefix": "/" if model_name == "stack-test" else f"/{model_name}"}
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """One running stack for the stack tests (session-wide: starting one takes ~50 s): {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
@@ -39,7 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield {"env": env, "home": home, "api": report["prefect"]["url"], "tracking_uri": report["mlflow"]["url"],
                "status": report, "log": Path(report["worker"]["log"]), "up_output": proc.stdout,
                "serve_port": serve_port,
-               "config": lambda name, steps=10: small_config(name, steps, serve={"port": serve_port})}
+               "config": lambda name, steps=10: small_config(name, steps, serve=serve_of(name, serve_port))}
     finally:
         down = shardline(["down"], env, timeout=300)
         print(down.stdout, down.stderr)

@@ -58,7 +58,9 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
         assert "prefect   http://127.0.0.1" in first.stdout and "kept (already running)" in first.stdout
         before = status(env)
         assert before["prefect"]["started_by_us"] is False and before["mlflow"]["started_by_us"] is True
-        assert all(part["up"] for part in before.values()), before
+        # Every part answers; the endpoint has nothing to serve before the first champion.
+        assert all(part["up"] for name, part in before.items() if name != "endpoint"), before
+        assert before["endpoint"]["champion"] == "none yet" and before["ray"]["started_by_us"] is True
 
         second = shardline(args, env)
         assert second.returncode == 0, second.stdout + second.stderr
@@ -66,8 +68,7 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
         assert {n: p["pids"] for n, p in after.items()} == {n: p["pids"] for n, p in before.items()}
 
         ours = [p for part in after.values() if part["started_by_us"] for p in part["pids"]]
-        members = set().union(*(group_members(pid) for pid in ours))
-        assert members >= set(ours)
+        members = set(ours).union(*(group_members(pid) for pid in ours))  # with servers' worker processes
         ports = [int(part["url"].split(":")[2].split("/")[0]) for name, part in after.items()
                  if part["started_by_us"] and name in ("mlflow",)]
 
@@ -81,5 +82,7 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
         # ...and the server it did not start still answers.
         assert foreign.poll() is None and http_ok(f"http://127.0.0.1:{foreign_port}/api/health")
     finally:
+        if (tmp_path / "home" / "stack.json").exists():  # a failed assertion above: still stop what up started
+            shardline(["down"], env, timeout=300)
         os.killpg(foreign.pid, signal.SIGTERM)
         foreign.wait(timeout=60)

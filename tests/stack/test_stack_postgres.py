@@ -43,7 +43,8 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
         # of one model serialising is the release lock's test; these register three models side by side.)
         cmd = [SHARDLINE, "run", "--config", str(REPO / "configs" / "debug.toml"), "--json",
                "--set", "train.steps=10", "--set", "train.checkpoint_every=5", "--set", f"serve.port={serve_port}"]
-        procs = [subprocess.Popen([*cmd, "--set", f"registry.model_name=stack-pg-{i}"], env=env, cwd=REPO,
+        procs = [subprocess.Popen([*cmd, "--set", f"registry.model_name=stack-pg-{i}",
+                                   "--set", f"serve.route_prefix=/stack-pg-{i}"], env=env, cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
         outs = [p.communicate(timeout=900) for p in procs]
         for p, (out, err) in zip(procs, outs):

@@ -96,7 +96,8 @@ def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_start
     corpus = make_corpus(tmp_path / "new-corpus", n=120)
     proc = shardline(["notify-dataset", str(corpus), "--config", "configs/debug.toml",
                       "--set", "train.steps=10", "--set", "train.checkpoint_every=5",
-                      "--set", "registry.model_name=stack-event", "--set", f"serve.port={stack['serve_port']}"],
+                      "--set", "registry.model_name=stack-event", "--set", f"serve.port={stack['serve_port']}",
+                      "--set", "serve.route_prefix=/stack-event"],
                      stack["env"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"for {corpus}" in proc.stdout
