@@ -176,7 +176,7 @@ def test_azure_blob_source_and_output(prefect_server, home, azurite, unique_pref
     cfg = load_config(REPO / "configs" / "debug.toml", [
         f"data.source=az://shardline/{unique_prefix}/corpus",
         f"data.output=az://shardline/{unique_prefix}/shards",
-        "canary.enabled=false", *SERVE,
+        "canary.enabled=false", "train.init_from=", *SERVE,  # the champion's checkpoint is on S3: not this test's
     ])
     summary = shardline_pipeline(cfg)
     assert summary.manifest_uri.startswith(f"az://shardline/{unique_prefix}/shards/{summary.dataset_digest}/")
@@ -204,7 +204,8 @@ def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(p
 
     url = f"http://127.0.0.1:{SERVE_PORT}"
     champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
-    sets = ("canary.lease_s=8", "canary.bake_seconds=60", "canary.step_timeout_s=300")  # a step that lasts
+    # a step that lasts; from scratch (the champion's checkpoint is on the S3 server of another test)
+    sets = ("train.init_from=", "canary.lease_s=8", "canary.bake_seconds=60", "canary.step_timeout_s=300")
     proc = _cli_run(prefect_server, home, *sets, new_session=True)
     deadline = time.monotonic() + 600
     with httpx.Client(timeout=30) as http:
@@ -226,7 +227,7 @@ def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(p
     assert str(client.get_model_version_by_alias(name, "champion").version) == champion  # no decision, no change
     assert "shardline.canary_decision" not in client.get_model_version(name, challenger).tags
 
-    rerun = _cli_run(prefect_server, home, *sets[:1])
+    rerun = _cli_run(prefect_server, home, *sets[:2])
     out, err = rerun.communicate(timeout=900)
     assert rerun.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -246,7 +247,8 @@ def test_three_runs_at_once_release_one_at_a_time(prefect_server, home):
     before = {int(v.version) for v in client.search_model_versions(f"name = '{name}'")}
     champion = str(client.get_model_version_by_alias(name, "champion").version)
     # three different models (seeds), so three new versions; one ramp step keeps the test short
-    procs = [_cli_run(prefect_server, home, f"train.seed={seed}", "canary.steps=[100]") for seed in (11, 12, 13)]
+    procs = [_cli_run(prefect_server, home, f"train.seed={seed}", "train.init_from=", "canary.steps=[100]")
+             for seed in (11, 12, 13)]
     results = [p.communicate(timeout=1500) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
