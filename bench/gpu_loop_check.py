@@ -53,7 +53,7 @@ def main() -> None:
         ckpt.load_unsharded(plain, dirs[-1])
         from training.data.loader import iter_texts
 
-        bpb = bits_per_byte(plain, (t for _, t in iter_texts(val)), cfg.seq_len, max_batches=4)
+        bpb = bits_per_byte(plain, (t for _, t in iter_texts(val)), cfg.seq_len)
     out = {
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "first_run": first, "first_run_s": round(first_s, 1),

@@ -17,8 +17,39 @@ class RegistryConfig(BaseModel):
     experiment: str = Field("shardline", min_length=1, description="MLflow experiment holding the run tree.")
 
 
+class ServeConfig(BaseModel):
+    """The live endpoint: one Ray Serve application per registered model, serving the registry's `champion`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds to; 127.0.0.1 unless you mean otherwise.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of Ray Serve's HTTP proxy (one per cluster).")
+    public_url: str = Field(
+        "", description="URL clients (and the canary's probe traffic) use when it differs from http://host:port, "
+        "e.g. a remote cluster's load balancer.",
+    )
+    route_prefix: str = Field("/", description="Route prefix of the model's application ('/' serves /v1/...).")
+    app_name: str = Field("", description="Serve application name; empty derives 'shardline-<registry.model_name>'.")
+    max_request_bytes: int = Field(
+        65536, ge=256, description="Largest request body accepted; bigger ones get 413 before the body is read."
+    )
+    max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
+    max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
+    replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per replica (router and models).")
+    model_replicas: int = Field(1, ge=1, description="Replicas per served model version.")
+    model_threads: int = Field(1, ge=1, description="torch intra-op threads per model replica.")
+    auth_token_env: str = Field(
+        "SHARDLINE_SERVE_TOKEN",
+        description="Environment variable holding the API's bearer token; unset (and no secret block) = no auth.",
+    )
+    auth_secret_block: str = Field("", description="Prefect Secret block holding the bearer token instead.")
+    drain_timeout_s: float = Field(
+        30.0, gt=0, description="How long a removed version's replicas may finish requests in flight."
+    )
+
+
 class CanaryConfig(BaseModel):
-    """How the challenger is ramped against the champion, and the gates it must pass."""
+    """How the challenger is ramped against the champion on the live endpoint, and the gates it must pass."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -26,25 +57,51 @@ class CanaryConfig(BaseModel):
     steps: list[int] = Field(
         [10, 50, 100], description="Percent of traffic sent to the challenger at each ramp step, ascending."
     )
-    requests_per_step: int = Field(30, ge=1, description="HTTP requests sent at each ramp step.")
+    min_requests: int = Field(
+        20, ge=1, description="Challenger-served requests a step needs before it is judged (live plus probe)."
+    )
+    bake_seconds: float = Field(5.0, ge=0, description="Least time a step runs before it is judged.")
+    step_timeout_s: float = Field(
+        120.0, gt=0, description="A step that has not seen min_requests by then fails (too little evidence)."
+    )
+    probe_rps: float = Field(
+        0.0, ge=0, description="Probe requests per second from held-out text topping up thin live traffic "
+        "(0 = off); labelled source=probe in metrics and reports.",
+    )
+    shadow_share: float = Field(
+        1.0, gt=0, le=1, description="Share of challenger-served requests also scored by the champion (paired)."
+    )
+    min_paired: int = Field(10, ge=2, description="Paired requests a step needs; fewer cannot pass.")
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1, description="One-sided confidence of the paired bootstrap bound on the bpb regression."
+    )
     max_error_rate_increase: float = Field(
         0.0, ge=0, description="Fail when challenger error rate exceeds champion's by more than this."
     )
     max_p95_latency_ratio: float = Field(
         3.0, gt=0, description="Fail when challenger p95 latency exceeds champion's by more than this factor."
     )
+    max_p99_latency_ratio: float = Field(
+        5.0, gt=0, description="Fail when challenger p99 latency exceeds champion's by more than this factor."
+    )
     max_bpb_regression: float = Field(
-        0.05, ge=0, description="Fail when challenger bits/byte exceeds champion's on the same requests by more."
+        0.05, ge=0, description="Fail unless the upper confidence bound of challenger minus champion bits/byte "
+        "on the same requests is at most this.",
     )
     latency_floor_ms: float = Field(
         5.0,
         ge=0,
-        description="p95 latencies below this count as this in the latency gate (sub-ms noise is no regression).",
+        description="Latencies below this count as this in the latency gates (sub-ms noise is no regression).",
     )
-    max_request_bytes: int = Field(2048, ge=16, description="Held-out text per request is cut to this many bytes.")
-    host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds to.")
-    port: int = Field(0, ge=0, le=65535, description="Port of Ray Serve's HTTP proxy; 0 picks a free one.")
-    seed: int = Field(0, description="Seed of request order and routing.")
+    lease_s: float = Field(
+        20.0, ge=2, description="Dead man's switch: without a lease renewal for this long the router sends all "
+        "traffic to the champion by itself.",
+    )
+    max_probe_bytes: int = Field(1024, ge=16, description="Held-out text per probe request is cut to this.")
+    seed: int = Field(0, description="Seed of routing, probe order and the bootstrap.")
+    lock_timeout_s: float = Field(
+        3600.0, gt=0, description="How long a run waits for the model's release lock (another run's canary)."
+    )
 
     @field_validator("steps")
     @classmethod

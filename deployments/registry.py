@@ -220,3 +220,15 @@ def seq_len_of(model_uri: str) -> int:
     if "seq_len" not in metadata:
         raise RegistryError(f"{model_uri}: logged model has no 'seq_len' in its metadata")
     return int(metadata["seq_len"])
+
+
+def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
+    """(version, loaded model) of `name`'s champion, the served pt2 program; None when there is no champion."""
+    import mlflow
+
+    aliases = read_aliases(client_for(tracking_uri), name)
+    version = aliases.get(CHAMPION)
+    if version is None:
+        return None
+    mlflow.set_registry_uri(tracking_uri)
+    return version, mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")

@@ -10,7 +10,7 @@ from typing import Any
 from flows.config import ConfigError, load_config
 
 
-def _prepare_environment() -> None:
+def prepare_environment() -> None:
     """Telemetry off; with no Prefect server configured, keep Prefect's own state under $SHARDLINE_HOME."""
     from infra.paths import quiet_telemetry, shardline_home
 
@@ -34,7 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
-    _prepare_environment()
+    prepare_environment()
     from flows import log_hygiene
     from flows.pipeline import shardline_pipeline
     from infra.orphans import reap_orphans
@@ -58,16 +58,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("MLflow run", summary.parent_run_id),
         ("dataset digest", summary.dataset_digest),
         ("checkpoint", summary.checkpoint_uri),
+        ("endpoint", summary.endpoint_url or "-"),
     ]
     out = sys.stderr if args.json else sys.stdout
     print(_table(rows), file=out, flush=True)
-    print(_where_to_look(summary.model_name), file=out, flush=True)
+    print(_where_to_look(summary.model_name, summary.endpoint_url), file=out, flush=True)
     if args.json:
         print(json.dumps(summary.model_dump()), flush=True)
     return 0
 
 
-def _where_to_look(model_name: str) -> str:
+def _where_to_look(model_name: str, endpoint_url: str = "") -> str:
     """The commands that show this run afterwards, for the state dir and tracking store actually used."""
     from infra.paths import shardline_home
     from infra.tracking import resolve_tracking_uri
@@ -79,11 +80,15 @@ def _where_to_look(model_name: str) -> str:
     if not os.environ.get("PREFECT_API_URL"):
         lines.append(f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start")
     lines.append(f"  lineage:            {bin_dir}/shardline lineage --model {model_name} --alias champion")
+    if endpoint_url:
+        lines.append(f"  endpoint:           curl -s {endpoint_url}/v1/completions -H 'content-type: application/json' "
+                     "-d '{\"prompt\": \"def main():\", \"max_tokens\": 32}'")
+        lines.append(f"  stop serving:       {bin_dir}/shardline serve --stop")
     return "\n".join(lines)
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
-    _prepare_environment()
+    prepare_environment()
     from deployments.lineage import LineageError, describe_lineage
 
     try:
@@ -118,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default as for `run`)")
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
+
+    from flows import cmd_serve
+
+    cmd_serve.add_parser(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.config import CanaryConfig, RegistryConfig
+from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from infra.config import ClusterConfig
 from training.config import TrainConfig, ValidationConfig
 from training.data.config import DataConfig
@@ -30,6 +30,7 @@ class PipelineConfig(BaseModel):
     )
     registry: RegistryConfig = Field(default_factory=RegistryConfig, description="promote_model: MLflow registry.")
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="canary_deploy: ramp and gates.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="The live endpoint the canary releases into.")
 
 
 def _parse_value(text: str) -> Any:

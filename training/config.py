@@ -87,8 +87,15 @@ class ValidationConfig(BaseModel):
     max_bits_per_byte: float = Field(
         6.0, gt=0, description="Fail the stage when validation bits per byte is above this (uniform bytes = 8)."
     )
-    eval_batches: int = Field(16, ge=1, description="Batches of held-out text evaluated.")
-    batch_size: int = Field(8, ge=1, description="Sequences per evaluation batch.")
+    max_texts: int = Field(
+        0, ge=0, description="Held-out texts evaluated: 0 = the whole validation split; N = a systematic sample "
+        "of about N spread over every validation shard (its size is logged).",
+    )
+    batch_size: int = Field(8, ge=1, description="Windows per evaluation batch.")
+    max_regression_vs_champion: float | None = Field(
+        0.25, ge=0, description="Fail when held-out bits/byte exceeds the current champion's on the same data by "
+        "more than this (None = no relative gate); checked before any traffic is risked.",
+    )
 
 
 def load_object(spec: str, field: str) -> Any:

@@ -6,7 +6,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
@@ -18,97 +17,91 @@ class GateFailed(RuntimeError):
     """The quality gate failed (e.g. bits per byte above the configured maximum); retrying will not help."""
 
 
+class NotServable(GateFailed):
+    """The model cannot be exported or run at the shapes serving uses: rejected before it is registered."""
+
+
 class ValidationResult(BaseModel):
-    """What validate_checkpoint produced: the model it logged and the number behind the gate decision."""
+    """What validate_checkpoint produced: the model it logged and the numbers behind the gate decision.
+
+    A result exists only for a checkpoint that passed every gate; a failed gate raises GateFailed instead.
+    """
 
     validation_run_id: str
     checkpoint_uri: str
     val_bits_per_byte: float
+    champion_val_bits_per_byte: float | None = None
+    champion_version: str | None = None
     model_uri: str
     seq_len: int
-    passed: bool
 
 
-def _windows(texts: Iterable[bytes], seq_len: int) -> Iterator[torch.Tensor]:
-    """Each text cut into windows of at most seq_len + 1 bytes; every byte after a window's first is predicted."""
-    for text in texts:
-        for start in range(0, max(0, len(text) - 1), seq_len):
-            window = text[start:start + seq_len + 1]
-            if len(window) >= 2:
-                yield torch.frombuffer(bytearray(window), dtype=torch.uint8).long()
-
-
-@torch.no_grad()
 def bits_per_byte(
     model: nn.Module,
     texts: Iterable[bytes],
     seq_len: int,
     batch_size: int = 8,
-    max_batches: int | None = None,
     device: torch.device | str = "cpu",
 ) -> float:
-    """Cross-entropy of the next byte in bits per byte (nats / ln 2 per predicted byte); 8.0 is a uniform guess.
+    """Cross-entropy of the next byte in bits per byte over every text (8.0 is a uniform guess).
 
-    The model maps int64 [B, T] byte values to logits [B, T, 256]. Texts are cut into windows of seq_len + 1
-    bytes; windows of equal length are batched together; at most max_batches batches are evaluated.
+    The model maps int64 [B, T] byte values to logits [B, T, 256]; the windows are training.bpb's, the same
+    the canary and the live endpoint score with.
 
     Raises:
         ValueError: no text had two bytes, so nothing was predicted.
     """
-    was_training = model.training
-    model.eval()
-    total_nats, total_bytes, batches = 0.0, 0, 0
-    full: list[torch.Tensor] = []
+    from training.bpb import corpus_bits
 
-    def run(batch: list[torch.Tensor]) -> None:
-        nonlocal total_nats, total_bytes, batches
-        seqs = torch.stack(batch).to(device)
-        logits = model(seqs[:, :-1]).float()
-        total_nats += F.cross_entropy(logits.reshape(-1, logits.size(-1)), seqs[:, 1:].reshape(-1),
-                                      reduction="sum").item()
-        total_bytes += seqs[:, 1:].numel()
-        batches += 1
-
+    was_training = getattr(model, "training", False)
+    _mode(model, "eval")
     try:
-        for window in _windows(texts, seq_len):
-            if max_batches is not None and batches >= max_batches:
-                break
-            if len(window) == seq_len + 1:
-                full.append(window)
-                if len(full) == batch_size:
-                    run(full)
-                    full = []
-            else:  # a text's short tail: its own batch of one
-                run([window])
-        if full and (max_batches is None or batches < max_batches):
-            run(full)
+        bits, nbytes, _ = corpus_bits(model, texts, seq_len, batch_size, device)
     finally:
-        model.train(was_training)
-    if total_bytes == 0:
+        if was_training:
+            _mode(model, "train")
+    if nbytes == 0:
         raise ValueError("bits_per_byte: no held-out text with at least 2 bytes")
-    return total_nats / math.log(2) / total_bytes
+    return bits / nbytes
 
 
-def evaluate_checkpoint(checkpoint_uri: str, train_cfg: "TrainConfig", val_shards: list[str], batch_size: int,
-                        max_batches: int) -> tuple[nn.Module, float]:
-    """Load a DCP checkpoint into a plain model (no process group) and measure held-out bits per byte.
+def _mode(model: object, mode: str) -> None:
+    try:
+        getattr(model, mode)()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        pass  # torch.export modules refuse .eval() and .train(); their graph is already in inference form
 
-    Returns:
-        The unsharded model in eval mode, and its validation bits per byte.
+
+def sample_texts(texts: Iterable[bytes], total: int, max_texts: int) -> Iterator[bytes]:
+    """Every text when max_texts is 0 (or covers them all), else a systematic sample spread over all of them."""
+    stride = 1 if not max_texts or max_texts >= total else math.ceil(total / max_texts)
+    for i, text in enumerate(texts):
+        if i % stride == 0:
+            yield text
+
+
+def load_checkpoint_model(checkpoint_uri: str, train_cfg: "TrainConfig") -> nn.Module:
+    """The DCP checkpoint loaded into a plain model (no process group), in eval mode.
 
     Raises:
         training.checkpoint.CheckpointError: the checkpoint is incomplete, corrupt or has non-finite values.
     """
     from training.checkpoint import load_unsharded, local_copy
-    from training.data.loader import iter_texts
     from training.config import load_object
 
     model = load_object(train_cfg.model_factory, "train.model_factory")(train_cfg)
     with local_copy(checkpoint_uri) as directory:
         load_unsharded(model, directory)
-    model.eval()
-    texts = (text for _, text in iter_texts(val_shards))
-    return model, bits_per_byte(model, texts, train_cfg.seq_len, batch_size=batch_size, max_batches=max_batches)
+    return model.eval()
+
+
+def held_out_bpb(model: object, val_shards: list[str], num_val: int, seq_len: int, batch_size: int,
+                 max_texts: int) -> float:
+    """Bits per byte of `model` on the held-out split (all of it, or the documented sample of max_texts)."""
+    from training.data.loader import iter_texts
+
+    texts = sample_texts((text for _, text in iter_texts(val_shards)), num_val, max_texts)
+    return bits_per_byte(model, texts, seq_len, batch_size=batch_size)  # type: ignore[arg-type]
 
 
 def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> str:
@@ -136,3 +129,32 @@ def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> s
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"],
     )
     return info.model_uri
+
+
+def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
+    """[B, T] shapes the endpoint calls a model with: one token, a completion's growing context, scoring batches."""
+    return sorted({(1, 1), (1, 2), (1, max(1, seq_len // 2) + 1), (1, seq_len), (3, 2), (8, seq_len)})
+
+
+def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:
+    """Load the logged model back as serving will and run it at every serving shape against the eager model.
+
+    Raises:
+        NotServable: naming the model factory, the shape and the cause (a failed guard, different logits).
+    """
+    import mlflow
+
+    loaded = mlflow.pytorch.load_model(model_uri, map_location="cpu")
+    gen = torch.Generator().manual_seed(0)
+    who = f"train.model_factory={factory!r}: " if factory else ""
+    for b, t in serving_shapes(seq_len):
+        x = torch.randint(0, 256, (b, t), generator=gen)
+        try:
+            with torch.no_grad():
+                got, want = loaded(x), eager(x)
+        except Exception as e:  # noqa: BLE001 - any failure here means the endpoint would fail the same way
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise NotServable(f"{who}the exported model fails at serving shape [{b}, {t}]: {first}") from None
+        if tuple(got.shape) != (b, t, 256) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
+            raise NotServable(f"{who}the exported model's logits at shape [{b}, {t}] differ from the trained model's "
+                              f"(shape {tuple(got.shape)})")

@@ -5,11 +5,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import httpx
+
 from flows.config import load_config
+from infra.cluster import free_port
 from infra.tracking import (
     STAGES,
     TAG_DATA_RUN_ID,
@@ -21,6 +25,8 @@ from infra.tracking import (
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+SERVE_PORT = free_port()
+SERVE = [f"serve.port={SERVE_PORT}"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +36,9 @@ def home(tmp_path_factory):
     os.environ["SHARDLINE_HOME"] = str(home)
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     yield home
+    from infra.head import stop_head
+
+    assert stop_head()  # the long-lived head the first run started (and the endpoint on it) goes with the module
     if old is None:
         os.environ.pop("SHARDLINE_HOME", None)
     else:
@@ -52,10 +61,18 @@ def _children(client, parent_run_id: str) -> dict:
 def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
     from flows.pipeline import shardline_pipeline
 
-    cfg = load_config(REPO / "configs" / "debug.toml")
+    cfg = load_config(REPO / "configs" / "debug.toml", SERVE)
     summary = shardline_pipeline(cfg)
 
     assert summary.decision == "first-champion"
+    # the flow has exited; the live endpoint keeps serving the champion
+    assert summary.endpoint_url == f"http://127.0.0.1:{SERVE_PORT}"
+    with httpx.Client(timeout=60) as http:
+        r = http.post(f"{summary.endpoint_url}/v1/completions", json={"prompt": "def main():", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["model_version"] == "1"
+        r = http.post(f"{summary.endpoint_url}/v1/score", json={"text": "import os\nimport sys\n"})
+        assert r.status_code == 200 and r.headers["x-shardline-model-version"] == "1"
+        assert 0 < r.json()["bits_per_byte"] < 8.5
     assert str(summary.model_version) == "1" and str(summary.champion_version) == "1"
     assert 0 < summary.val_bits_per_byte <= cfg.validation.max_bits_per_byte
     assert len(summary.dataset_digest) == 32
@@ -82,36 +99,47 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
     assert len(losses) >= 2 and losses[-1].value < losses[0].value
 
 
-def test_second_run_through_the_cli_goes_through_a_real_canary(prefect_server, home, s3_server):
-    # Same corpus; shards and Ray Train checkpoints on a real S3 API server this time (moto_server, endpoint from env).
+def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, home, s3_server):
+    """Same corpus; shards and Ray Train checkpoints on a real S3 API server this time (moto_server, endpoint from
+    env). Users send requests to the endpoint the whole time: none fails, and the served version moves 1 -> 2."""
+    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    from load import Load
+
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json",
-         "--set", "data.output=s3://shardline/flow-shards", "--set", "train.storage_path=s3://shardline/flow-ckpt"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )
+    texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]
+    with Load(f"http://127.0.0.1:{SERVE_PORT}", texts, rps=4.0, max_seconds=900) as load:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json", "--set", SERVE[0],
+             "--set", "data.output=s3://shardline/flow-shards", "--set", "train.storage_path=s3://shardline/flow-ckpt"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        )
+        time.sleep(1.0)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load.answers and not load.failed, load.failed[:5]
+    versions = [a.version for a in load.answers]
+    assert versions[0] == "1" and versions[-1] == "2" and set(versions) == {"1", "2"}
+    assert set(versions[: versions.index("2")]) == {"1"}
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("model_name", "model_version", "decision", "parent_run_id", "dataset_digest"):
         assert key in summary
     assert str(summary["model_version"]) == "2"
-    assert summary["decision"] in ("promoted", "rejected")
+    assert summary["decision"] == "promoted", summary["reason"]
+    assert summary["endpoint_url"] == f"http://127.0.0.1:{SERVE_PORT}"
 
     client = _client(home)
     name = summary["model_name"]
     children = _children(client, summary["parent_run_id"])
     assert sorted(children) == sorted(STAGES)
     canary_run = children["canary_deploy"]
-    # the canary moved real traffic: every ramp step when it promoted, up to the failing step when it rejected
-    ramp = (10, 50, 100) if summary["decision"] == "promoted" else (10,)
-    for pct in ramp:
-        assert canary_run.data.metrics.get(f"step{pct}.requests", 0) > 0, canary_run.data.metrics
+    # the canary judged every ramp step on live and probe requests
+    for pct in (10, 50, 100):
+        assert canary_run.data.metrics[f"step{pct}.challenger.n"] >= 6, canary_run.data.metrics
+        assert canary_run.data.metrics[f"step{pct}.paired"] >= 5
     champion = client.get_model_version_by_alias(name, "champion")
     v2 = client.get_model_version(name, "2")
-    if summary["decision"] == "promoted":
-        assert str(champion.version) == "2"
-    else:
-        assert str(champion.version) == "1" and "rejected" in v2.tags
+    assert str(champion.version) == "2" and v2.tags["shardline.canary_decision"] == "promoted"
+    health = httpx.get(f"{summary['endpoint_url']}/healthz", timeout=30).json()
+    assert health["champion"] == "2" and health["challenger"] is None
     # same corpus and split: the digest is over content, so it is the same wherever the shards live
     v1 = client.get_model_version(name, "1")
     assert v1.tags[TAG_DATASET_DIGEST] == v2.tags[TAG_DATASET_DIGEST] == summary["dataset_digest"]
@@ -145,7 +173,7 @@ def test_azure_blob_source_and_output(prefect_server, home, azurite, unique_pref
     cfg = load_config(REPO / "configs" / "debug.toml", [
         f"data.source=az://shardline/{unique_prefix}/corpus",
         f"data.output=az://shardline/{unique_prefix}/shards",
-        "canary.enabled=false",
+        "canary.enabled=false", *SERVE,
     ])
     summary = shardline_pipeline(cfg)
     assert summary.manifest_uri.startswith(f"az://shardline/{unique_prefix}/shards/{summary.dataset_digest}/")
@@ -155,3 +183,80 @@ def test_azure_blob_source_and_output(prefect_server, home, azurite, unique_pref
     version = client.get_model_version(summary.model_name, summary.model_version)
     assert version.tags[TAG_DATASET_DIGEST] == summary.dataset_digest
     assert "AccountKey" not in json.dumps(client.get_run(summary.parent_run_id).data.tags)
+
+
+def _cli_run(prefect_server: str, home: Path, *sets: str, new_session: bool = False) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
+    args = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json", "--set", SERVE[0]]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
+
+
+def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(prefect_server, home):
+    """SIGKILL the flow's whole process tree in the middle of a ramp step: within canary.lease_s every request is
+    the champion's again without anyone acting; the same command run again completes and removes the orphan."""
+    import signal
+
+    url = f"http://127.0.0.1:{SERVE_PORT}"
+    champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
+    sets = ("canary.lease_s=8", "canary.bake_seconds=60", "canary.step_timeout_s=300")  # a step that lasts
+    proc = _cli_run(prefect_server, home, *sets, new_session=True)
+    deadline = time.monotonic() + 600
+    with httpx.Client(timeout=30) as http:
+        while (health := http.get(f"{url}/healthz").json())["challenger_percent"] == 0:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the canary never started"
+            time.sleep(0.5)
+        challenger = health["challenger"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed_at = time.monotonic()
+        while http.get(f"{url}/healthz").json()["challenger_percent"] != 0:
+            assert time.monotonic() - killed_at < 8 + 5, "the lease did not run out"
+            time.sleep(0.5)
+        assert {http.post(f"{url}/v1/score", json={"text": "import os"}).headers["x-shardline-model-version"]
+                for _ in range(6)} == {champion}
+    client = _client(home)
+    name = load_config(REPO / "configs" / "debug.toml").registry.model_name
+    assert str(client.get_model_version_by_alias(name, "champion").version) == champion  # no decision, no change
+    assert "shardline.canary_decision" not in client.get_model_version(name, challenger).tags
+
+    rerun = _cli_run(prefect_server, home)
+    out, err = rerun.communicate(timeout=900)
+    assert rerun.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["decision"] == "promoted", summary["reason"]
+    health = httpx.get(f"{url}/healthz", timeout=30).json()
+    assert health["champion"] == summary["model_version"] and health["challenger"] is None
+    assert client.get_model_version(name, challenger).tags["shardline.canary_decision"] == "abandoned"
+
+
+def test_three_runs_at_once_release_one_at_a_time(prefect_server, home):
+    """Three pipelines against one registry: the release lock serialises them; one champion; every version they
+    registered carries a canary decision; no 'database is locked'."""
+    client = _client(home)
+    name = load_config(REPO / "configs" / "debug.toml").registry.model_name
+    before = {int(v.version) for v in client.search_model_versions(f"name = '{name}'")}
+    old_champion = str(client.get_model_version_by_alias(name, "champion").version)
+    # the same config as the champion's: identical models, so every canary must promote (difference exactly 0)
+    procs = [_cli_run(prefect_server, home, "canary.steps=[100]") for _ in range(3)]
+    results = [p.communicate(timeout=1500) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        assert "database is locked" not in err
+    summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    new = {int(s["model_version"]) for s in summaries}
+    assert len(new) == 3 and not new & before
+    decisions = {int(v.version): v.tags.get("shardline.canary_decision")
+                 for v in client.search_model_versions(f"name = '{name}'") if int(v.version) in new}
+    assert set(decisions.values()) == {"promoted"}, decisions
+    champion = str(client.get_model_version_by_alias(name, "champion").version)
+    assert int(champion) in new
+    # serialised: each canary compared against the champion current when its run got the lock, so the baselines
+    # form one chain: the old champion, then two of the new versions (never the same baseline twice)
+    baselines = [_children(client, s["parent_run_id"])["canary_deploy"].data.tags["shardline.champion_version"]
+                 for s in summaries]
+    assert sorted(baselines) == sorted([old_champion, *(str(v) for v in new - {int(champion)})]), baselines
+    assert httpx.get(f"http://127.0.0.1:{SERVE_PORT}/healthz", timeout=30).json()["champion"] == champion

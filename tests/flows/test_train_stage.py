@@ -67,12 +67,12 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     @flow
     def stage_flow():
         trained = train_fsdp(cfg, shards, ray_cluster, lineage)
-        gate = ValidationConfig(max_bits_per_byte=7.5, eval_batches=4, batch_size=4)
+        gate = ValidationConfig(max_bits_per_byte=7.5, max_texts=8, batch_size=4)
         return trained, validate_checkpoint(gate, cfg, trained, shards, lineage, return_state=True)
 
     @flow
     def strict_gate_flow(trained, other):
-        gate = ValidationConfig(max_bits_per_byte=0.01, eval_batches=2, batch_size=4)
+        gate = ValidationConfig(max_bits_per_byte=0.01, max_texts=4, batch_size=4)
         state = validate_checkpoint(gate, cfg, trained, shards, other, return_state=True)
         return {"failed": state.is_failed(), "task_run_id": state.state_details.task_run_id, "message": state.message}
 

@@ -16,7 +16,7 @@ CFG = TrainConfig(workers=2, steps=12, checkpoint_every=6, log_every=3, seq_len=
 
 @pytest.fixture()
 def two_node_cluster(tmp_path, monkeypatch):
-    """Head (1 CPU) + worker node (1 CPU); stopped by pid by infra.cluster.teardown (never `ray stop`)."""
+    """Head (1 CPU) + worker node (1 CPU); stopped by recorded pid by infra.head.stop_head (never `ray stop`)."""
     from infra.cluster import provision, teardown
     from infra.config import ClusterConfig
 
@@ -26,12 +26,16 @@ def two_node_cluster(tmp_path, monkeypatch):
     # where it records each worker's node.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv(RECORD_DIR_ENV, str(records))
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))  # the head's record lives there
     info = provision(ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=1,
                                    object_store_mb=100))
     try:
         yield records
     finally:
+        from infra.head import stop_head
+
         teardown(info)
+        assert stop_head()
 
 
 def test_workers_are_placed_on_both_nodes(two_node_cluster, tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def tracking(tmp_path, monkeypatch):
 
 
 def test_two_worker_fsdp_run_checkpoints_and_validates(ray_cluster, tracking, tmp_path):
-    from training.evaluate import evaluate_checkpoint
+    from training.evaluate import held_out_bpb, load_checkpoint_model
     from training.trainer import run_training, storage_root
 
     uri, client, run_id = tracking
@@ -79,7 +79,8 @@ def test_two_worker_fsdp_run_checkpoints_and_validates(ray_cluster, tracking, tm
     assert time.monotonic() - t0 < 60
 
     # validation: plain model, no process group, bits per byte well under uniform
-    model, bpb = evaluate_checkpoint(result.checkpoint_uri, CFG, shards.val_shards, batch_size=4, max_batches=4)
+    model = load_checkpoint_model(result.checkpoint_uri, CFG)
+    bpb = held_out_bpb(model, shards.val_shards, shards.num_val, CFG.seq_len, batch_size=4, max_texts=8)
     assert 0 < bpb < 7.0
     assert loss[-1].value / 0.6931 < 8.0
 

@@ -1,37 +1,56 @@
-"""Canary policy as pure functions: per-step numbers from observations, each gate, and the final verdict."""
+"""Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict."""
 from __future__ import annotations
 
 import pytest
 
-from deployments.canary import (
-    Observation, StepMetrics, VersionStats, decide_canary, gate_step, p95, pick_payloads, result_of, steps_table,
-    summarize_step,
-)
 from deployments.config import CanaryConfig
+from deployments.rollout_policy import (
+    MIN_SAMPLES_P99, StepMetrics, VersionStats, decide_canary, gate_step, p95, paired_upper_bound, result_of,
+    skipped, steps_table, summarize_step,
+)
 
-CFG = CanaryConfig(max_error_rate_increase=0.0, max_p95_latency_ratio=3.0, max_bpb_regression=0.05,
-                   latency_floor_ms=5.0)
+CFG = CanaryConfig(min_paired=4, max_error_rate_increase=0.0, max_p95_latency_ratio=3.0, max_p99_latency_ratio=5.0,
+                   max_bpb_regression=0.05, latency_floor_ms=5.0, confidence=0.95)
 
 
-def _call(role, version, bpb=2.0, nbytes=100, ms=10.0, ok=True):
+def _call(version, bpb=2.0, nbytes=100, ms=10.0, ok=True):
+    """A model call as Router._record slims it."""
     if not ok:
-        return {"role": role, "version": version, "ok": False, "error": "RuntimeError: boom"}
-    return {"role": role, "version": version, "ok": True, "bits": bpb * nbytes, "bytes": nbytes, "bpb": bpb,
-            "latency_ms": ms}
+        return {"version": version, "ok": False, "bits": None, "bytes": None, "latency_ms": None,
+                "error": "RuntimeError: boom"}
+    return {"version": version, "ok": True, "bits": bpb * nbytes, "bytes": nbytes, "latency_ms": ms, "error": None}
 
 
-def _to_challenger(ch_bpb=2.0, base_bpb=2.0, ch_ms=10.0, base_ms=10.0, ok=True, nbytes=100):
-    served = _call("challenger", "2", ch_bpb, nbytes, ch_ms, ok)
-    shadow = _call("champion", "1", base_bpb, nbytes, base_ms)
-    return Observation(status=200 if ok else 500, served=served, shadow=shadow, client_ms=12.0)
+def _ob(op, role, challenger=None, champion=None, shadow=None, fallback=False, client_ok=True, probe=False):
+    return {"seq": 0, "canary_id": "c", "epoch": 1, "t": 0.0, "endpoint": "score" if op == "score" else "completions",
+            "probe": probe, "op": op, "role": role, "challenger": challenger, "champion": champion, "shadow": shadow,
+            "fallback": fallback, "client_ok": client_ok, "total_ms": 12.0}
 
 
-def _to_champion(bpb=2.0, ms=10.0, ok=True):
-    return Observation(status=200 if ok else 500, served=_call("champion", "1", bpb, 100, ms, ok), client_ms=11.0)
+def to_challenger(ch_bpb=2.0, base_bpb=2.0, nbytes=100, ch_ms=10.0, base_ms=10.0, op="score", shadow=True,
+                  probe=False):
+    """A request the challenger answered, scored again by the champion (shadow) unless shadow=False."""
+    return _ob(op, "challenger", challenger=_call("2", ch_bpb, nbytes, ch_ms),
+               shadow=_call("1", base_bpb, nbytes, base_ms) if shadow else None, probe=probe)
 
 
-def _step(percent, observations, cfg=CFG):
-    return summarize_step(percent, observations, "1", "2", cfg)
+def challenger_failed():
+    """A completion the challenger failed; the champion answered the client instead (a fallback)."""
+    return _ob("complete", "challenger", challenger=_call("2", ok=False), champion=_call("1"), shadow=_call("1"),
+               fallback=True)
+
+
+def to_champion(bpb=2.0, ms=10.0, ok=True):
+    return _ob("score", "champion", champion=_call("1", bpb, 100, ms, ok), client_ok=ok)
+
+
+def _step(percent, observations, cfg=CFG, earlier=(), **kw):
+    return summarize_step(percent, observations, "1", "2", cfg, earlier, **kw)
+
+
+def _noisy(n, ch, base, spread=0.01):
+    """n paired requests around ch vs base bits/byte, alternating +-spread (deterministic)."""
+    return [to_challenger(ch + (spread if i % 2 else -spread), base) for i in range(n)]
 
 
 def test_p95_is_nearest_rank():
@@ -41,136 +60,185 @@ def test_p95_is_nearest_rank():
     assert p95([1.0, 2.0, 3.0, 100.0]) == 100.0
 
 
-def test_summary_pairs_challenger_requests_with_the_champion_shadow():
-    obs = [_to_challenger(2.0, 2.5, nbytes=100), _to_challenger(3.0, 3.5, nbytes=300)] + [_to_champion(9.0)] * 3
-    step = _step(50, obs)
-    assert step.requests == 5 and step.paired == 2
-    assert step.challenger.n == 2 and step.champion.n == 5  # 3 served + 2 shadow
-    # byte-weighted over the paired requests only: the champion's own 9.0 bpb requests do not count
-    assert step.challenger.bpb == pytest.approx((200 + 900) / 400)
-    assert step.champion.bpb == pytest.approx((250 + 1050) / 400)
-    assert step.bpb_regression == pytest.approx(-0.5)
+def test_challenger_requests_are_paired_with_the_champion_shadow():
+    obs = [to_challenger(2.0, 2.5, nbytes=100), to_challenger(3.0, 3.5, nbytes=300, probe=True),
+           to_challenger(2.0, 2.0, nbytes=100, ch_ms=500.0, op="complete"),  # paired bits, latency not comparable
+           to_challenger(9.0, shadow=False)]  # not shadow-scored: no pair
+    obs += [to_champion(9.0)] * 3
+    step = _step(50, obs, CFG.model_copy(update={"min_paired": 2}))
+    assert (step.requests, step.probe_requests, step.paired) == (7, 1, 3)
+    assert step.challenger.n == 4 and step.champion.n == 6  # 3 served + 3 shadow
+    # byte-weighted over the paired requests only: neither side's unpaired 9.0 bpb requests count
+    assert step.challenger.bpb == pytest.approx((200 + 900 + 200) / 500)
+    assert step.champion.bpb == pytest.approx((250 + 1050 + 200) / 500)
+    assert step.bpb_regression == pytest.approx(-0.4)
+    assert step.challenger_paired_ms == [10.0, 10.0] and step.champion_paired_ms == [10.0, 10.0]
+    assert step.paired_deltas[1] == [900.0, 1050.0, 300.0]
     assert step.failures == []
 
 
 def test_a_good_challenger_is_promoted_after_all_steps():
-    steps = [_step(p, [_to_challenger(2.00, 2.02)] * 3 + [_to_champion()] * 2) for p in (10, 50, 100)]
+    steps = []
+    for p in (10, 50, 100):
+        steps.append(_step(p, _noisy(12, 2.00, 2.02) + [to_champion()] * 4, earlier=steps))
     decision = decide_canary("m", "2", "1", steps, CFG)
-    assert decision.verdict == "promoted"
-    assert decision.candidate == "2" and decision.baseline == "1"
-    assert "passed 3 steps" in decision.reason and "2.0000 vs 2.0200" in decision.reason
-    result = result_of(decision, 100)
-    assert result.champion_version == "2" and result.decision == "promoted"
+    assert decision.verdict == "promoted" and (decision.candidate, decision.baseline) == ("2", "1")
+    assert "passed 3 steps up to 100% on 36 paired requests" in decision.reason
+    assert "2.0000 vs 2.0200" in decision.reason
+    assert decision.gates["max_bpb_regression"] == 0.05 and decision.gates["min_paired"] == 4
+    result = result_of(decision, 100, endpoint_url="http://127.0.0.1:8000")
+    assert (result.decision, result.champion_version, result.challenger_version) == ("promoted", "2", "2")
+    assert result.final_challenger_percent == 100
     assert [s["percent"] for s in result.steps] == [10, 50, 100]
+    assert "paired_deltas" not in result.steps[0] and result.steps[0]["paired"] == 12
 
 
-def test_bpb_regression_beyond_the_gate_rejects():
-    step = _step(10, [_to_challenger(2.10, 2.00)] * 4)
-    assert step.bpb_regression == pytest.approx(0.10)
-    assert len(step.failures) == 1 and "bits/byte 2.1000 vs champion's 2.0000" in step.failures[0]
+def test_a_point_estimate_within_the_gate_is_not_enough_with_few_noisy_pairs():
+    # per-request differences +0.30, -0.20, +0.25, -0.25: mean +0.025 < 0.05, but 4 pairs say little
+    obs = [to_challenger(2.30, 2.0), to_challenger(1.80, 2.0), to_challenger(2.25, 2.0), to_challenger(1.75, 2.0)]
+    step = _step(10, obs)
+    assert step.paired == 4
+    assert step.bpb_regression == pytest.approx(0.025)
+    assert step.bpb_regression_upper > 0.15
+    assert len(step.failures) == 1
+    assert "+0.0250, 95% upper bound" in step.failures[0] and "> 0.05" in step.failures[0]
     decision = decide_canary("m", "2", "1", [step], CFG)
-    assert decision.verdict == "rejected" and decision.reason.startswith("step 10%: bits/byte")
+    assert decision.verdict == "rejected" and decision.reason.startswith("step 10%: bits/byte 2.0250")
     assert result_of(decision, 0).champion_version == "1"
 
 
-def test_bpb_regression_within_the_gate_passes():
-    step = _step(10, [_to_challenger(2.04, 2.00)] * 4)
-    assert step.failures == []
+def test_a_consistent_regression_beyond_the_gate_rejects_and_a_small_one_passes():
+    bad = _step(10, _noisy(20, 2.10, 2.00))
+    assert bad.bpb_regression == pytest.approx(0.10) and bad.bpb_regression_upper >= 0.10
+    assert any("bits/byte 2.1000 vs champion's 2.0000 on the same 20 requests" in f for f in bad.failures)
+    small = _step(10, _noisy(20, 2.02, 2.00, spread=0.005))
+    assert small.bpb_regression == pytest.approx(0.02) and 0.02 <= small.bpb_regression_upper < 0.05
+    assert small.failures == []
+
+
+def test_a_large_consistent_improvement_passes():
+    step = _step(10, _noisy(12, 1.50, 2.00, spread=0.05))
+    assert step.bpb_regression == pytest.approx(-0.50)
+    assert step.bpb_regression_upper < -0.45 and step.failures == []
+
+
+def test_too_few_paired_requests_fail_the_step():
+    # excellent numbers, but 3 pairs < min_paired=4: too little evidence is a failure, never a pass
+    step = _step(10, [to_challenger(1.0, 2.0)] * 3 + [to_challenger(1.0, shadow=False)] * 10)
+    assert step.paired == 3 and step.bpb_regression is None and step.bpb_regression_upper is None
+    assert step.failures == ["only 3 paired requests < canary.min_paired=4: too little evidence to judge quality"]
+
+
+def test_an_evidence_failure_fails_the_step_first():
+    why = "too little evidence: 3 of canary.min_requests=20 challenger requests in 120 s"
+    step = _step(10, _noisy(12, 2.0, 2.0), evidence_failure=why)
+    assert step.failures == [why]
+    assert decide_canary("m", "2", "1", [step], CFG).reason == f"step 10%: {why}"
 
 
 def test_error_rate_increase_rejects():
-    step = _step(50, [_to_challenger(ok=False)] + [_to_challenger()] * 3 + [_to_champion()] * 4)
-    assert step.challenger.errors == 1 and step.challenger.error_rate == pytest.approx(0.25)
-    assert step.champion.error_rate == 0.0
-    assert step.error_rate_increase == pytest.approx(0.25)
-    assert any("error rate 0.250" in f for f in step.failures)
-
-
-def test_error_rate_increase_within_allowance_passes():
-    cfg = CFG.model_copy(update={"max_error_rate_increase": 0.3})
-    step = _step(50, [_to_challenger(ok=False)] + [_to_challenger()] * 3, cfg)
-    assert step.failures == []
+    step = _step(50, [challenger_failed()] + _noisy(4, 2.0, 2.0) + [to_champion()] * 3)
+    assert step.challenger.n == 5 and step.challenger.errors == 1 and step.challenger.error_rate == pytest.approx(0.2)
+    assert step.champion.n == 9 and step.champion.errors == 0  # 5 shadow + 1 fallback + 3 served
+    assert (step.fallbacks, step.failed_requests) == (1, 0)  # the client was answered
+    assert step.error_rate_increase == pytest.approx(0.2)
+    assert step.failures == ["error rate 0.200 (n=5) exceeds champion's 0.000 (n=9) by 0.200 > 0.0"]
+    allowed = _step(50, [challenger_failed()] + _noisy(4, 2.0, 2.0),
+                    CFG.model_copy(update={"max_error_rate_increase": 0.25}))
+    assert allowed.failures == []
 
 
 def test_p95_latency_ratio_rejects():
-    step = _step(100, [_to_challenger(ch_ms=40.0, base_ms=10.0)] * 5)
+    step = _step(100, [to_challenger(ch_ms=40.0, base_ms=10.0)] * 10)
     assert step.p95_ratio == pytest.approx(4.0)
-    assert any("p95 latency 40.0 ms is 4.00x" in f for f in step.failures)
+    assert step.failures == ["p95 latency 40.0 ms is 4.00x champion's 10.0 ms on the same 10 requests > 3.0x"]
 
 
 def test_latency_below_the_floor_is_not_a_regression():
-    # 0.3 ms vs 0.1 ms is 3x, but both are under the 5 ms floor: scheduling noise
-    step = _step(100, [_to_challenger(ch_ms=0.3, base_ms=0.1)] * 5)
-    assert step.p95_ratio == pytest.approx(1.0) and step.failures == []
-
-
-def test_requests_that_never_reached_a_model_fail_the_step():
-    step = _step(10, [Observation(status=0, error="ConnectError")] + [_to_champion()] * 3)
-    assert step.unattributed_errors == 1
-    assert step.failures == ["1 of 4 requests failed before reaching a model"]
-
-
-def test_the_first_failing_step_is_the_reason():
-    good = _step(10, [_to_challenger()] * 2)
-    bad = _step(50, [_to_challenger(3.0, 2.0)] * 2)
-    decision = decide_canary("m", "2", "1", [good, bad], CFG)
-    assert decision.verdict == "rejected" and decision.reason.startswith("step 50%")
-
-
-def test_no_challenger_evidence_rejects():
-    steps = [_step(p, [_to_champion()] * 3) for p in (10, 50, 100)]
-    decision = decide_canary("m", "2", "1", steps, CFG)
-    assert decision.verdict == "rejected" and "no challenger request" in decision.reason
-
-
-def test_a_ramp_that_stopped_early_is_not_promoted():
-    steps = [_step(10, [_to_challenger()] * 2)]
-    decision = decide_canary("m", "2", "1", steps, CFG)
-    assert decision.verdict == "rejected" and "before 100%" in decision.reason
-
-
-def test_gate_step_does_not_change_its_input():
-    stats = VersionStats(version="2", n=1, errors=0, error_rate=0.0, p95_ms=1.0, bpb=5.0)
-    base = VersionStats(version="1", n=1, errors=0, error_rate=0.0, p95_ms=1.0, bpb=1.0)
-    step = StepMetrics(percent=10, requests=1, challenger=stats, champion=base, paired=1)
-    gated = gate_step(step, CFG)
-    assert step.failures == [] and len(gated.failures) == 1
-
-
-def test_payloads_are_reproducible_per_seed_and_step():
-    texts = [bytes([65 + i]) * (10 + i) for i in range(20)] + [b"x"]
-    a = pick_payloads(texts, 8, seed=1, step=0, max_bytes=12)
-    assert a == pick_payloads(texts, 8, seed=1, step=0, max_bytes=12)
-    assert a != pick_payloads(texts, 8, seed=1, step=1, max_bytes=12)
-    assert all(2 <= len(p) <= 12 for p in a)
-    with pytest.raises(ValueError, match="no held-out text"):
-        pick_payloads([b"", b"x"], 3, seed=0, step=0, max_bytes=10)
+    # 3 ms vs 1 ms is 3x, but both are under the 5 ms floor: scheduling noise
+    assert _step(100, [to_challenger(ch_ms=3.0, base_ms=1.0)] * 10).p95_ratio == pytest.approx(1.0)
+    # 12 ms vs 2 ms is 6x raw, 12/5 = 2.4x with the floor: passes the 3x gate
+    step = _step(100, [to_challenger(ch_ms=12.0, base_ms=2.0)] * 10)
+    assert step.p95_ratio == pytest.approx(2.4) and step.failures == []
 
 
 def test_latency_is_compared_on_the_same_requests_only():
-    # the champion's fast answers to other (e.g. shorter) requests do not make the challenger look slow
-    obs = [_to_challenger(ch_ms=30.0, base_ms=25.0)] * 3 + [_to_champion(ms=6.0)] * 7
-    step = _step(10, obs)
-    assert step.champion.p95_ms == 25.0 and step.champion_paired_p95_ms == 25.0
-    assert step.challenger_paired_p95_ms == 30.0
+    # the champion's fast answers to other requests do not make the challenger look slow
+    step = _step(10, [to_challenger(ch_ms=30.0, base_ms=25.0)] * 5 + [to_champion(ms=6.0)] * 20)
+    assert step.champion_paired_p95_ms == 25.0 and step.challenger_paired_p95_ms == 30.0
     assert step.p95_ratio == pytest.approx(1.2) and step.failures == []
 
 
-def test_latency_gate_pools_the_paired_requests_of_earlier_steps():
-    # one 48 ms hiccup among 4 paired requests is this step's p95; pooled with 19 earlier pairs it is not
-    earlier = [_step(10, [_to_challenger(ch_ms=6.0, base_ms=6.0)] * 19)]
-    spike = [_to_challenger(ch_ms=48.0, base_ms=6.0)] + [_to_challenger(ch_ms=6.0, base_ms=6.0)] * 3
-    assert _step(50, spike).failures  # alone: 8x
-    pooled = summarize_step(50, spike, "1", "2", CFG, earlier)
-    assert pooled.challenger_paired_p95_ms == 6.0 and pooled.failures == []
-    # a consistent regression still fails once pooled
-    slow = [_to_challenger(ch_ms=30.0, base_ms=6.0)] * 20
-    assert summarize_step(50, slow, "1", "2", CFG, earlier).p95_ratio == pytest.approx(5.0)
+def test_p99_is_judged_only_from_enough_pooled_samples():
+    normal = [to_challenger(ch_ms=10.0, base_ms=10.0)]
+    spiky = normal * 38 + [to_challenger(ch_ms=100.0, base_ms=10.0)] * 2  # 2 of 40 are 10x slower
+    alone = _step(50, spiky)
+    assert alone.p99_ratio is None and alone.p95_ratio == pytest.approx(1.0) and alone.failures == []
+    earlier = [_step(10, normal * (MIN_SAMPLES_P99 - 41))]  # pooled: one short of the minimum
+    assert _step(50, spiky, earlier=earlier).p99_ratio is None
+    earlier = [_step(10, normal * (MIN_SAMPLES_P99 - 40))]  # pooled: exactly MIN_SAMPLES_P99
+    judged = _step(50, spiky, earlier=earlier)
+    assert judged.p99_ratio == pytest.approx(10.0) and judged.p95_ratio == pytest.approx(1.0)
+    assert judged.failures == [f"p99 latency 100.0 ms is 10.00x champion's 10.0 ms on the same "
+                               f"{MIN_SAMPLES_P99} requests > 5.0x"]
+
+
+def test_requests_whose_client_got_no_answer_fail_the_step():
+    step = _step(10, _noisy(4, 2.0, 2.0) + [to_champion(ok=False)] + [to_champion()] * 2)
+    assert step.failed_requests == 1 and step.champion.errors == 1
+    assert step.failures == ["1 of 7 requests got no model answer"]
+
+
+def test_the_first_failing_step_is_the_reason():
+    good = _step(10, _noisy(4, 2.0, 2.0))
+    worse_bpb = _step(50, _noisy(4, 3.0, 2.0), earlier=[good])
+    slow = _step(100, [to_challenger(ch_ms=90.0)] * 4, earlier=[good, worse_bpb])
+    decision = decide_canary("m", "2", "1", [good, worse_bpb, slow], CFG)
+    assert decision.verdict == "rejected" and decision.reason.startswith("step 50%: bits/byte 3.0000")
+    assert "latency" not in decision.reason
+
+
+def test_a_ramp_that_stopped_early_is_not_promoted():
+    decision = decide_canary("m", "2", "1", [_step(10, _noisy(4, 2.0, 2.0))], CFG)
+    assert decision.verdict == "rejected" and decision.reason == "ramp stopped at 10% before 100%"
+    assert decide_canary("m", "2", "1", [], CFG).reason == "ramp stopped at 0% before 100%"
+
+
+def test_gate_step_does_not_change_its_input():
+    ch = VersionStats(version="2", n=4, errors=0, error_rate=0.0, p95_ms=1.0, bpb=3.0)
+    base = VersionStats(version="1", n=4, errors=0, error_rate=0.0, p95_ms=1.0, bpb=2.0)
+    deltas = [[300.0, 200.0, 100.0]] * 4
+    step = StepMetrics(percent=10, requests=4, challenger=ch, champion=base, paired=4, paired_deltas=deltas)
+    before = step.model_dump()
+    gated = gate_step(step, CFG)
+    assert step.model_dump() == before and step.failures == [] and step.bpb_regression is None
+    assert gated.bpb_regression == pytest.approx(1.0) and len(gated.failures) == 1
+
+
+def test_the_bootstrap_is_deterministic_for_a_seed():
+    deltas = [[200.0 + (i * 37 % 23) - 11, 200.0, 100.0 + i] for i in range(12)]
+    first = paired_upper_bound(deltas, 0.95, seed=7)
+    assert paired_upper_bound(deltas, 0.95, seed=7) == first
+    assert paired_upper_bound(deltas, 0.95, seed=8)[1] != first[1]
+    assert first[0] == pytest.approx(sum(d[0] - d[1] for d in deltas) / sum(d[2] for d in deltas))
+    assert first[0] < first[1] < paired_upper_bound(deltas, 0.99, seed=7)[1]
+    obs = [to_challenger(2.30, 2.0), to_challenger(1.80, 2.0), to_challenger(2.25, 2.0), to_challenger(1.75, 2.0)]
+    assert _step(10, obs, seed=3).bpb_regression_upper == _step(10, obs, seed=3).bpb_regression_upper
 
 
 def test_steps_table_has_one_row_per_step_with_the_numbers():
-    steps = [_step(10, [_to_challenger(2.0, 2.5)] * 2), _step(50, [_to_challenger(3.0, 2.0)] * 2)]
+    steps = [_step(10, _noisy(4, 2.0, 2.5, spread=0.0)), _step(50, _noisy(4, 3.0, 2.0, spread=0.0))]
     rows = steps_table([steps[0], steps[1].model_dump()])  # StepMetrics, or the dicts CanaryResult carries
     assert [r["step"] for r in rows] == ["10%", "50%"]
     assert rows[0]["v2 bpb"] == "2.000" and rows[0]["v1 bpb"] == "2.500" and rows[0]["verdict"] == "pass"
+    assert rows[0]["bpb diff (upper)"] == "-0.500 (-0.500)" and rows[0]["requests (probe)"] == "4 (0)"
+    assert rows[0]["v2 p95 ms"] == "10.0" and rows[0]["error rate (ch/base)"] == "0.000/0.000"
     assert rows[1]["verdict"].startswith("bits/byte 3.0000")
+    result = result_of(decide_canary("m", "2", "1", steps, CFG), 0)
+    assert [r["step"] for r in steps_table(result.steps)] == ["10%", "50%"]
+
+
+def test_a_skipped_canary_keeps_the_champion():
+    result = result_of(skipped("m", "2", "1", "canary.enabled is false"), 0)
+    assert (result.decision, result.champion_version, result.reason) == ("skipped", "1", "canary.enabled is false")
+    assert result_of(skipped("m", "1", None, "first run"), 0).champion_version == "1"

@@ -17,7 +17,8 @@ def test_defaults_are_the_embedded_single_machine_setup():
     assert cfg.cluster.mode == "local"
     assert cfg.train.workers == 2
     assert cfg.canary.steps == [10, 50, 100]
-    assert cfg.cluster.host == "127.0.0.1" and cfg.canary.host == "127.0.0.1"
+    assert cfg.cluster.host == "127.0.0.1" and cfg.serve.host == "127.0.0.1"
+    assert cfg.validation.max_texts == 0  # the whole held-out split
 
 
 @pytest.mark.parametrize("name", ["demo.toml", "debug.toml"])
@@ -30,7 +31,8 @@ def test_stable_key_names_exist():
     # Scripts and other tools rely on these names (issue 2); renaming one is a breaking change.
     cfg = PipelineConfig().model_dump()
     for dotted in ["data.source", "data.output", "cluster.mode", "train.steps", "train.workers",
-                   "train.checkpoint_every", "registry.model_name", "canary.steps"]:
+                   "train.checkpoint_every", "registry.model_name", "canary.steps", "serve.host", "serve.port",
+                   "validation.max_texts"]:
         section, key = dotted.split(".")
         assert key in cfg[section], dotted
 
@@ -63,6 +65,25 @@ def test_bad_value_names_key_and_value():
     assert "train.workers" in str(e.value) and "0" in str(e.value)
     with pytest.raises(ConfigError, match=r"cluster.mode.*'moon'"):
         load_config(None, ["cluster.mode=moon"])
+
+
+@pytest.mark.parametrize("moved", ["canary.host=0.0.0.0", "canary.port=9000", "canary.max_request_bytes=1024",
+                                   "canary.requests_per_step=8", "validation.eval_batches=4"])
+def test_keys_that_moved_or_went_are_named(moved):
+    # an old config must fail loudly on the key, not be silently ignored (the endpoint's address is serve.*)
+    key = moved.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [moved])
+    assert str(e.value) == f"config (with --set): unknown key '{key}'"
+
+
+def test_serve_section_overrides():
+    cfg = load_config(None, ["serve.port=8123", "serve.max_prompt_bytes=100", "canary.lease_s=5"])
+    assert (cfg.serve.port, cfg.serve.max_prompt_bytes, cfg.canary.lease_s) == (8123, 100, 5.0)
+    with pytest.raises(ConfigError, match=r"canary.lease_s.*1"):
+        load_config(None, ["canary.lease_s=1"])
+    with pytest.raises(ConfigError, match=r"canary.min_paired.*1"):
+        load_config(None, ["canary.min_paired=1"])  # one pair has no spread to bound
 
 
 def test_canary_steps_must_ascend():

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.canary import CanaryDecision, apply_canary, skip_reason
 from deployments.config import CanaryConfig
 from deployments.registry import (
-    TAG_REJECTED, AliasChanged, PromotionDecision, apply_promotion, client_for, decide_promotion, move_alias,
-    read_aliases, register_version,
+    TAG_CANARY_DECISION, TAG_REJECTED, AliasChanged, PromotionDecision, apply_promotion, client_for,
+    decide_promotion, move_alias, read_aliases, register_version, tag_rejected,
 )
+from deployments.rollout import skip_reason
 from infra.tracking import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
 
 NAME = "tiny"
@@ -98,31 +98,26 @@ def _two_versions(client, exp):
     _promote(client, *_train_run_and_model(client, exp)[:2])
 
 
-def test_canary_promotion_moves_the_champion(store):
+def test_canary_promotion_is_a_compare_and_set_on_the_champion(store):
+    # what rollout.apply_decision does to the registry for a promotion, before the endpoint follows it
     _, client, exp = store
     _two_versions(client, exp)
-    weights = []
-    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="promoted", reason="ok")
-    percent = apply_canary(client, decision, lambda p: weights.append(p) or p)
-    assert percent == 100 and weights == [100]
+    move_alias(client, NAME, "champion", "1", "2")
     assert read_aliases(client, NAME)["champion"] == "2"
-    tags = client.get_model_version(NAME, "2").tags
-    assert TAG_REJECTED not in tags and tags["shardline.canary_decision"] == "promoted"
+    move_alias(client, NAME, "champion", "1", "2")  # a retried apply: already there, not an error
+    assert read_aliases(client, NAME)["champion"] == "2"
 
 
-def test_canary_rejection_rolls_back_and_tags_the_reason(store):
+def test_canary_rejection_tags_the_reason_and_is_not_rerun(store):
     _, client, exp = store
     _two_versions(client, exp)
-    weights = []
-    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="rejected",
-                              reason="step 10%: bits/byte 7.9 vs 2.1")
-    assert apply_canary(client, decision, lambda p: weights.append(p) or p) == 0
-    assert weights == [0]
+    tag_rejected(client, NAME, "2", "step 10%: bits/byte 7.9 vs 2.1")
     assert read_aliases(client, NAME)["champion"] == "1"
     tags = client.get_model_version(NAME, "2").tags
     assert tags[TAG_REJECTED] == "step 10%: bits/byte 7.9 vs 2.1"
-    assert tags["shardline.canary_decision"] == "rejected"
-    assert skip_reason(client, CanaryConfig(), NAME, "1", "2").startswith("version 2 was already rejected")
+    assert tags[TAG_CANARY_DECISION] == "rejected"
+    assert skip_reason(client, CanaryConfig(), NAME, "1", "2") == (
+        "version 2 was already rejected: step 10%: bits/byte 7.9 vs 2.1")
 
 
 def test_canary_promotion_refuses_a_champion_that_moved(store):
@@ -130,9 +125,8 @@ def test_canary_promotion_refuses_a_champion_that_moved(store):
     _two_versions(client, exp)
     _promote(client, *_train_run_and_model(client, exp)[:2])  # version 3
     client.set_registered_model_alias(NAME, "champion", "3")
-    decision = CanaryDecision(model_name=NAME, candidate="2", baseline="1", verdict="promoted", reason="ok")
     with pytest.raises(AliasChanged, match="refusing to move it to 2"):
-        apply_canary(client, decision, lambda p: p)
+        move_alias(client, NAME, "champion", "1", "2")
     assert read_aliases(client, NAME)["champion"] == "3"
     with pytest.raises(AliasChanged, match="promotion stage saw 1"):
         skip_reason(client, CanaryConfig(), NAME, "1", "2")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.evaluate import bits_per_byte
+from training.evaluate import bits_per_byte, sample_texts
 
 
 class Uniform(nn.Module):
@@ -57,16 +57,41 @@ def test_every_byte_after_the_first_of_a_text_is_counted_once():
     assert sum(b * t for b, t in seen) == 99 + 4
 
 
-def test_max_batches_limits_the_work():
-    calls = []
+def test_training_mode_is_restored_after_evaluation():
+    model = NextIsPlusOne(0.5).train()
+    bits_per_byte(model, [COUNTING], seq_len=32)
+    assert model.training
+    model.eval()
+    bits_per_byte(model, [COUNTING], seq_len=32)
+    assert not model.training
 
-    class Spy(Uniform):
-        def forward(self, idx):
-            calls.append(idx.shape[0])
-            return super().forward(idx)
 
-    bits_per_byte(Spy(), [bytes(1000)], seq_len=16, batch_size=4, max_batches=2)
-    assert calls == [4, 4]
+def test_max_texts_zero_or_covering_everything_keeps_every_text():
+    texts = [bytes([i]) * 3 for i in range(10)]
+    assert list(sample_texts(texts, 10, 0)) == texts
+    assert list(sample_texts(texts, 10, 10)) == texts
+    assert list(sample_texts(iter(texts), 10, 50)) == texts
+
+
+def test_a_sample_is_spread_over_all_texts():
+    texts = [bytes([i]) * 3 for i in range(10)]
+    assert list(sample_texts(iter(texts), 10, 3)) == [texts[0], texts[4], texts[8]]
+    assert list(sample_texts(iter(texts), 10, 4)) == [texts[0], texts[3], texts[6], texts[9]]
+    for total in (1, 7, 100, 1001):
+        for max_texts in (1, 2, 3, 9, 50, 999):
+            picked = list(sample_texts(range(total), total, max_texts))
+            stride = 1 if max_texts >= total else math.ceil(total / max_texts)
+            assert 1 <= len(picked) <= max_texts, (total, max_texts)
+            assert picked[0] == 0 and picked[-1] >= total - stride  # reaches the last shard, not just the first
+
+
+def test_a_sampled_evaluation_scores_only_the_sample():
+    zeros = bytes(200)  # 0 after 0 gets (1 - 0.5) / 255: 1 + log2(255) bits
+    zero_bits = 1 + math.log2(255)
+    texts = [COUNTING, zeros, zeros, zeros]
+    assert bits_per_byte(NextIsPlusOne(0.5), texts, seq_len=32) == pytest.approx((1.0 + 3 * zero_bits) / 4)
+    sampled = bits_per_byte(NextIsPlusOne(0.5), sample_texts(texts, 4, 2), seq_len=32)  # texts 0 and 2
+    assert sampled == pytest.approx((1.0 + zero_bits) / 2)
 
 
 def test_nothing_to_predict_is_an_error():

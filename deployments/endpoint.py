@@ -1,0 +1,259 @@
+"""The live endpoint's control side: desired state in, Ray Serve application out.
+
+The registry's `champion` alias is the desired state. `reconcile` observes what the application serves, diffs it
+with the registry and acts: it deploys the champion at 100%, switches the router first and drains a replaced
+version before removing it, and removes a challenger that a dead canary left behind. `apply` deploys an AppSpec
+(used by the rollout driver for each ramp step); every change to weights is a lightweight `user_config` update,
+and a served version's deployment keeps one fixed Serve version, so no step restarts its replicas.
+Ray must be initialised (the driver is connected to the cluster) before any of this is called.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from deployments.config import ServeConfig
+from deployments.serve_app import RouterConfig
+
+log = logging.getLogger(__name__)
+ROUTER = "router"
+_CODE_FILES = ("deployments/serve_app.py", "deployments/serve_metrics.py", "training/bpb.py")
+_QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per request would flood every log
+
+
+class EndpointError(RuntimeError):
+    """The application could not be deployed or does not answer; the message says which and why."""
+
+
+class AppSpec(BaseModel):
+    """What one application should look like: the versions with a deployment and the router's config."""
+
+    app_name: str
+    tracking_uri: str
+    versions: list[str]  # every version with a deployment (champion first)
+    router: RouterConfig
+
+
+def app_name_for(serve: ServeConfig, model_name: str) -> str:
+    """`serve.app_name`, or 'shardline-<model name>' with characters Serve dislikes replaced."""
+    return serve.app_name or "shardline-" + re.sub(r"[^A-Za-z0-9_-]", "-", model_name)
+
+
+def code_version(tracking_uri: str, serve: ServeConfig) -> str:
+    """Serve `version` of the deployments: changes when the replicas' code or their fixed settings change."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in _CODE_FILES:
+        h.update((root / rel).read_bytes())
+    h.update(tracking_uri.encode())
+    h.update(serve.model_dump_json(include={"replica_cpus", "model_replicas", "model_threads", "drain_timeout_s"})
+             .encode())
+    return h.hexdigest()[:12]
+
+
+def router_config(serve: ServeConfig, model_name: str, champion: str, token_sha256: str = "",
+                  **changes: Any) -> RouterConfig:
+    """The router config serving `champion` alone at 100%, with `changes` applied (challenger, weight, lease)."""
+    base = RouterConfig(model_name=model_name, champion=champion, max_request_bytes=serve.max_request_bytes,
+                        max_prompt_bytes=serve.max_prompt_bytes, max_tokens_cap=serve.max_tokens_cap,
+                        token_sha256=token_sha256)
+    return base.model_copy(update=changes)
+
+
+def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None = None) -> Any:
+    """The Serve application of a spec: one ModelServer deployment `v<version>` per version, one router."""
+    from ray import serve as rs
+
+    from deployments.serve_app import ModelServer, Router
+
+    version = code_version(spec.tracking_uri, serve)
+    options: dict[str, Any] = {"num_cpus": serve.replica_cpus}
+    if runtime_env:
+        options["runtime_env"] = runtime_env
+    server = rs.deployment(ModelServer)
+    models = {
+        v: _pinned(server.options(
+            name=f"v{v}", num_replicas=serve.model_replicas, ray_actor_options=options,
+            graceful_shutdown_timeout_s=serve.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
+            health_check_period_s=5.0, max_ongoing_requests=8,
+        ), f"{version}-v{v}").bind(spec.router.model_name, v, spec.tracking_uri, serve.model_threads)
+        for v in spec.versions
+    }
+    router = _pinned(rs.deployment(Router).options(
+        name=ROUTER, num_replicas=1, ray_actor_options=options, user_config=spec.router.model_dump(),
+        max_ongoing_requests=64,
+    ), version)
+    return router.bind(spec.app_name, models)
+
+
+def _pinned(deployment: Any, version: str) -> Any:
+    """The deployment with a fixed Serve code version, so that redeploying the application keeps its replicas.
+
+    `serve.run` gives every deployment without a version a random one, which restarts all of an application's
+    replicas on each call (a weight change would restart the champion). Ray 2.60 removed the `version` option
+    from `Deployment.options()` but still honours the attribute it set; the declarative alternative
+    (`serve deploy` configs) would replace every other declaratively deployed application on the cluster.
+    tests/integration/test_endpoint.py checks that replicas survive weight changes and added versions.
+    """
+    deployment._version = version
+    return deployment
+
+
+def start_proxy(serve: ServeConfig) -> None:
+    """Start Serve's controller and HTTP proxy on serve.host:serve.port unless Serve already runs here."""
+    from ray import serve as rs
+
+    rs.start(http_options={"host": serve.host, "port": serve.port}, logging_config=_QUIET)
+
+
+def endpoint_url(serve: ServeConfig) -> str:
+    """Where clients reach the application: serve.public_url, else the address the proxy really listens on."""
+    if serve.public_url:
+        return serve.public_url.rstrip("/")
+    host, port = serve.host, serve.port
+    try:  # Serve keeps the HTTP options of a proxy already running in this cluster; ask where it listens
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        host, port = http.host, int(http.port)
+    except Exception:  # noqa: BLE001 - private API; the configured address is the best guess
+        pass
+    if host in ("0.0.0.0", "::"):
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    prefix = serve.route_prefix.rstrip("/")
+    return f"http://{host}:{port}{prefix}"
+
+
+def router_handle(app_name: str) -> Any:
+    from ray import serve as rs
+
+    return rs.get_deployment_handle(ROUTER, app_name)
+
+
+def read_state(app_name: str) -> dict[str, Any] | None:
+    """The router's state ({"config", "replica_id", "inflight", ...}); None when the application does not run."""
+    from ray import serve as rs
+
+    try:
+        if app_name not in rs.status().applications:
+            return None
+        return router_handle(app_name).get_state.remote().result(timeout_s=30)
+    except Exception as e:  # noqa: BLE001 - a dead or deleted app reads as "not running"
+        log.debug("reading %s: %s", app_name, e)
+        return None
+
+
+def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None = None,
+          timeout_s: float = 300.0) -> None:
+    """Deploy the spec and wait until every replica is healthy and the router runs the new config.
+
+    Raises:
+        EndpointError: the application did not become healthy in time (the cause from Serve's status).
+    """
+    from ray import serve as rs
+
+    start_proxy(serve)
+    try:
+        rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=serve.route_prefix,
+               blocking=False, logging_config=_QUIET)
+    except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+        raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}") from None
+    deadline = time.monotonic() + timeout_s
+    want = spec.router.model_dump()
+    while True:
+        state = read_state(spec.app_name)
+        if state is not None and state["config"] == want:
+            return
+        if time.monotonic() > deadline:
+            raise EndpointError(f"application {spec.app_name}: the router did not take its new config in {timeout_s} s")
+        time.sleep(0.2)
+
+
+def drain(app_name: str, version: str, timeout_s: float) -> None:
+    """Wait until the router has no request in flight to `version` (already routed elsewhere), or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_state(app_name)
+        if state is None or not state["inflight"].get(version):
+            return
+        time.sleep(0.1)
+
+
+def served_versions(app_name: str) -> list[str]:
+    """Versions with a deployment in the application, from Serve's own status."""
+    from ray import serve as rs
+
+    app = rs.status().applications.get(app_name)
+    if app is None:
+        return []
+    return sorted(name[1:] for name in app.deployments if name.startswith("v") and name[1:].isdigit())
+
+
+class Reconciled(BaseModel):
+    """What reconcile found and did."""
+
+    app_name: str
+    url: str
+    champion: str | None
+    removed: list[str] = []
+    action: str
+
+
+def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha256: str = "",
+              runtime_env: dict[str, Any] | None = None) -> Reconciled:
+    """Make the application serve the registry's champion at 100%, and nothing else.
+
+    No champion: nothing to serve (an existing application is left as it is). The same champion: only an orphaned
+    challenger (a canary that died) is taken out of routing and removed. Another champion: the new one is deployed
+    next to the old, the router switches, in-flight requests to the old one drain, then it is removed.
+    """
+    from deployments.registry import CHAMPION, client_for, read_aliases
+
+    app_name = app_name_for(serve, model_name)
+    champion = read_aliases(client_for(tracking_uri), model_name).get(CHAMPION)
+    if champion is None:
+        return Reconciled(app_name=app_name, url="", champion=None, action="no champion in the registry")
+    state = read_state(app_name)
+    current = state["config"] if state else None
+    existing = served_versions(app_name) if state else []
+    target = router_config(serve, model_name, champion, token_sha256)
+    stale = [v for v in existing if v != champion]
+    if current is not None and current["champion"] != champion and current["champion"] in existing:
+        # switch first (both deployed), then drain the old champion, then remove it below
+        apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
+              serve, runtime_env)
+        for v in stale:
+            drain(app_name, v, serve.drain_timeout_s)
+    elif current is not None and current.get("challenger") and current["challenger"] in existing:
+        # an orphaned challenger: out of routing at once, then removed
+        apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
+              serve, runtime_env)
+        for v in stale:
+            drain(app_name, v, serve.drain_timeout_s)
+    spec = AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion], router=target)
+    if current == target.model_dump() and existing == [champion]:
+        action = "already serving the champion"
+    else:
+        apply(spec, serve, runtime_env)
+        action = f"serving v{champion} at 100%" + (f"; removed {', '.join('v' + v for v in stale)}" if stale else "")
+    return Reconciled(app_name=app_name, url=endpoint_url(serve), champion=champion, removed=stale, action=action)
+
+
+def remove(serve: ServeConfig, model_name: str) -> bool:
+    """Delete this model's application (only it; never Serve itself or another application)."""
+    from ray import serve as rs
+
+    app_name = app_name_for(serve, model_name)
+    if app_name not in rs.status().applications:
+        return False
+    rs.delete(app_name, _blocking=True)
+    return True

@@ -1,0 +1,114 @@
+"""One release at a time per model: an exclusive lock around promotion and canary that really excludes.
+
+Which lock, by where the state lives:
+- a Prefect server is configured (PREFECT_API_URL): a Prefect global concurrency limit with one slot
+  (`shardline-release-<model>`), held with a lease that Prefect renews and frees if the holder dies;
+- MLflow on PostgreSQL: a session-level advisory lock (`pg_advisory_lock`), freed when the connection drops;
+- otherwise (the embedded default, MLflow on SQLite): an OS file lock (`flock`) beside the SQLite file, or under
+  $SHARDLINE_HOME for an MLflow server; the kernel frees it when the process dies.
+None is check-then-set: the acquire itself is atomic in the server, the database or the kernel.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from infra.paths import shardline_home
+
+
+class LockTimeout(TimeoutError):
+    """Another release of the same model held the lock for longer than canary.lock_timeout_s."""
+
+
+def _slug(model_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", model_name)
+
+
+@contextlib.contextmanager
+def release_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[str]:
+    """Hold the model's release lock for the duration of the block; yields a description of the lock.
+
+    Raises:
+        LockTimeout: the lock was not free within timeout_s.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        with _prefect_lock(model_name, timeout_s) as what:
+            yield what
+    elif tracking_uri.startswith(("postgresql", "postgres")):
+        with _pg_lock(model_name, tracking_uri, timeout_s) as what:
+            yield what
+    else:
+        with _file_lock(model_name, tracking_uri, timeout_s) as what:
+            yield what
+
+
+@contextlib.contextmanager
+def _file_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[str]:
+    if tracking_uri.startswith("sqlite:///"):
+        path = Path(tracking_uri[len("sqlite:///"):].split("?", 1)[0] + f".release-{_slug(model_name)}.lock")
+    else:
+        path = shardline_home() / "locks" / f"release-{_slug(model_name)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with open(path, "a+") as fh:
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LockTimeout(f"release lock {path} of model {model_name!r} still held after {timeout_s} s")
+                time.sleep(0.5)
+        try:
+            yield f"file lock {path}"
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _pg_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[str]:
+    import sqlalchemy
+
+    key = int.from_bytes(hashlib.sha256(f"shardline-release:{model_name}".encode()).digest()[:8], "big", signed=True)
+    engine = sqlalchemy.create_engine(tracking_uri, poolclass=sqlalchemy.pool.NullPool)
+    deadline = time.monotonic() + timeout_s
+    with engine.connect() as conn:
+        while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+            if time.monotonic() > deadline:
+                raise LockTimeout(f"advisory release lock of model {model_name!r} still held after {timeout_s} s")
+            time.sleep(0.5)
+        try:
+            yield f"postgres advisory lock {key}"
+        finally:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    engine.dispose()
+
+
+@contextlib.contextmanager
+def _prefect_lock(model_name: str, timeout_s: float) -> Iterator[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = f"shardline-release-{_slug(model_name)}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    held = contextlib.ExitStack()
+    try:
+        # a short lease, renewed by Prefect while held: a holder that was killed frees the slot within 30 s
+        held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=True, lease_duration=30))
+    except TimeoutError:
+        raise LockTimeout(f"Prefect concurrency limit {name} still held after {timeout_s} s") from None
+    with held:
+        yield f"Prefect global concurrency limit {name}"

@@ -1,0 +1,99 @@
+"""What serving needs from its surroundings: the API token, the code shipped to replicas, and `shardline serve`.
+
+`serve_up` connects to (or starts) the configured cluster and reconciles the model's application to the registry;
+`serve_down` removes that application and the local head shardline started, and nothing else.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from deployments.config import ServeConfig
+
+PACKAGES = ("flows", "tasks", "training", "deployments", "infra")
+
+
+def api_token(serve: ServeConfig) -> str:
+    """The bearer token guarding the API: from the Prefect Secret block named by serve.auth_secret_block, else
+    the environment variable serve.auth_token_env; "" = no auth. Never logged: replicas only get its sha256."""
+    if serve.auth_secret_block:
+        from prefect.blocks.system import Secret
+
+        return str(Secret.load(serve.auth_secret_block).get())
+    return os.environ.get(serve.auth_token_env, "") if serve.auth_token_env else ""
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest() if token else ""
+
+
+def replica_runtime_env(cluster_mode: str) -> dict[str, Any] | None:
+    """How replicas get shardline's code: from the installed environment on the local head (same venv), shipped
+    as Ray `py_modules` to a cluster whose nodes may not have it (local-multinode, remote)."""
+    if cluster_mode == "local":
+        return None
+    root = Path(__file__).resolve().parent.parent
+    return {"py_modules": [str(root / p) for p in PACKAGES]}
+
+
+def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
+    """Start or attach to the model's application on the configured cluster; serve the registry's champion.
+
+    When another run's canary holds the model's release lock, the application is left as it is (that run
+    owns it right now) and `reconciled` is False.
+
+    Returns:
+        {"url", "app", "champion", "action", "ray_address", "dashboard_url", "reconciled"}.
+    """
+    from deployments.endpoint import app_name_for, endpoint_url, read_state, reconcile, start_proxy
+    from deployments.registry import client_for
+    from deployments.release_lock import LockTimeout, release_lock
+    from deployments.rollout import tag_abandoned
+    from infra.cluster import provision
+    from infra.tracking import resolve_tracking_uri
+
+    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
+    cluster = provision(config.cluster)
+    token = token_digest(api_token(config.serve))
+    env = replica_runtime_env(config.cluster.mode)
+    name = config.registry.model_name
+    try:
+        with release_lock(name, tracking_uri, wait_for_lock_s):
+            done = reconcile(config.serve, name, tracking_uri, token, env)
+            tag_abandoned(client_for(tracking_uri), name, done.removed)
+            start_proxy(config.serve)
+            out = {"url": done.url or endpoint_url(config.serve), "champion": done.champion, "action": done.action,
+                   "reconciled": True}
+    except LockTimeout:
+        state = read_state(app_name_for(config.serve, name))
+        out = {"url": endpoint_url(config.serve), "champion": state["config"]["champion"] if state else None,
+               "action": "a release of this model is in progress; left as it is", "reconciled": False}
+    return {**out, "app": app_name_for(config.serve, name), "ray_address": cluster.gcs_address or cluster.address,
+            "dashboard_url": cluster.dashboard_url}
+
+
+def serve_down(config: Any) -> dict[str, Any]:
+    """Remove the model's application; stop the local Ray head if this $SHARDLINE_HOME started one.
+
+    On a remote cluster only the application is removed: Serve itself and other applications stay.
+    """
+    from infra.head import read_head, stop_head
+
+    removed = False
+    head_stopped = False
+    if config.cluster.mode == "remote" or read_head() is not None:
+        import ray
+
+        from deployments.endpoint import remove
+        from infra.cluster import provision, teardown
+
+        info = provision(config.cluster) if not ray.is_initialized() else None
+        try:
+            removed = remove(config.serve, config.registry.model_name)
+        finally:
+            teardown(info)
+    if config.cluster.mode != "remote":
+        head_stopped = stop_head()
+    return {"app_removed": removed, "head_stopped": head_stopped}
