@@ -56,11 +56,33 @@ def _files(*roots: Path) -> list[Path]:
     return out
 
 
+def _ray_session_logs(home: Path) -> list[Path]:
+    """Log files of the Ray session of the head this $SHARDLINE_HOME started (found from its recorded PIDs)."""
+    import json
+    import re
+
+    try:
+        pids = json.loads((home / "ray" / "head.json").read_text())["pids"]
+    except (OSError, ValueError, KeyError):
+        return []
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        match = re.search(r"(/[^\0=]*/session_[0-9_\-]+)", args)
+        if match:
+            logs = Path(match.group(1)) / "logs"
+            return [p for p in logs.rglob("*") if p.is_file() and p.stat().st_size < 20 << 20]
+    return []
+
+
 def _leaks(planted: list[str], texts: dict[str, bytes]) -> list[tuple[str, str]]:
     return [(value, where) for where, data in texts.items() for value in planted if value.encode() in data]
 
 
-def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_server, tmp_path, unique_prefix):
+def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_server, tmp_path, unique_prefix,
+                                           run_home):
     from prefect.blocks.system import Secret
     from prefect.settings import get_current_settings
 
@@ -69,7 +91,7 @@ def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_s
     port, mlflow_db, mlflow_artifacts = mlflow_server
     Secret(value={"endpoint_url": s3_service.endpoint, "aws_access_key_id": BLOCK_KEY_ID,
                   "aws_secret_access_key": BLOCK_SECRET, "region_name": "us-east-1"}).save("planted-s3", overwrite=True)
-    home = tmp_path / "home"
+    home = run_home
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLFLOW_TRACKING"))},
            "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home),
            "AWS_ENDPOINT_URL": s3_service.endpoint, "AWS_ACCESS_KEY_ID": ENV_KEY_ID,
@@ -104,7 +126,9 @@ def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_s
     prefect_db = Path(url.split(":///", 1)[1]).parent
     planted = [ENV_SECRET, BLOCK_SECRET, MLFLOW_PASSWORD, *(p for _, p in CONFIG_PASSWORDS.values())]
     texts = dict(outputs)
-    for path in _files(mlflow_db, mlflow_artifacts, prefect_db, home):
+    ray_logs = _ray_session_logs(home)
+    assert ray_logs, "the Ray head's session logs were not found"
+    for path in _files(mlflow_db, mlflow_artifacts, prefect_db, home) + ray_logs:
         texts[str(path)] = path.read_bytes()
     os.environ.update({"AWS_ENDPOINT_URL": s3_service.endpoint, "AWS_ACCESS_KEY_ID": "testing",
                        "AWS_SECRET_ACCESS_KEY": "testing"})
