@@ -136,7 +136,7 @@ def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_s
         if entry.size < 1 << 20:
             texts[entry.uri] = storage.read_bytes(entry.uri)
     searched = {Path(k).name for k in texts}
-    assert {"prefect.db", "mlflow-server.db", "manifest.json", "MLmodel"} <= searched, searched  # really searched
+    assert {"prefect-test.db", "mlflow-server.db", "manifest.json", "MLmodel"} <= searched, searched  # really searched
     assert _leaks(planted, texts) == []
     # the key ids are not secrets, but they do not belong in logs either
     assert _leaks([ENV_KEY_ID, BLOCK_KEY_ID], {k: v for k, v in texts.items() if "stdout" in k or "stderr" in k}) == []
