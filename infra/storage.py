@@ -145,6 +145,27 @@ def _blob(loc: Location) -> Any:
     return azure_service().get_blob_client(loc.bucket, loc.key)
 
 
+def _readable_url(source: Any, minutes: int = 60) -> str:
+    """The source blob's URL with a short-lived read-only SAS: Copy Blob From URL reads the source anonymously,
+    which real Azure refuses for a private container. With an account key the SAS is signed here; with a SAS
+    connection string the client's URL already carries it. The URL is never logged.
+    """
+    import datetime as dt
+
+    from azure.storage.blob import BlobSasPermissions, generate_blob_sas
+
+    credential = getattr(source, "credential", None)
+    key = getattr(credential, "account_key", None)
+    if not key or "?" in source.url:
+        return source.url
+    sas = generate_blob_sas(
+        account_name=source.account_name, container_name=source.container_name, blob_name=source.blob_name,
+        account_key=key, permission=BlobSasPermissions(read=True),
+        expiry=dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=minutes),
+    )
+    return f"{source.url}?{sas}"
+
+
 def _not_found(err: BaseException) -> bool:
     code = ""
     if hasattr(err, "response"):
@@ -364,7 +385,7 @@ def copy(src: str, dst: str, retries: int | None = None) -> None:
     else:
         def az_copy() -> None:
             target = _blob(d)
-            props = target.start_copy_from_url(_blob(s).url, requires_sync=True)
+            props = target.start_copy_from_url(_readable_url(_blob(s)), requires_sync=True)
             if props.get("copy_status") not in (None, "success"):
                 raise StorageError(f"{dst}: copy from {src} ended {props.get('copy_status')}")
 

@@ -14,3 +14,15 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield PREFECT_API_URL.value()
+
+
+# ---------------------------------------------------------------------------------- issue 9: crash/rerun tests
+@pytest.fixture
+def run_home(tmp_path, monkeypatch):
+    """A fresh $SHARDLINE_HOME for CLI runs in subprocesses; the long-lived Ray head they start is stopped after."""
+    home = tmp_path / "home"
+    yield home
+    from infra.head import stop_head
+
+    monkeypatch.setenv("SHARDLINE_HOME", str(home))
+    stop_head()

@@ -38,10 +38,10 @@ def _complete(home: Path) -> tuple[int, str] | None:
     return ck.latest_complete([str(p) for p in (home / "checkpoints").glob("train-*/checkpoint_0*")])
 
 
-def test_sigkill_while_training_then_rerun_resumes_and_registers_once(tmp_path):
+def test_sigkill_while_training_then_rerun_resumes_and_registers_once(tmp_path, run_home):
     import mlflow
 
-    home = tmp_path / "home"
+    home = run_home
     log = (tmp_path / "killed.log").open("w")
     killed = subprocess.Popen(COMMAND, cwd=REPO, env=_env(home), stdout=log, stderr=subprocess.STDOUT)
     deadline, pids = time.monotonic() + 600, []
