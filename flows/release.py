@@ -65,7 +65,7 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
     try:
         shards = open_shard_set(shard_set, lineage)
         cluster = provision_cluster(config.cluster, lineage)
-        trained = train_fsdp(config.train, shards, cluster, lineage)
+        trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
         validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
         with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s):
             promoted = promote_model(config.registry, validated, trained, shards, lineage)
