@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -163,18 +162,9 @@ def _descendants(pids: list[int]) -> list[int]:
 
 
 def _kill(pids: list[int]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            time.sleep(0.2)
-        if not pids:
-            return
+    from infra.orphans import terminate
+
+    terminate(pids, _alive, wait_s=10.0)
 
 
 def stop_head() -> bool:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from infra.paths import shardline_home
@@ -72,6 +73,22 @@ def forget() -> None:
     (_records_dir() / f"{os.getpid()}.json").unlink(missing_ok=True)
 
 
+def terminate(pids: list[int], alive: Callable[[int], bool], wait_s: float = 5.0) -> None:
+    """SIGTERM `pids`, wait up to wait_s for them to go, then SIGKILL what is left (and wait again)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if alive(p)]
+            time.sleep(0.1)
+        if not pids:
+            return
+
+
 def reap_orphans(wait_s: float = 5.0) -> list[int]:
     """Stop the recorded children of owners that died; return the PIDs that were signalled."""
     reaped: list[int] = []
@@ -88,17 +105,6 @@ def reap_orphans(wait_s: float = 5.0) -> list[int]:
         reaped += victims
         if victims:
             log.warning("stopping processes %s left by a killed run (pid %s)", victims, owner.get("pid"))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in victims:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + wait_s
-            while victims and time.monotonic() < deadline:
-                victims = [p for p in victims if _identity(p) is not None]
-                time.sleep(0.1)
-            if not victims:
-                break
+        terminate(victims, lambda p: _identity(p) is not None, wait_s)
         path.unlink(missing_ok=True)
     return reaped
