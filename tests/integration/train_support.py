@@ -75,7 +75,9 @@ class ByteMLP(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         e = self.emb(idx)
-        prev = torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], dim=1)
+        # shift right by padding then cutting back to T: slicing to T - 1 would make torch.export guard on T != 2,
+        # and validation would rightly reject the model as not servable at a 2-byte prompt
+        prev = torch.nn.functional.pad(e, (0, 0, 1, 0))[:, : idx.shape[1]]
         return self.net(torch.cat([prev, e], dim=-1))
 
 
