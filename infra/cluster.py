@@ -81,7 +81,7 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     head = ensure_head(cfg)
     _use_token_auth()
     try:
-        ray.init(address=head.gcs_address, log_to_driver=False, runtime_env={"env_vars": forwarded_env()})
+        ray.init(address=head.gcs_address, log_to_driver=False, runtime_env={"env_vars": _job_env()})
         _wait_for_nodes(head.nodes)
     except Exception as e:  # noqa: BLE001
         ray.shutdown()
@@ -101,10 +101,25 @@ _FORWARDED = ("AWS_", "AZURE_", "SHARDLINE_", "MLFLOW_", "PREFECT_API_", "PYTHON
 def forwarded_env() -> dict[str, str]:
     """The driver's storage, tracking and framework settings (credentials included) for its Ray job's workers.
 
-    They travel in the job's runtime env on this machine's own head (127.0.0.1, token auth), as the environment
-    did when Ray ran inside the driver; a remote cluster gets none of them (its nodes have their own identity).
+    Plain settings travel in the job's runtime env, secrets in a 0600 file (infra.credentials), on this machine's
+    own head; a remote cluster gets none of them (its nodes have their own identity).
     """
     return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
+
+
+_secrets_file = ""  # this driver's worker-secrets file (infra.credentials), removed by teardown
+
+
+def _job_env() -> dict[str, str]:
+    """forwarded_env() for the job's runtime env, its secrets replaced by the path of a 0600 file holding them."""
+    global _secrets_file
+    from infra.credentials import WORKER_SECRETS_ENV, split_secrets, write_worker_secrets
+
+    plain, secret = split_secrets(forwarded_env())
+    if secret:
+        _secrets_file = write_worker_secrets(secret)
+        plain[WORKER_SECRETS_ENV] = _secrets_file
+    return plain
 
 
 def _use_token_auth() -> None:
@@ -153,7 +168,11 @@ def teardown(info: ClusterInfo | None) -> None:
 
     Safe to call twice and on failure paths. `shardline serve --stop` stops what shardline started.
     """
+    global _secrets_file
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if _secrets_file:
+        Path(_secrets_file).unlink(missing_ok=True)
+        _secrets_file = ""

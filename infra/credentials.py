@@ -148,3 +148,55 @@ def arrow_filesystem(uri: str) -> tuple[Any, str] | None:
                           blob_storage_scheme=ep_scheme, dfs_storage_scheme=ep_scheme)
         return pafs.AzureFileSystem(**kwargs), path
     return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Credentials for a run's workers on the long-lived local head. Its processes were started by an earlier run, so
+# the driver hands its settings to its Ray job. Plain settings travel in the job's runtime env; Ray writes runtime
+# envs to its logs in clear, so secrets travel in a 0600 file on this machine whose path is in the runtime env,
+# read by each worker (adopt_worker_secrets) and removed when the driver disconnects.
+# ------------------------------------------------------------------------------------------------------------
+WORKER_SECRETS_ENV = "SHARDLINE_WORKER_SECRETS"
+_SECRET_NAME = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "SESSION", "CONNECTION_STRING", "CREDENTIAL", "SAS")
+
+
+def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(plain, secret) settings: secret by name (…_SECRET…, …PASSWORD…, …TOKEN…) or by value (a URI password)."""
+    from infra.redact import find_credential
+
+    plain, secret = {}, {}
+    for key, value in env.items():
+        is_secret = any(mark in key.upper() for mark in _SECRET_NAME) or bool(find_credential(value))
+        (secret if is_secret else plain)[key] = value
+    return plain, secret
+
+
+def write_worker_secrets(secret: dict[str, str]) -> str:
+    """Write `secret` to a new 0600 file under $SHARDLINE_HOME/secrets; files of dead drivers are removed first."""
+    import uuid
+
+    from infra.paths import shardline_home
+
+    folder = shardline_home() / "secrets"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in folder.glob("*.json"):
+        pid = old.name.split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            old.unlink(missing_ok=True)
+    path = folder / f"{os.getpid()}-{uuid.uuid4().hex}.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(secret, fh)
+    return str(path)
+
+
+def adopt_worker_secrets() -> None:
+    """In a Ray worker of a run on the local head: take the driver's secrets into this process's environment."""
+    path = os.environ.get(WORKER_SECRETS_ENV, "")
+    if not path:
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            os.environ.update(json.load(fh))
+    except (OSError, ValueError) as e:
+        raise CredentialsError(f"{WORKER_SECRETS_ENV}={path}: the driver's credentials are unreadable: {e}") from None

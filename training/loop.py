@@ -240,6 +240,9 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     Returns:
         Rank-local summary: final step, final loss, mean tokens/s (all ranks), world size.
     """
+    from infra.credentials import adopt_worker_secrets
+
+    adopt_worker_secrets()  # a run on the long-lived local head: its storage credentials (no-op elsewhere)
     cfg = TrainConfig.model_validate(config["train"])
     torch.set_num_threads(cfg.threads_per_worker)
     rank, world, device = _setup_distributed(cfg)

@@ -63,6 +63,9 @@ def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
             process cannot see (a Ray node without the coordinator's filesystem).
         storage.StorageError: the corpus or the staging store failed for good.
     """
+    from infra.credentials import adopt_worker_secrets
+
+    adopt_worker_secrets()  # a Ray task of a run on the long-lived local head: the driver's store credentials
     cfg, tally = job.cfg, Tally()
     upload = storage.is_remote(job.shards)
     if not upload and not Path(job.shards).is_dir():
