@@ -20,6 +20,8 @@ from tasks.promote import promote_model
 from tasks.train import train_fsdp
 from tasks.validate import validate_checkpoint
 
+FLOW_TIMEOUT_S = 72 * 3600  # every stage's own bound (tasks/retry.TIMEOUT_S) with their retries fits well inside
+
 
 class PipelineSummary(BaseModel):
     """What one run produced and decided; `shardline run --json` prints this."""
@@ -40,7 +42,7 @@ class PipelineSummary(BaseModel):
     stage_seconds: dict[str, float] = Field(default_factory=dict, description="Wall seconds per stage run.")
 
 
-@flow(name="shardline", log_prints=True)
+@flow(name="shardline", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
 def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSummary:  # noqa: B008
     """Take a text corpus to a served model: shard, train with FSDP on Ray, validate, register, canary.
 

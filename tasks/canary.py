@@ -17,15 +17,18 @@ from deployments.rollout import CanaryDecided, log_decision, run_rollout, skip_r
 from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_table
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
-from infra.tracking import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
-from tasks.retry import retry_unless
+from infra.tracking import (
+    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run,
+)
+from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import ShardSet
 from training.data.loader import iter_texts
 
 HELD_OUT_TEXTS = 256  # probe bodies are drawn from the first this-many validation texts
 
 
-@task(name="canary_deploy", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+@task(name="canary_deploy", timeout_seconds=TIMEOUT_S["canary_deploy"],
+      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE, retry_condition_fn=retry_unless(CanaryDecided, AliasChanged, ValueError))
 def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResult, shards: ShardSet,
                   cluster: ClusterInfo, registry: RegistryConfig, lineage: Lineage) -> CanaryResult:

@@ -8,10 +8,12 @@ from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo, provision, teardown
 from infra.config import ClusterConfig
+from tasks.retry import TIMEOUT_S
 from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, safe_tags, stage_run
 
 
-@task(name="provision_cluster", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+@task(name="provision_cluster", timeout_seconds=TIMEOUT_S["provision_cluster"],
+      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE)
 def provision_cluster(cfg: ClusterConfig, lineage: Lineage) -> ClusterInfo:
     """Start (or connect to) the Ray cluster the rest of the run uses.

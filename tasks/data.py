@@ -14,12 +14,13 @@ from infra.tracking import (
     TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, safe_tags, stage_run,
 )
 from training.data import DataError, ShardSet, build_shards
-from tasks.retry import retry_unless
+from tasks.retry import TIMEOUT_S, retry_unless
 from training.data.config import DataConfig
 
 
 @task(
     name="shard_dataset",
+    timeout_seconds=TIMEOUT_S["shard_dataset"],
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=5),
     retry_jitter_factor=0.5,

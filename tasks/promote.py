@@ -15,13 +15,14 @@ from infra.tracking import (
     TAG_DATASET_DIGEST, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, flat_params,
     stage_run,
 )
-from tasks.retry import retry_unless
+from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import ShardSet
 from training.evaluate import ValidationResult
 from training.trainer import TrainResult
 
 
-@task(name="promote_model", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+@task(name="promote_model", timeout_seconds=TIMEOUT_S["promote_model"],
+      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE, retry_condition_fn=retry_unless(AliasChanged, ValueError))
 def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: TrainResult, shards: ShardSet,
                   lineage: Lineage) -> PromotionResult:

@@ -13,3 +13,15 @@ def retry_unless(*final: type[BaseException]) -> Callable[[Any, Any, Any], bool]
         return not isinstance(exc, final)
 
     return should_retry
+
+
+# Upper bound of one attempt of each stage (seconds): a hung stage fails, and is retried where its policy allows,
+# instead of holding a worker slot and the model's release lock forever. Generous: a real training takes hours.
+TIMEOUT_S = {
+    "shard_dataset": 6 * 3600,
+    "provision_cluster": 30 * 60,
+    "train_fsdp": 48 * 3600,
+    "validate_checkpoint": 4 * 3600,
+    "promote_model": 15 * 60,
+    "canary_deploy": 6 * 3600,
+}

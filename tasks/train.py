@@ -18,7 +18,7 @@ from infra.tracking import (
     TAG_CHECKPOINT_URI, TAG_CLUSTER_ADDRESS, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage,
     flat_params, safe_tags, stage_run,
 )
-from tasks.retry import retry_unless
+from tasks.retry import TIMEOUT_S, retry_unless
 from training import resume
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig
@@ -28,7 +28,8 @@ from training.trainer import TrainResult, logged_step, loss_curve_png, run_train
 POLL_S = 2.0
 
 
-@task(name="train_fsdp", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
+@task(name="train_fsdp", timeout_seconds=TIMEOUT_S["train_fsdp"],
+      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
       retry_condition_fn=retry_unless(ValueError, CheckpointError))
 def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage: Lineage,
                model_name: str = "") -> TrainResult:

@@ -9,7 +9,7 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
-from tasks.retry import retry_unless
+from tasks.retry import TIMEOUT_S, retry_unless
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
@@ -19,7 +19,8 @@ from training.evaluate import (
 from training.trainer import TrainResult
 
 
-@task(name="validate_checkpoint", retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
+@task(name="validate_checkpoint", timeout_seconds=TIMEOUT_S["validate_checkpoint"],
+      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
       cache_policy=NO_CACHE, retry_condition_fn=retry_unless(GateFailed, CheckpointError))
 def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: TrainResult, shards: ShardSet,
                         lineage: Lineage, registry: RegistryConfig | None = None) -> ValidationResult:
@@ -49,7 +50,8 @@ def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: 
             return held_out_bpb(m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts)
 
         bpb = score(model)
-        mlflow.log_metrics({"val_bits_per_byte": bpb, "val_texts": min(shards.num_val, cfg.max_texts or shards.num_val)})
+        texts = min(shards.num_val, cfg.max_texts or shards.num_val)
+        mlflow.log_metrics({"val_bits_per_byte": bpb, "val_texts": texts})
         failures = [f"val_bits_per_byte {bpb:.4f} > validation.max_bits_per_byte {cfg.max_bits_per_byte}"] \
             if bpb > cfg.max_bits_per_byte else []
         champion_version, champion_bpb = None, None
