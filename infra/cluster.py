@@ -48,6 +48,11 @@ def _run_ray(args: list[str], new_session: bool = False) -> None:
     # Token authentication on (Ray's default for new local clusters), stated explicitly so that a node joining
     # with `ray start --address` uses the same token file as the head instead of connecting unauthenticated.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    if new_session:  # a long-lived node outlives this run: it gets none of this run's secrets (infra.credentials)
+        from infra.credentials import split_secrets
+
+        plain, secret = split_secrets(env)
+        env = {**plain, **{k: v for k, v in secret.items() if k.startswith("RAY_")}}  # Ray's own auth stays
     env.setdefault("RAY_AUTH_MODE", "token")
     proc = subprocess.run([_ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180,
                           start_new_session=new_session, stdin=subprocess.DEVNULL)
