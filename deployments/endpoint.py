@@ -77,7 +77,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     # An explicit runtime env, never the deploying job's: Serve would copy that job's environment (which differs
     # from run to run) into the replicas' options, and a changed option restarts every replica of the application.
     env = dict(runtime_env or {})
-    tracking_env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_TRACKING_")}  # to load models
+    tracking_env = _tracking_env(spec.app_name)
     if tracking_env:
         env["env_vars"] = {**env.get("env_vars", {}), **tracking_env}
     options: dict[str, Any] = {"num_cpus": serve.replica_cpus, "runtime_env": env}
@@ -95,6 +95,18 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
         max_ongoing_requests=64,
     ), version)
     return router.bind(spec.app_name, models)
+
+
+def _tracking_env(app_name: str) -> dict[str, str]:
+    """What replicas need to load models from MLflow: plain MLFLOW_TRACKING_* settings, and the path of a 0600 file
+    holding the secret ones (Ray logs runtime envs in clear). The file's path is fixed per application, so the
+    replicas' options, and with them their Serve version, stay the same from run to run."""
+    from infra.credentials import WORKER_SECRETS_ENV, split_secrets, write_secrets_file
+
+    plain, secret = split_secrets({k: v for k, v in os.environ.items() if k.startswith("MLFLOW_TRACKING_")})
+    if secret:
+        plain[WORKER_SECRETS_ENV] = write_secrets_file(f"serve-{app_name}.json", secret)
+    return plain
 
 
 def _pinned(deployment: Any, version: str) -> Any:

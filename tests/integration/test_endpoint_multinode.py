@@ -32,10 +32,11 @@ def test_serve_and_canary_on_local_multinode(tmp_path, monkeypatch):
     info = provision(ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=2,
                                    object_store_mb=100))
     serve = ServeConfig(port=free_port())
-    env = replica_runtime_env("local-multinode")
-    assert env is not None and any(p.endswith("deployments") for p in env["py_modules"])
     try:
         import ray
+
+        env = replica_runtime_env("local-multinode")  # the packages this driver's job uploaded
+        assert env is not None and len(env["py_modules"]) == 5 and all(u.startswith("gcs://") for u in env["py_modules"])
 
         assert sum(1 for n in ray.nodes() if n["Alive"]) == 2
         url = endpoint.reconcile(serve, NAME, uri, runtime_env=env).url
