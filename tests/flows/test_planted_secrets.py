@@ -5,6 +5,7 @@ run to S3 (moto server) tracked by an MLflow server whose URI carries a password
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -128,7 +129,11 @@ def test_planted_credentials_appear_nowhere(prefect_server, s3_service, mlflow_s
     texts = dict(outputs)
     ray_logs = _ray_session_logs(home)
     assert ray_logs, "the Ray head's session logs were not found"
+    private = home / "secrets"  # the credential files replicas and workers read (like ~/.aws/credentials)
     for path in _files(mlflow_db, mlflow_artifacts, prefect_db, home) + ray_logs:
+        if private in path.parents:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+            continue
         texts[str(path)] = path.read_bytes()
     os.environ.update({"AWS_ENDPOINT_URL": s3_service.endpoint, "AWS_ACCESS_KEY_ID": "testing",
                        "AWS_SECRET_ACCESS_KEY": "testing"})
