@@ -77,9 +77,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     # An explicit runtime env, never the deploying job's: Serve would copy that job's environment (which differs
     # from run to run) into the replicas' options, and a changed option restarts every replica of the application.
     env = dict(runtime_env or {})
-    tracking_env = _tracking_env(spec.app_name)
-    if tracking_env:
-        env["env_vars"] = {**env.get("env_vars", {}), **tracking_env}
+    env["env_vars"] = {**env.get("env_vars", {}), **_tracking_env(spec.app_name)}
     options: dict[str, Any] = {"num_cpus": serve.replica_cpus, "runtime_env": env}
     server = rs.deployment(ModelServer)
     models = {
@@ -104,8 +102,9 @@ def _tracking_env(app_name: str) -> dict[str, str]:
     from infra.credentials import WORKER_SECRETS_ENV, split_secrets, write_secrets_file
 
     plain, secret = split_secrets({k: v for k, v in os.environ.items() if k.startswith("MLFLOW_TRACKING_")})
-    if secret:
-        plain[WORKER_SECRETS_ENV] = write_secrets_file(f"serve-{app_name}.json", secret)
+    # always set: Ray merges env vars with those of the job that started Serve's controller, whose run's own
+    # secrets file is long gone
+    plain[WORKER_SECRETS_ENV] = write_secrets_file(f"serve-{app_name}.json", secret) if secret else ""
     return plain
 
 
