@@ -86,6 +86,6 @@ def mlflow_runs_of_flow_run(tracking_uri: str, flow_run_id: str) -> list:
     """Every MLflow run tagged with this Prefect flow run id (the parent and its stage children)."""
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri, registry_uri=tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     return client.search_runs(experiments, filter_string=f"tags.`shardline.prefect_flow_run_id` = '{flow_run_id}'")

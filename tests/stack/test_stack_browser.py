@@ -70,7 +70,7 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
     # The run really trained that many steps: the training stage logged its last step.
     import mlflow
 
-    client = mlflow.MlflowClient(stack["tracking_uri"])
+    client = mlflow.MlflowClient(stack["tracking_uri"], registry_uri=stack["tracking_uri"])
     experiments = [e.experiment_id for e in client.search_experiments()]
     train_run = client.search_runs(experiments, filter_string=f"tags.`shardline.prefect_flow_run_id` = '{run_id}' "
                                                               "and tags.`shardline.stage` = 'train_fsdp'")[0]

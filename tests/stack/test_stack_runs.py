@@ -38,7 +38,7 @@ def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack)
     assert any((home / "checkpoints").iterdir())
     import mlflow
 
-    champion = mlflow.MlflowClient(stack["tracking_uri"]).get_model_version_by_alias("stack-test", "champion")
+    champion = mlflow.MlflowClient(stack["tracking_uri"], registry_uri=stack["tracking_uri"]).get_model_version_by_alias("stack-test", "champion")
     assert champion.tags["shardline.prefect_flow_run_id"] == run["id"]
     endpoint = stack["status"].get("endpoint")
     if endpoint is not None:  # the endpoint part (issue 7's serving app) serves the new champion
