@@ -99,12 +99,12 @@ def _tracking_env(app_name: str) -> dict[str, str]:
     """What replicas need to load models from MLflow: plain MLFLOW_TRACKING_* settings, and the path of a 0600 file
     holding the secret ones (Ray logs runtime envs in clear). The file's path is fixed per application, so the
     replicas' options, and with them their Serve version, stay the same from run to run."""
-    from infra.credentials import WORKER_SECRETS_ENV, split_secrets, write_secrets_file
+    from infra.credentials import NO_SECRETS, WORKER_SECRETS_ENV, split_secrets, write_secrets_file
 
     plain, secret = split_secrets({k: v for k, v in os.environ.items() if k.startswith("MLFLOW_TRACKING_")})
     # always set: Ray merges env vars with those of the job that started Serve's controller, whose run's own
     # secrets file is long gone
-    plain[WORKER_SECRETS_ENV] = write_secrets_file(f"serve-{app_name}.json", secret) if secret else ""
+    plain[WORKER_SECRETS_ENV] = write_secrets_file(f"serve-{app_name}.json", secret) if secret else NO_SECRETS
     return plain
 
 

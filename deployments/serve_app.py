@@ -75,7 +75,7 @@ class ModelServer:
         from infra.paths import quiet_telemetry
 
         quiet_telemetry()
-        adopt_worker_secrets()  # MLflow credentials from the 0600 file of this machine's run, if any
+        adopt_worker_secrets(required=False)  # MLflow credentials from this application's 0600 file, if any
         import mlflow
         import torch
 

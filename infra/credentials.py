@@ -157,6 +157,7 @@ def arrow_filesystem(uri: str) -> tuple[Any, str] | None:
 # read by each worker (adopt_worker_secrets) and removed when the driver disconnects.
 # ------------------------------------------------------------------------------------------------------------
 WORKER_SECRETS_ENV = "SHARDLINE_WORKER_SECRETS"
+NO_SECRETS = "-"  # the variable's value when there is no file (an empty value may be dropped by Ray)
 _SECRET_NAME = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "SESSION", "CONNECTION_STRING", "CREDENTIAL", "SAS")
 
 
@@ -201,13 +202,20 @@ def write_worker_secrets(secret: dict[str, str]) -> str:
     return write_secrets_file(f"{os.getpid()}-{uuid.uuid4().hex}.json", secret)
 
 
-def adopt_worker_secrets() -> None:
-    """In a Ray worker of a run on the local head: take the driver's secrets into this process's environment."""
+def adopt_worker_secrets(required: bool = True) -> None:
+    """In a Ray worker of a run on the local head: take the driver's secrets into this process's environment.
+
+    `required=False` (Serve replicas, which outlive runs): a missing file is skipped, since Ray merges in the
+    variables of whichever run's job started Serve's controller, whose file is gone by then.
+    """
     path = os.environ.get(WORKER_SECRETS_ENV, "")
-    if not path:
+    if not path or path == NO_SECRETS:
         return
     try:
         with open(path, encoding="utf-8") as fh:
             os.environ.update(json.load(fh))
+    except FileNotFoundError:
+        if required:
+            raise CredentialsError(f"{WORKER_SECRETS_ENV}={path}: the driver's credentials file is gone") from None
     except (OSError, ValueError) as e:
         raise CredentialsError(f"{WORKER_SECRETS_ENV}={path}: the driver's credentials are unreadable: {e}") from None
