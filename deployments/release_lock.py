@@ -1,11 +1,12 @@
 """One release at a time per model: an exclusive lock around promotion and canary that really excludes.
 
-Which lock, by where the state lives:
-- a Prefect server is configured (PREFECT_API_URL): a Prefect global concurrency limit with one slot
-  (`shardline-release-<model>`), held with a lease that Prefect renews and frees if the holder dies;
+Which lock, by where the state lives (a lock the database or the kernel holds first: it is freed the moment its
+holder dies, where a Prefect lease is freed only when the server's lease service gets to it):
 - MLflow on PostgreSQL: a session-level advisory lock (`pg_advisory_lock`), freed when the connection drops;
-- otherwise (the embedded default, MLflow on SQLite): an OS file lock (`flock`) beside the SQLite file, or under
-  $SHARDLINE_HOME for an MLflow server; the kernel frees it when the process dies.
+- MLflow on SQLite (the embedded default): an OS file lock (`flock`) beside the SQLite file;
+- an MLflow server with a Prefect server configured (PREFECT_API_URL; `shardline up`): a Prefect global
+  concurrency limit with one slot (`shardline-release-<model>`), held with a lease Prefect renews;
+- otherwise: a file lock under $SHARDLINE_HOME (one machine).
 None is check-then-set: the acquire itself is atomic in the server, the database or the kernel.
 """
 from __future__ import annotations
@@ -37,14 +38,14 @@ def release_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterat
     Raises:
         LockTimeout: the lock was not free within timeout_s.
     """
-    if os.environ.get("PREFECT_API_URL"):
-        with _prefect_lock(model_name, timeout_s) as what:
-            yield what
-    elif tracking_uri.startswith(("postgresql", "postgres")):
+    if tracking_uri.startswith(("postgresql", "postgres")):
         with _pg_lock(model_name, tracking_uri, timeout_s) as what:
             yield what
-    else:
+    elif tracking_uri.startswith("sqlite:///") or not os.environ.get("PREFECT_API_URL"):
         with _file_lock(model_name, tracking_uri, timeout_s) as what:
+            yield what
+    else:
+        with _prefect_lock(model_name, timeout_s) as what:
             yield what
 
 
