@@ -35,13 +35,22 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return "\n".join([line, *body, line])
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def config_or_none(args: argparse.Namespace) -> Any:
+    """The PipelineConfig of `--config` and `--set`, with the environment prepared; None after printing the one-line
+    mistake to stderr (the caller exits 2)."""
     try:
         config = load_config(args.config, args.set)
     except ConfigError as e:
         print(f"shardline: {e}", file=sys.stderr)
-        return 2
+        return None
     prepare_environment()
+    return config
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = config_or_none(args)
+    if config is None:
+        return 2
     from flows import log_hygiene
     from flows.pipeline import shardline_pipeline
     from infra.orphans import reap_orphans

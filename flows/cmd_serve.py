@@ -11,15 +11,11 @@ __all__ = ["add_parser", "serve_down", "serve_up"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from flows.cli import prepare_environment
-    from flows.config import ConfigError, load_config
+    from flows.cli import config_or_none
 
-    try:
-        config = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(f"shardline: {e}", file=sys.stderr)
+    config = config_or_none(args)
+    if config is None:
         return 2
-    prepare_environment()
     from deployments.endpoint import EndpointError
     from infra.cluster import ClusterError, teardown
 

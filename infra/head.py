@@ -2,7 +2,7 @@
 
 `ensure_head` starts `ray start --head` on 127.0.0.1 (token auth, dashboard on 127.0.0.1) in its own session, so a
 killed `shardline run` does not take the served model down with it, and records the head's address and PIDs in
-`$SHARDLINE_HOME/ray/head.json`. `stop_head` signals exactly those PIDs (and their descendants), never `ray stop`,
+`$SHARDLINE_HOME/ray/head.json`. `stop_head` signals exactly those PIDs (and their descendants), never Ray's host-wide stop command,
 which would stop every Ray on the host.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ CFG = TrainConfig(workers=2, steps=12, checkpoint_every=6, log_every=3, seq_len=
 
 @pytest.fixture()
 def two_node_cluster(tmp_path, monkeypatch):
-    """Head (1 CPU) + worker node (1 CPU); stopped by recorded pid by infra.head.stop_head (never `ray stop`)."""
+    """Head (1 CPU) + worker node (1 CPU); stopped by recorded pid by infra.head.stop_head (never a host-wide stop)."""
     from infra.cluster import provision, teardown
     from infra.config import ClusterConfig
 
