@@ -54,7 +54,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
             ("shards", f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, "
                        f"{out['total_bytes'] / 1e6:.1f} MB"),
             ("skipped", ", ".join(f"{k}={v}" for k, v in out["skipped"].items()) or "none"),
-            ("published", "cache hit (already published)" if out["cache_hit"] else "yes"),
+            ("published", "yes" if not out["cache_hit"] else "cache hit (already published)" if out["chunks"]
+             else "cache hit (listing unchanged: the corpus was not read)"),
             ("manifest", out["manifest_uri"]), ("chunks", f"{out['chunks']} on {out['engine']}, {out['workers']} "
                                                            "workers"),
             ("wall seconds", f"{out['wall_seconds']:.1f}"), ("MLflow run", out["parent_run_id"])]

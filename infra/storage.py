@@ -42,6 +42,7 @@ class Location:
 class Entry:
     uri: str
     size: int
+    stamp: str = ""  # changes whenever the content may have: ETag of an object, mtime/ctime of a file
 
 
 def parse(uri: str) -> Location:
@@ -303,16 +304,26 @@ def exists(uri: str, retries: int | None = None) -> bool:
     return with_retries(probe, uri, retries)
 
 
+def file_stamp(st: os.stat_result) -> str:
+    """A local file's change stamp: modification and inode-change times (the latter cannot be set back)."""
+    return f"{st.st_mtime_ns}-{st.st_ctime_ns}"
+
+
+def _file_entry(path: Path) -> Entry:
+    st = path.stat()
+    return Entry(str(path), st.st_size, file_stamp(st))
+
+
 def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
     """Every object under `uri` (recursively, sorted by URI); [] when there are none."""
     loc = parse(uri)
     if loc.scheme == "file":
         root = Path(loc.key)
         if root.is_file():
-            return [Entry(str(root), root.stat().st_size)]
+            return [_file_entry(root)]
         if not root.is_dir():
             return []
-        found = [Entry(str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file()]
+        found = [_file_entry(p) for p in root.rglob("*") if p.is_file()]
         return sorted(found, key=lambda e: e.uri)
     prefix = loc.key.rstrip("/") + "/" if loc.key else ""
     base = f"{loc.scheme}://{loc.bucket}/"
@@ -320,14 +331,15 @@ def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
         def s3_list() -> list[Entry]:
             out = []
             for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
-                out += [Entry(base + o["Key"], int(o["Size"])) for o in page.get("Contents", [])]
+                out += [Entry(base + o["Key"], int(o["Size"]), o.get("ETag", "")) for o in page.get("Contents", [])]
             return out
 
         return sorted(with_retries(s3_list, uri, retries), key=lambda e: e.uri)
 
     def az_list() -> list[Entry]:
         container = azure_service().get_container_client(loc.bucket)
-        return [Entry(base + b.name, int(b.size)) for b in container.list_blobs(name_starts_with=prefix)]
+        return [Entry(base + b.name, int(b.size), str(b.etag or ""))
+                for b in container.list_blobs(name_starts_with=prefix)]
 
     try:
         return sorted(with_retries(az_list, uri, retries), key=lambda e: e.uri)

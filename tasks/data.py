@@ -68,7 +68,8 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage, cluster: ClusterInfo | None
             "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s; %d chunks, engine %s, %d workers, "
             "%.1f s", shards.dataset_digest, shards.num_train, shards.num_val,
             len(shards.train_shards) + len(shards.val_shards), shards.total_bytes / 1e6,
-            "cache hit" if shards.cache_hit else "published", shards.skipped or "none", shards.chunks, cfg.engine,
+            "published" if not shards.cache_hit else "cache hit" if shards.chunks else "cache hit, corpus unread",
+            shards.skipped or "none", shards.chunks, cfg.engine,
             shards.workers, time.monotonic() - start,
         )
     return shards.model_copy(update={"data_run_id": run_id})

@@ -37,7 +37,8 @@ def test_publish_to_store_then_cache_hit_rewrites_nothing(tmp_path, store):
     first = build_shards(config(corpus, storage.join(store, "out")))
     assert first.dataset_digest == local.dataset_digest and not first.cache_hit
     assert first.manifest_uri == storage.join(store, "out", first.dataset_digest, "manifest.json")
-    names = sorted(e.uri.rsplit("/", 1)[1] for e in storage.list_prefix(storage.join(store, "out")))
+    names = sorted(e.uri.rsplit("/", 1)[1] for e in storage.list_prefix(storage.join(store, "out"))
+                   if "/_index/" not in e.uri)
     assert names == sorted(["manifest.json", "validation.json"] +
                            [u.rsplit("/", 1)[1] for u in first.train_shards + first.val_shards])  # no _staging
     for uri, local_uri in zip(first.train_shards, local.train_shards):
@@ -47,6 +48,19 @@ def test_publish_to_store_then_cache_hit_rewrites_nothing(tmp_path, store):
     second = build_shards(config(corpus, storage.join(store, "out")))
     assert second.cache_hit and second.dataset_digest == first.dataset_digest and _stamps(store) == before
     assert load_shard_set(first.uri, verify="sha256").num_train == first.num_train
+
+
+def test_unchanged_store_corpus_is_reused_unread_and_an_overwrite_is_seen(tmp_path, store):
+    corpus = make_corpus(tmp_path / "c")
+    source = storage.join(store, "corpus")
+    _upload_corpus(corpus, source)
+    first = build_shards(config(source, storage.join(store, "out")))
+    again = build_shards(config(source, storage.join(store, "out")))
+    assert again.cache_hit and again.chunks == 0 and again.dataset_digest == first.dataset_digest
+    doc = storage.join(source, "a", "doc001.txt")
+    storage.write_bytes(doc, bytes(reversed(storage.read_bytes(doc))))  # same size, new ETag
+    changed = build_shards(config(source, storage.join(store, "out")))
+    assert changed.chunks > 0 and changed.dataset_digest != first.dataset_digest
 
 
 def _stamps(base):

@@ -27,7 +27,7 @@ from typing import Any
 
 from infra import storage
 from infra.paths import shardline_home
-from training.data import quality
+from training.data import listing_index, quality
 from training.data.config import DataConfig
 from training.data.corpus import Tally, no_usable_records
 from training.data.engine import local_workers, ray_workers, run_chunks
@@ -72,6 +72,9 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     """
     check_locations(cfg)
     output = resolve_output(cfg)
+    listing_key = listing_index.fingerprint(cfg) if cfg.reuse_unchanged else None
+    if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
+        return found
     remote = storage.is_remote(output)
     parent = (shardline_home() / "tmp") if remote else Path(output) / STAGING
     parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +95,7 @@ def build_shards(cfg: DataConfig) -> ShardSet:
         manifest, tally, chunks, workers = _write_chunks(cfg, job, gate)
         final = storage.join(output, manifest.dataset_digest)
         if _reusable(final, manifest, cfg):
+            _index(output, listing_key, manifest, tally, cfg)
             return _shard_set(final, manifest, True, tally, chunks, workers)
         validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
         if tasks_upload:
@@ -103,6 +107,7 @@ def build_shards(cfg: DataConfig) -> ShardSet:
             _publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
         else:
             _publish_local(local_shards, manifest, Path(final), cfg)
+        _index(output, listing_key, manifest, tally, cfg)
         return _shard_set(final, manifest, False, tally, chunks, workers)
     finally:
         if gate is not None:
@@ -113,6 +118,29 @@ def build_shards(cfg: DataConfig) -> ShardSet:
                 storage.delete_prefix(stage, retries=1)
             except storage.StorageError:
                 pass  # the store is down; _staging is never read as a dataset
+
+
+def _indexed(output: str, key: str, cfg: DataConfig) -> ShardSet | None:
+    """The set the listing index names for `key`, verified; None when there is none or it does not verify."""
+    entry = listing_index.lookup(output, key, cfg.storage_retries)
+    if entry is None:
+        return None
+    final = storage.join(output, entry["dataset_digest"])
+    if not storage.exists(storage.join(final, MANIFEST_NAME), cfg.storage_retries):
+        return None
+    if _verify(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
+        return None  # damaged or replaced: build from the corpus, which republishes it
+    manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME),
+                                                               cfg.storage_retries))
+    tally = Tally()
+    tally.merge({str(k): int(v) for k, v in dict(entry.get("skipped") or {}).items()}, [])
+    return _shard_set(final, manifest, True, tally)
+
+
+def _index(output: str, key: str | None, manifest: Manifest, tally: Tally, cfg: DataConfig) -> None:
+    if key:
+        listing_index.record(output, key, manifest.dataset_digest, dict(sorted(tally.skipped.items())),
+                             cfg.storage_retries)
 
 
 def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate) -> tuple[Manifest, Tally, int, int]:

@@ -67,6 +67,12 @@ class DataConfig(BaseModel):
         description="How an already published set is verified before it is reused (cache hit): every shard's "
         "sha256, or only its size (cheaper for large remote sets).",
     )
+    reuse_unchanged: bool = Field(
+        True,
+        description="Reuse a published set without reading the corpus when the corpus' listing (every input's "
+        "key, size and change stamp: file times, object ETags) and the shaping settings equal those it was built "
+        "from; the set is verified first (verify_existing). false: read everything, the content digest decides.",
+    )
     workers: int = Field(
         0,
         ge=0,

@@ -33,6 +33,7 @@ class Source:
     where: str  # local path or object URI
     key: str
     size: int  # as listed (stat / object size): what chunks are planned by
+    stamp: str = ""  # as listed: ETag or file times (training.data.listing_index)
 
 
 def records_of(cfg: DataConfig) -> Iterator[Record | Problem]:
@@ -47,7 +48,7 @@ def list_sources(cfg: DataConfig) -> Iterator[Source | Problem]:
     if cfg.source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(".py"))
-        return iter([Source(str(p), p.name, p.stat().st_size) for p in files])
+        return iter([_local_source(p, p.name) for p in files])
     if storage.is_remote(cfg.source):
         return _list_remote(cfg)
     return _list_local(cfg)
@@ -65,6 +66,11 @@ def read_sources(items: Iterable[Source | Problem], cfg: DataConfig) -> Iterator
             yield from _read_local_file(item, cfg)
 
 
+def _local_source(path: Path, key: str) -> Source:
+    st = path.stat()
+    return Source(str(path), key, st.st_size, storage.file_stamp(st))
+
+
 def _include(cfg: DataConfig) -> str:
     return "*.jsonl" if cfg.format == "jsonl" and cfg.include == "*" else cfg.include
 
@@ -77,7 +83,7 @@ def _list_local(cfg: DataConfig) -> Iterator[Source | Problem]:
     if not root.exists() and not root.is_symlink():
         raise DataError(f"{cfg.source}: no such file or directory (data.source)")
     if root.is_file():
-        yield Source(str(root), root.name, root.stat().st_size)
+        yield _local_source(root, root.name)
         return
     if not root.is_dir():
         raise DataError(f"{cfg.source}: not a directory or regular file (data.source)")
@@ -118,7 +124,7 @@ def _walk(root: Path, pattern: str, found: list[bool]) -> Iterator[Source | Prob
                 yield from visit(path, f"{key}/", ancestors | {ident})
             elif fnmatch.fnmatch(entry.name, pattern):
                 found[0] = True
-                yield Source(path, key, st.st_size)
+                yield Source(path, key, st.st_size, storage.file_stamp(st))
 
     yield from visit(str(root), "", frozenset({(top.st_dev, top.st_ino)}))
 
@@ -175,7 +181,7 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
         if unsafe_key(key):
             yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..' or absolute component)")
         else:
-            yield Source(entry.uri, key, entry.size)
+            yield Source(entry.uri, key, entry.size, entry.stamp)
 
 
 def _read_object(item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:
