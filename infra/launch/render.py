@@ -141,6 +141,7 @@ def _node(node: NodeType, node_config: dict[str, Any], head: bool = False) -> di
 def aws_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
     """The `ray up` config for AWS: head, cpu_worker and gpu_worker node types (EFA/placement group on GPU)."""
     aws = cfg.aws
+    # cache_stopped_nodes off: a stopped node restarts with the setup of its first start and bills for its disk
     provider: dict[str, Any] = {"type": "aws", "region": aws.region, "cache_stopped_nodes": False}
     if aws.availability_zone:
         provider["availability_zone"] = aws.availability_zone

@@ -56,10 +56,11 @@ def test_bad_launcher_value_is_one_line_exit_2(tmp_path):
 def test_credential_checks_accept_configured_credentials(tmp_path, monkeypatch):
     from infra.launch.cloud_auth import credentials_missing
 
-    for key, value in _no_cloud_env(tmp_path).items():
-        monkeypatch.setenv(key, value)
-    for key in [k for k in os.environ if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_PROFILE", "AZURE_"))]:
+    for key in [k for k in os.environ if k.startswith(("AWS_", "AZURE_", "IDENTITY_", "MSI_"))]:
         monkeypatch.delenv(key)
+    for key, value in _no_cloud_env(tmp_path).items():
+        if key.startswith("AWS_") or key == "HOME":
+            monkeypatch.setenv(key, value)
     assert credentials_missing("aws").startswith("no AWS credentials")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
@@ -68,3 +69,12 @@ def test_credential_checks_accept_configured_credentials(tmp_path, monkeypatch):
     (tmp_path / ".azure").mkdir()
     (tmp_path / ".azure" / "azureProfile.json").write_text('{"subscriptions": [{"id": "00000000"}]}')
     assert credentials_missing("azure") == ""
+
+
+def test_kuberay_up_only_renders(tmp_path):
+    env = _no_cloud_env(tmp_path)
+    proc = _shardline("up", "--provider", "kuberay", env=env)
+    assert proc.returncode == 2 and "only renders manifests" in proc.stderr
+    proc = _shardline("up", "--provider", "kuberay", "--dry-run", "--out", str(tmp_path / "out"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [Path(p).name for p in proc.stdout.split()] == ["raycluster.yaml", "rayjob.yaml", "rayservice.yaml"]
