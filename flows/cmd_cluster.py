@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HEADER = """Rendered by `shardline cluster {verb} --provider {provider}` from [cluster.launcher]; edit the config, not this.
+HEADER = """Rendered by `shardline cluster {verb} --provider {provider}` from [cluster.launcher];
+edit the config, not this.
 Ports (head): 6379 GCS (workers join), 8265 dashboard + Jobs API (bound to launcher.dashboard_host),
 10001 Ray Client (unused by shardline), 8080 Prometheus metrics (every node), 8076 object manager,
 8000 Serve HTTP (the endpoint). Ray's security group / NSG admits SSH and traffic between cluster members only:

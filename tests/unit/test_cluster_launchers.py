@@ -38,7 +38,8 @@ def test_rendered_config_passes_ray_schema_and_prepare_config(provider):
 def test_git_url_is_installed_without_expanding_anything_on_the_node():
     cfg = LauncherConfig(git_url="https://github.com/acme/shardline.git", git_ref="v0.1.0")
     setup = check_with_ray(launcher_config(cfg, "aws"))["setup_commands"]
-    assert setup[-1] == "python -m pip install -q --no-deps 'shardline @ git+https://github.com/acme/shardline.git@v0.1.0'"
+    expected = "python -m pip install -q --no-deps 'shardline @ git+https://github.com/acme/shardline.git@v0.1.0'"
+    assert setup[-1] == expected
 
 
 def test_aws_gpu_nodes_get_efa_interfaces_and_placement_group():

@@ -84,7 +84,8 @@ def test_validator_rejects_wrong_types_and_unknown_fields(tmp_path):
     assert len(spec_errors(quantity)) == 1
     start_param = copy.deepcopy(job)  # rayStartParams are strings; an int would fail at the API server
     start_param["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
-    assert spec_errors(start_param) == ["rayClusterSpec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'"]
+    assert spec_errors(start_param) == [
+        "rayClusterSpec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'"]
 
 
 def test_working_dir_without_uri_is_a_clear_error(tmp_path):
@@ -96,4 +97,5 @@ def test_working_dir_without_uri_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("name", ["raycluster", "rayjob", "rayservice"])
 def test_checked_in_manifests_are_the_default_rendering(name, tmp_path):
     render_kuberay(PipelineConfig(), tmp_path)
-    assert (tmp_path / "kuberay" / f"{name}.yaml").read_text() == (REPO / "infra" / "kuberay" / f"{name}.yaml").read_text()
+    rendered = (tmp_path / "kuberay" / f"{name}.yaml").read_text()
+    assert rendered == (REPO / "infra" / "kuberay" / f"{name}.yaml").read_text()
