@@ -30,6 +30,9 @@ class ClusterInfo(BaseModel):
     # GCS address of the long-lived local head (modes local and local-multinode); empty for remote.
     gcs_address: str = ""
     dashboard_url: str = ""
+    # cluster.network and the NCCL/UCX variables it sets in the training workers (infra.network)
+    network: str = "tcp"
+    network_env: dict[str, str] = {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -5,6 +5,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.launch.config import LauncherConfig
+from infra.network import Network
+
 
 class ClusterConfig(BaseModel):
     """Which Ray cluster to use: one the pipeline starts on this machine, or an existing one."""
@@ -38,4 +41,17 @@ class ClusterConfig(BaseModel):
     )
     host: str = Field(
         "127.0.0.1", description="Address locally started nodes bind to; 127.0.0.1 unless you mean otherwise."
+    )
+    network: Network = Field(
+        "tcp",
+        description="Fabric between training nodes, as NCCL/UCX settings of the training workers (infra/network.py): "
+        "tcp (sockets only, safe anywhere), roce (RDMA over Ethernet), infiniband.",
+    )
+    network_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-variable overrides of the network profile, e.g. {NCCL_SOCKET_IFNAME = 'eth0'}; an empty "
+        "value removes the profile's variable.",
+    )
+    launcher: LauncherConfig = Field(
+        default_factory=LauncherConfig, description="What `shardline cluster` renders for AWS, Azure and KubeRay."
     )

@@ -8,6 +8,7 @@ from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo, provision, teardown
 from infra.config import ClusterConfig
+from infra.network import network_env
 from tasks.retry import TIMEOUT_S
 from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, safe_tags, stage_run
 
@@ -31,6 +32,7 @@ def provision_cluster(cfg: ClusterConfig, lineage: Lineage) -> ClusterInfo:
         except Exception:
             teardown(None)  # a half-started local cluster must not leak into the retry
             raise
+        info.network, info.network_env = cfg.network, network_env(cfg.network, cfg.network_env)
         mlflow.log_params(flat_params("cluster", cfg))
         mlflow.log_metrics({f"ray.{k}": v for k, v in info.resources.items()} | {"ray.nodes": info.nodes})
         mlflow.set_tags(safe_tags({TAG_CLUSTER_ADDRESS: info.address, "shardline.ray_mode": info.mode}))

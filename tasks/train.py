@@ -26,6 +26,7 @@ from training.data import ShardSet
 from training.trainer import TrainResult, logged_step, loss_curve_png, run_training
 
 POLL_S = 2.0
+TAG_NETWORK = "shardline.network"
 
 
 @task(name="train_fsdp", timeout_seconds=TIMEOUT_S["train_fsdp"],
@@ -51,6 +52,9 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
         mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_DATA_RUN_ID: shards.data_run_id,
                                    TAG_MANIFEST_URI: shards.manifest_uri, TAG_CLUSTER_ADDRESS: cluster.address}))
         mlflow.log_params(flat_params("train", cfg))
+        # the fabric the workers were told to use: a slow or hung run is often a network profile mismatch
+        mlflow.set_tag(TAG_NETWORK, cluster.network)
+        mlflow.log_params({f"network.{k}": v for k, v in cluster.network_env.items()})
         init = resume.resolve_init_from(cfg.init_from, model_name, lineage.tracking_uri)
         if init is not None:
             resume.check_init_checkpoint(init, cfg)
@@ -71,7 +75,7 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
         # Ray Train blocks in fit(); run it beside this thread, which moves the progress bar from MLflow.
         with ThreadPoolExecutor(max_workers=1) as pool:
             future = pool.submit(run_training, cfg, shards, lineage.tracking_uri, run_id, f"train-{key}",
-                                 init.checkpoint_uri if init else "")
+                                 init.checkpoint_uri if init else "", cluster.network_env)
             while not future.done():
                 time.sleep(POLL_S)
                 step = logged_step(lineage.tracking_uri, run_id)

@@ -43,9 +43,26 @@ def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, 
             "run_id": train_run_id, "init_checkpoint": init_checkpoint}
 
 
+def run_config(cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None,
+               worker_env: dict[str, str] | None = None) -> Any:
+    """Ray Train's RunConfig: the run's name and storage, failure and checkpoint policy, and `worker_env` (the
+    network profile's NCCL/UCX variables) in every training worker's environment, set before the worker's
+    process group exists, as NCCL reads them when it starts."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(
+        name=run_name,
+        storage_path=arrow[1] if arrow else storage,
+        storage_filesystem=arrow[0] if arrow else None,
+        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,
+    )
+
+
 def run_training(
     cfg: TrainConfig, shards: "ShardSet", tracking_uri: str, train_run_id: str, run_name: str,
-    init_checkpoint: str = "",
+    init_checkpoint: str = "", worker_env: dict[str, str] | None = None,
 ) -> TrainResult:
     """Train with Ray Train on the running Ray cluster (ray.init was called); resume when `run_name` has checkpoints.
 
@@ -54,12 +71,13 @@ def run_training(
     the worker group up to train.max_failures times. `init_checkpoint` (train.init_from resolved) gives the
     model weights a fresh run starts from. Object-store storage gets a pyarrow filesystem built from the same
     credentials as the shard store (environment or Secret block); az:// works although pyarrow calls it abfs.
+    `worker_env` reaches every training worker's environment (the cluster's network profile).
 
     Raises:
         ValueError: a config problem (global batch, import paths) found before any worker starts.
         ray.train.TrainingFailedError: the workers failed more often than train.max_failures allows.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from training.config import load_object
@@ -81,13 +99,7 @@ def run_training(
         train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"GPU": 1} if cfg.use_gpu else {"CPU": 1}),
-        run_config=RunConfig(
-            name=run_name,
-            storage_path=arrow[1] if arrow else storage,
-            storage_filesystem=arrow[0] if arrow else None,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        ),
+        run_config=run_config(cfg, run_name, storage, arrow, worker_env),
     )
     result = trainer.fit()
     return summarise(result, storage, train_run_id, cfg.workers)

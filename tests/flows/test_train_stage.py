@@ -23,10 +23,11 @@ def ray_cluster():
     import ray
 
     from infra.cluster import ClusterInfo
+    from infra.network import network_env
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
     yield ClusterInfo(address=ray.get_runtime_context().gcs_address, mode="local", resources={}, nodes=1,
-                      started_here=True)
+                      started_here=True, network="tcp", network_env=network_env("tcp"))
     ray.shutdown()
 
 
@@ -97,6 +98,9 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     assert train_run.data.tags[TAG_DATA_RUN_ID] == "data-run-1"
     assert train_run.data.tags[TAG_MANIFEST_URI] == shards.manifest_uri
     assert train_run.data.tags[TAG_CHECKPOINT_URI] == trained.checkpoint_uri
+    # the network profile the workers trained with is in the run's lineage
+    assert train_run.data.tags["shardline.network"] == "tcp"
+    assert train_run.data.params["network.NCCL_IB_DISABLE"] == "1" and train_run.data.params["network.NCCL_NET"] == "Socket"
     assert "loss_curve.png" in [a.path for a in client.list_artifacts(trained.train_run_id)]
     loss = sorted(client.get_metric_history(trained.train_run_id, "loss"), key=lambda m: m.step)
     assert loss[-1].value < loss[0].value - 0.5
