@@ -60,6 +60,12 @@ class TrainConfig(BaseModel):
     )
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend.")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each training worker asks for; empty: {'GPU': 1} with use_gpu, else {'CPU': 1}. "
+        "Name a resource only some node types advertise (e.g. {'CPU': 1, 'trainer': 1}) to keep training off the "
+        "head; on an autoscaling cluster this demand is what makes the autoscaler add such nodes.",
+    )
     peak_tflops: float = Field(
         0.0, ge=0, description="Peak dense TFLOP/s of one device, for the MFU estimate (0: 989 on GPU, 0.1 on CPU)."
     )

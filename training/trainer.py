@@ -36,6 +36,26 @@ def checkpoint_uri(storage: str, checkpoint_path: str) -> str:
     return checkpoint_path
 
 
+def worker_resources(cfg: TrainConfig) -> dict[str, float]:
+    """What each Ray Train worker reserves: train.resources_per_worker, else one GPU or one CPU.
+
+    Ray Train waits until the cluster can place every worker (it retries the worker group's start without a limit),
+    so on an autoscaling cluster a demand no running node can meet makes the autoscaler add nodes that can.
+
+    Raises:
+        ValueError: use_gpu without a GPU in resources_per_worker, or a negative amount (names the field).
+    """
+    if not cfg.resources_per_worker:
+        return {"GPU": 1.0} if cfg.use_gpu else {"CPU": 1.0}
+    wanted = dict(cfg.resources_per_worker)
+    bad = {k: v for k, v in wanted.items() if v < 0}
+    if bad:
+        raise ValueError(f"train.resources_per_worker={wanted}: amounts must not be negative ({bad})")
+    if cfg.use_gpu and wanted.get("GPU", 0) <= 0:
+        raise ValueError(f"train.resources_per_worker={wanted}: train.use_gpu needs a GPU per worker, e.g. 'GPU': 1")
+    return wanted
+
+
 def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
                   init_checkpoint: str = "") -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
@@ -66,6 +86,7 @@ def run_training(
     from training.loop import check_global_batch, train_func
 
     check_global_batch(cfg, cfg.workers)
+    resources = worker_resources(cfg)
     load_object(cfg.model_factory, "train.model_factory")
     load_object(cfg.batch_format, "train.batch_format")
     if not shards.train_shards:
@@ -80,7 +101,7 @@ def run_training(
         train_func,
         train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"GPU": 1} if cfg.use_gpu else {"CPU": 1}),
+                                     resources_per_worker=resources),
         run_config=RunConfig(
             name=run_name,
             storage_path=arrow[1] if arrow else storage,
