@@ -52,3 +52,10 @@ def test_gather_nodes_outside_ray_names_this_host():
         assert gather_nodes(torch.device("cpu")) == [socket.gethostname()]
     finally:
         dist.destroy_process_group()
+
+
+def test_where_workers_run_does_not_change_which_training_a_rerun_continues():
+    from training.resume import request_key
+
+    here, there = TrainConfig(), TrainConfig(resources_per_worker={"CPU": 1, "trainer": 1})
+    assert request_key(here, "d" * 32) == request_key(there, "d" * 32)
