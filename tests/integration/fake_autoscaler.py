@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,25 @@ class FakeAutoscalingCluster:
             node_id = next((a.split("=", 1)[1] for a in args if a.startswith("--node_id=")), "")
             nodes[node_id] = "--head" in args
         return nodes
+
+    def listening_addresses(self) -> set[str]:
+        """IP addresses the TCP sockets of this cluster's processes listen on (/proc/net/tcp and tcp6)."""
+        inodes = set()
+        for pid in set(_descendants(self.pids)) | set(_node_processes(str(self.port))):
+            try:
+                links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            except OSError:  # gone meanwhile
+                continue
+            inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+        found = set()
+        for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])  # 32-bit words in host (little-endian) order
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add(socket.inet_ntop(family, raw))
+        return found
 
     def wait_for(self, predicate, timeout_s: float, poll_s: float = 1.0) -> bool:
         """Poll `predicate()` until true or `timeout_s` passes; returns its last value."""

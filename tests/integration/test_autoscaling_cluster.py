@@ -5,6 +5,7 @@ type can host makes the autoscaler add nodes, training runs on them (the run's l
 nodes are removed afterwards."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -39,12 +40,20 @@ def cluster():
         assert c.shutdown() == [], "processes of the fake cluster survived its shutdown"
 
 
-def _watch(cluster: FakeAutoscalingCluster, stop: threading.Event, seen: dict[str, bool], peak: list[int]) -> None:
+def _watch(cluster: FakeAutoscalingCluster, stop: threading.Event, seen: dict[str, bool], peak: list[int],
+           listening: set[str]) -> None:
     while not stop.is_set():
         nodes = cluster.raylets()
         seen.update(nodes)
+        if len(nodes) > peak[0]:  # the cluster at its largest: where do its processes listen?
+            listening |= cluster.listening_addresses()
         peak[0] = max(peak[0], len(nodes))
         time.sleep(0.5)
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
 @pytest.mark.slow
@@ -68,8 +77,8 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
     env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server
 
-    stop, seen, peak = threading.Event(), {}, [0]
-    watcher = threading.Thread(target=_watch, args=(cluster, stop, seen, peak), daemon=True)
+    stop, seen, peak, listening = threading.Event(), {}, [0], set()
+    watcher = threading.Thread(target=_watch, args=(cluster, stop, seen, peak, listening), daemon=True)
     watcher.start()
     try:
         proc = subprocess.run([sys.executable, str(HERE / "autoscaling_driver.py"), json.dumps(args)], cwd=ROOT,
@@ -86,6 +95,8 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
     added = sorted(n for n, is_head in seen.items() if not is_head)
     assert len(added) == 2 and peak[0] == 3, (seen, peak)
     assert set(out["nodes_after_training"]) == {head_id, *added}
+    # every node, the launched ones too, listens on loopback only
+    assert listening and all(_loopback(a) for a in listening), listening
     # training finished on those nodes, with a complete checkpoint, and its lineage names them
     trained = out["trained"]
     assert trained["step"] == train["steps"] and trained["world_size"] == train["workers"]
