@@ -1,16 +1,25 @@
 """Ray Train glue: run `training.loop.train_func` on N workers with TorchTrainer, restarts and checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from infra.cluster import ClusterError
 from infra.paths import shardline_home
 from training.config import TrainConfig
 
 if TYPE_CHECKING:
     from training.data import ShardSet
+
+
+class PlacementTimeout(ClusterError):
+    """train.placement_timeout_s passed before the cluster could place every training worker (an expected failure:
+    one line, no traceback)."""
 
 
 class TrainResult(BaseModel):
@@ -78,6 +87,7 @@ def run_training(
     Raises:
         ValueError: a config problem (global batch, import paths) found before any worker starts.
         ray.train.TrainingFailedError: the workers failed more often than train.max_failures allows.
+        PlacementTimeout: train.placement_timeout_s passed before every worker was placed.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -106,12 +116,49 @@ def run_training(
             name=run_name,
             storage_path=arrow[1] if arrow else storage,
             storage_filesystem=arrow[0] if arrow else None,
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            # a bounded wait for placement: the first start that times out ends the run (Ray's default retries it)
+            failure_config=FailureConfig(max_failures=cfg.max_failures,
+                                         controller_failure_limit=0 if cfg.placement_timeout_s else -1),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         ),
     )
-    result = trainer.fit()
+    with _start_timeout(cfg.placement_timeout_s):
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            if type(getattr(e, "controller_failure", None)).__name__ == "WorkerGroupStartupTimeoutError":
+                raise PlacementTimeout(
+                    f"train.placement_timeout_s={cfg.placement_timeout_s:g}: the cluster did not place "
+                    f"{cfg.workers} workers x {resources} in time (it has {_cluster_resources()})") from None
+            raise
     return summarise(result, storage, train_run_id, cfg.workers)
+
+
+@contextlib.contextmanager
+def _start_timeout(seconds: float) -> Iterator[None]:
+    """Ray Train's worker-group start timeout for the fit() inside: it reads the variable from the driver's
+    environment when fit() creates the controller and hands it on to it. 0 leaves Ray's default (60 s)."""
+    if not seconds:
+        yield
+        return
+    name = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+    before = os.environ.get(name)
+    os.environ[name] = str(seconds)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _cluster_resources() -> dict[str, float]:
+    """The cluster's logical resources, less Ray's per-node markers, for a placement error."""
+    import ray
+
+    return {k: v for k, v in ray.cluster_resources().items()
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
 
 
 def summarise(result: Any, storage: str, train_run_id: str, world_size: int) -> TrainResult:

@@ -68,7 +68,7 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
     head_id = next(iter(before))
 
     train = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())["train"]
-    train.update(init_from="", resources_per_worker={"CPU": 1, **TRAINER},
+    train.update(init_from="", resources_per_worker={"CPU": 1, **TRAINER}, placement_timeout_s=120,
                  storage_path=str(tmp_path / "checkpoints"))  # the nodes share this machine's disk
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = {"address": cluster.gcs_address, "tracking_uri": uri, "shards": str(tmp_path / "shards"), "train": train}
@@ -107,3 +107,29 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
     assert run.data.params["train.resources_per_worker"] == str({"CPU": 1.0, "trainer": 1.0})
     # idle, the added nodes are removed: the cluster is the head alone again
     assert cluster.wait_for(lambda: list(cluster.raylets()) == [head_id], timeout_s=90), cluster.raylets()
+
+
+@pytest.mark.timeout(240)
+def test_a_demand_no_node_can_meet_fails_after_the_placement_timeout_naming_it(tmp_path):
+    """Without an autoscaler that could add `trainer` nodes, the bounded wait ends in one clear error (Ray Train alone
+    would retry the start forever)."""
+    import ray
+
+    from train_support import shard_set
+    from training.config import TrainConfig
+    from training.trainer import PlacementTimeout, run_training
+
+    cfg = TrainConfig(workers=2, steps=2, seq_len=16, d_model=16, n_layer=1, n_head=1, micro_batch=2,
+                      resources_per_worker={"CPU": 1, **TRAINER}, placement_timeout_s=3,
+                      storage_path=str(tmp_path / "checkpoints"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(PlacementTimeout) as err:
+            run_training(cfg, shard_set(tmp_path / "shards"), "", "", "never-placed")
+    finally:
+        ray.shutdown()
+    message = str(err.value)
+    assert message.startswith("train.placement_timeout_s=3: the cluster did not place 2 workers x "
+                              "{'CPU': 1.0, 'trainer': 1.0} in time (it has {")
+    assert "'CPU': 2.0" in message and "trainer" not in message.split("(it has", 1)[1]
+    assert "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" not in os.environ  # set for that fit() only
