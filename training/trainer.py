@@ -65,6 +65,14 @@ def worker_resources(cfg: TrainConfig) -> dict[str, float]:
     return wanted
 
 
+def failure_policy(cfg: TrainConfig) -> Any:
+    """Ray Train's FailureConfig: train.max_failures worker-group restarts; with train.placement_timeout_s, the
+    first start of the worker group that times out ends the run (Ray's default retries starts without a limit)."""
+    from ray.train import FailureConfig
+
+    return FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0 if cfg.placement_timeout_s else -1)
+
+
 def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
                   init_checkpoint: str = "") -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
@@ -89,7 +97,7 @@ def run_training(
         ray.train.TrainingFailedError: the workers failed more often than train.max_failures allows.
         PlacementTimeout: train.placement_timeout_s passed before every worker was placed.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from training.config import load_object
@@ -116,9 +124,7 @@ def run_training(
             name=run_name,
             storage_path=arrow[1] if arrow else storage,
             storage_filesystem=arrow[0] if arrow else None,
-            # a bounded wait for placement: the first start that times out ends the run (Ray's default retries it)
-            failure_config=FailureConfig(max_failures=cfg.max_failures,
-                                         controller_failure_limit=0 if cfg.placement_timeout_s else -1),
+            failure_config=failure_policy(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         ),
     )
