@@ -23,7 +23,7 @@ from training import resume
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig
 from training.data import ShardSet
-from training.trainer import TrainResult, logged_step, loss_curve_png, run_training
+from training.trainer import PlacementTimeout, TrainResult, logged_step, loss_curve_png, run_training
 
 POLL_S = 2.0
 TAG_NETWORK = "shardline.network"
@@ -31,14 +31,15 @@ TAG_NETWORK = "shardline.network"
 
 @task(name="train_fsdp", timeout_seconds=TIMEOUT_S["train_fsdp"],
       retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
-      retry_condition_fn=retry_unless(ValueError, CheckpointError))
+      retry_condition_fn=retry_unless(ValueError, CheckpointError, PlacementTimeout))
 def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage: Lineage,
                model_name: str = "") -> TrainResult:
     """Train the model with FSDP2 on Ray Train; a retry or a rerun resumes from the latest checkpoint.
 
     The Ray Train run is named by the training key (dataset digest, training config, starting weights): a rerun
     after the process died continues that run; a training already finished is reused without retraining. A
-    config mistake (ValueError) or an unusable train.init_from (CheckpointError) fails at once, without retries.
+    config mistake (ValueError), an unusable train.init_from (CheckpointError) or workers the cluster could not place
+    within train.placement_timeout_s (PlacementTimeout) fail at once, without retries.
 
     Args:
         cfg: model, optimisation, parallelism, checkpointing and the weights to start from (init_from).

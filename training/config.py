@@ -60,6 +60,17 @@ class TrainConfig(BaseModel):
     )
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend.")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
+    placement_timeout_s: float = Field(
+        0.0, ge=0, description="Seconds each start of the worker group (the first and every restart) may wait for "
+        "the cluster to place all workers, e.g. while an autoscaler adds nodes; then the stage fails at once, naming "
+        "the demand. 0: wait as long as the stage runs (Ray Train retries the start every 60 s without a limit).",
+    )
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each training worker asks for; empty: {'GPU': 1} with use_gpu, else {'CPU': 1}. "
+        "Name a resource only some node types advertise (e.g. {'CPU': 1, 'trainer': 1}) to keep training off the "
+        "head; on an autoscaling cluster this demand is what makes the autoscaler add such nodes.",
+    )
     peak_tflops: float = Field(
         0.0, ge=0, description="Peak dense TFLOP/s of one device, for the MFU estimate (0: 989 on GPU, 0.1 on CPU)."
     )

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training import checkpoint as ckpt
+from training import placement
 from training.config import TrainConfig
 from training.config import load_object
 from training.model import flops_per_token
@@ -170,6 +171,17 @@ class _MlflowLogger:
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         self._pending.append(self._pool.submit(self._client.log_batch, self.run_id, metrics=batch))
 
+    def record(self, tags: dict[str, str], metrics: dict[str, float]) -> None:
+        """Tags and step-0 metrics that describe the run rather than a step (e.g. where its ranks ran)."""
+        if self._pool is None:
+            return
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        self._pending.append(self._pool.submit(
+            self._client.log_batch, self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+            tags=[RunTag(k, v) for k, v in tags.items()]))
+
     def close(self) -> None:
         if self._pool is not None:
             for f in self._pending:
@@ -274,6 +286,9 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
 
     batches = data_stream(config["train_shards"], rank, world, cfg, start, position)
     logger = _MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
+    nodes = placement.gather_nodes(device)  # lineage: the nodes that trained (an autoscaler may just have added them)
+    if logger is not None:
+        logger.record(*placement.placement_lineage(nodes))
     peak = cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS)
     autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32
     save_group = dist.new_group(backend="gloo") if device.type == "cuda" else None

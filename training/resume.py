@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 # Fields that change how a training runs, not what it produces.
 OPERATIONAL_FIELDS = frozenset({"max_failures", "keep_checkpoints", "checkpoint_threads", "checkpoint_every",
-                                "log_every", "storage_path", "peak_tflops"})
+                                "log_every", "storage_path", "peak_tflops", "resources_per_worker",
+                                "placement_timeout_s"})
 TAG_TRAIN_REQUEST = "shardline.train_request"  # dataset + config, init_from as written (e.g. "champion")
 TAG_TRAIN_KEY = "shardline.train_key"  # ... with init_from resolved: names the Ray Train run
 TAG_INIT_CHECKPOINT = "shardline.init_from_checkpoint"

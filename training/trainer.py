@@ -1,16 +1,25 @@
 """Ray Train glue: run `training.loop.train_func` on N workers with TorchTrainer, restarts and checkpoints."""
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from infra.cluster import ClusterError
 from infra.paths import shardline_home
 from training.config import TrainConfig
 
 if TYPE_CHECKING:
     from training.data import ShardSet
+
+
+class PlacementTimeout(ClusterError):
+    """train.placement_timeout_s passed before the cluster could place every training worker (an expected failure:
+    one line, no traceback)."""
 
 
 class TrainResult(BaseModel):
@@ -36,6 +45,34 @@ def checkpoint_uri(storage: str, checkpoint_path: str) -> str:
     return checkpoint_path
 
 
+def worker_resources(cfg: TrainConfig) -> dict[str, float]:
+    """What each Ray Train worker reserves: train.resources_per_worker, else one GPU or one CPU.
+
+    Ray Train waits until the cluster can place every worker (it retries the worker group's start without a limit),
+    so on an autoscaling cluster a demand no running node can meet makes the autoscaler add nodes that can.
+
+    Raises:
+        ValueError: use_gpu without a GPU in resources_per_worker, or a negative amount (names the field).
+    """
+    if not cfg.resources_per_worker:
+        return {"GPU": 1.0} if cfg.use_gpu else {"CPU": 1.0}
+    wanted = dict(cfg.resources_per_worker)
+    bad = {k: v for k, v in wanted.items() if v < 0}
+    if bad:
+        raise ValueError(f"train.resources_per_worker={wanted}: amounts must not be negative ({bad})")
+    if cfg.use_gpu and wanted.get("GPU", 0) <= 0:
+        raise ValueError(f"train.resources_per_worker={wanted}: train.use_gpu needs a GPU per worker, e.g. 'GPU': 1")
+    return wanted
+
+
+def failure_policy(cfg: TrainConfig) -> Any:
+    """Ray Train's FailureConfig: train.max_failures worker-group restarts; with train.placement_timeout_s, the
+    first start of the worker group that times out ends the run (Ray's default retries starts without a limit)."""
+    from ray.train import FailureConfig
+
+    return FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0 if cfg.placement_timeout_s else -1)
+
+
 def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
                   init_checkpoint: str = "") -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
@@ -48,13 +85,13 @@ def run_config(cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None,
     """Ray Train's RunConfig: the run's name and storage, failure and checkpoint policy, and `worker_env` (the
     network profile's NCCL/UCX variables) in every training worker's environment, set before the worker's
     process group exists, as NCCL reads them when it starts."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train import CheckpointConfig, RunConfig
 
     return RunConfig(
         name=run_name,
         storage_path=arrow[1] if arrow else storage,
         storage_filesystem=arrow[0] if arrow else None,
-        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        failure_config=failure_policy(cfg),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,
     )
@@ -76,6 +113,7 @@ def run_training(
     Raises:
         ValueError: a config problem (global batch, import paths) found before any worker starts.
         ray.train.TrainingFailedError: the workers failed more often than train.max_failures allows.
+        PlacementTimeout: train.placement_timeout_s passed before every worker was placed.
     """
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -84,6 +122,7 @@ def run_training(
     from training.loop import check_global_batch, train_func
 
     check_global_batch(cfg, cfg.workers)
+    resources = worker_resources(cfg)
     load_object(cfg.model_factory, "train.model_factory")
     load_object(cfg.batch_format, "train.batch_format")
     if not shards.train_shards:
@@ -98,11 +137,46 @@ def run_training(
         train_func,
         train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"GPU": 1} if cfg.use_gpu else {"CPU": 1}),
+                                     resources_per_worker=resources),
         run_config=run_config(cfg, run_name, storage, arrow, worker_env),
     )
-    result = trainer.fit()
+    with _start_timeout(cfg.placement_timeout_s):
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            if type(getattr(e, "controller_failure", None)).__name__ == "WorkerGroupStartupTimeoutError":
+                raise PlacementTimeout(
+                    f"train.placement_timeout_s={cfg.placement_timeout_s:g}: the cluster did not place "
+                    f"{cfg.workers} workers x {resources} in time (it has {_cluster_resources()})") from None
+            raise
     return summarise(result, storage, train_run_id, cfg.workers)
+
+
+@contextlib.contextmanager
+def _start_timeout(seconds: float) -> Iterator[None]:
+    """Ray Train's worker-group start timeout for the fit() inside: it reads the variable from the driver's
+    environment when fit() creates the controller and hands it on to it. 0 leaves Ray's default (60 s)."""
+    if not seconds:
+        yield
+        return
+    name = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+    before = os.environ.get(name)
+    os.environ[name] = str(seconds)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _cluster_resources() -> dict[str, float]:
+    """The cluster's logical resources, less Ray's per-node markers, for a placement error."""
+    import ray
+
+    return {k: v for k, v in ray.cluster_resources().items()
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
 
 
 def summarise(result: Any, storage: str, train_run_id: str, world_size: int) -> TrainResult:
