@@ -8,8 +8,10 @@ the run's lineage names the job. A credential planted in the driver's environmen
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_support import kill_tree  # noqa: E402
+from train_support import descendants, kill_tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PLANTED = "planted-secret-0f3c9a"
@@ -42,12 +44,13 @@ def _cluster_env(python: Path, home: Path) -> dict[str, str]:
             "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "HOME": os.environ.get("HOME", str(home))}
 
 
-@pytest.fixture
-def bare_head(tmp_path):
-    """(job-server URL, cluster python) of a Ray head on 127.0.0.1 without shardline; stopped by its PIDs."""
+@pytest.fixture(scope="module")
+def bare_head(tmp_path_factory):
+    """(job-server URL, cluster python, its env) of a Ray head on 127.0.0.1 without shardline; stopped by its PIDs."""
     from infra.cluster import free_port
     from infra.head import _descendants, _forget_current_cluster, _kill, _node_processes
 
+    tmp_path = tmp_path_factory.mktemp("bare-head")
     python = _cluster_python(tmp_path / "cluster-env")
     env, cwd = _cluster_env(python, tmp_path), tmp_path  # a cwd outside the repo: nothing of it on sys.path
     ray_cli = [str(python), "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
@@ -99,13 +102,15 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     shared = tmp_path / "shared"  # the head runs on this machine: a local folder every node sees
     home = shared / "home"
     client = job_client(address)
+    before = {j.submission_id for j in _training_jobs(client)}
 
     log = (tmp_path / "killed.log").open("w")
     killed = subprocess.Popen(_command(address, shared), cwd=REPO, env=_driver_env(home), stdout=log,
                               stderr=subprocess.STDOUT)
     deadline, job_id = time.monotonic() + 240, ""
     while time.monotonic() < deadline and killed.poll() is None and not job_id:
-        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")]
+        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
+                   and j.submission_id not in before]
         job_id = running[0].submission_id if running else ""
         time.sleep(0.3)
     pids = kill_tree(killed.pid) if job_id else []
@@ -118,7 +123,7 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
 
-    jobs = _training_jobs(client)
+    jobs = [j for j in _training_jobs(client) if j.submission_id not in before]
     assert [j.submission_id for j in jobs] == [job_id]  # re-attached: one training job for both attempts
     assert str(jobs[0].status).endswith("SUCCEEDED")
     uri = f"sqlite:///{home / 'mlflow.db'}"
@@ -136,3 +141,40 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
                                       "entrypoint": info.entrypoint}, default=str)
     assert "working_dir" in info.runtime_env and "training.job_entry" in info.entrypoint
     assert PLANTED not in client.get_job_logs(job_id)
+
+
+def test_cancelling_the_run_stops_its_job(bare_head, tmp_path):
+    """SIGTERM is how a Prefect worker cancels a flow run's process: the stage stops the job it follows."""
+    from infra.jobs import job_client
+
+    address, _, _ = bare_head
+    client = job_client(address)
+    before = {j.submission_id for j in _training_jobs(client)}
+    shared = tmp_path / "shared"
+    log_path = tmp_path / "cancelled.log"
+    follower = subprocess.Popen([*_command(address, shared), "--set", "train.steps=100000"], cwd=REPO,
+                                env=_driver_env(shared / "home"), stdout=subprocess.DEVNULL,
+                                stderr=log_path.open("w"), text=True)
+    deadline, job_id = time.monotonic() + 240, ""
+    while time.monotonic() < deadline and follower.poll() is None and not job_id:
+        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
+                   and j.submission_id not in before]
+        job_id = running[0].submission_id if running else ""
+        time.sleep(0.3)
+    if not job_id:
+        kill_tree(follower.pid)
+    assert job_id, log_path.read_text()[-3000:]
+    tree = descendants(follower.pid)  # its temporary Prefect server among them
+    follower.send_signal(signal.SIGTERM)
+    try:
+        follower.wait(timeout=120)
+    finally:
+        for pid in tree:  # what it left behind, by the PIDs recorded above
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert follower.returncode != 0
+    assert f"stopping Ray job {job_id}" in log_path.read_text(), log_path.read_text()[-3000:]
+    deadline = time.monotonic() + 60
+    while not str(client.get_job_status(job_id)).endswith("STOPPED") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert str(client.get_job_status(job_id)).endswith("STOPPED")
