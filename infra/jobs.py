@@ -118,7 +118,9 @@ def reattachable(client: Any, job_ids: list[str]) -> str:
     for job_id in job_ids:
         try:
             status = str(client.get_job_status(job_id))
-        except RuntimeError:  # the job server answers 404 for an unknown id
+        except RuntimeError as e:
+            if "does not exist" not in str(e):  # a busy or restarting job server: no guess, the retry asks again
+                raise
             continue
         if status.rsplit(".", 1)[-1] in (*ACTIVE, DONE):
             return job_id

@@ -120,8 +120,11 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
 
     rerun = subprocess.run(_command(address, shared), cwd=REPO, env=_driver_env(home), capture_output=True,
                            text=True, timeout=400)
+    (tmp_path / "rerun.log").write_text(rerun.stderr)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    assert f"re-attached to Ray job {job_id}" in rerun.stderr and "submitted training" not in rerun.stderr
+    assert f"[{job_id}] trained 30 steps" in rerun.stderr  # the job's log streamed into the Prefect task log
 
     jobs = [j for j in _training_jobs(client) if j.submission_id not in before]
     assert [j.submission_id for j in jobs] == [job_id]  # re-attached: one training job for both attempts
