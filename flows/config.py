@@ -147,7 +147,18 @@ def load_stack_config(
     except ValidationError as e:
         raise ConfigError(describe_errors(e, origin)) from None
     check_no_credentials(config, origin)
+    check_remote_storage(config, origin)
     return stack, config
+
+
+def check_remote_storage(config: PipelineConfig, origin: str = "config", tracking_uri: str = "") -> None:
+    """ConfigError when a remote cluster's nodes could not reach the run's checkpoints, shards or MLflow store."""
+    from infra.remote import RemoteConfigError, check_pipeline
+
+    try:
+        check_pipeline(config, tracking_uri)
+    except RemoteConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:

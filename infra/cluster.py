@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from infra.config import ClusterConfig
 from infra.paths import quiet_telemetry
@@ -33,6 +33,8 @@ class ClusterInfo(BaseModel):
     # cluster.network and the NCCL/UCX variables it sets in the training workers (infra.network)
     network: str = "tcp"
     network_env: dict[str, str] = {}
+    # mode=remote with a job-server address: training is submitted as a Ray Job with these settings (infra.jobs)
+    config: ClusterConfig = Field(default_factory=ClusterConfig)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,9 +78,11 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
 
     if ray.is_initialized():  # a retried task, or a caller that already connected
         return _describe(cfg.mode, started_here=False)
+    if cfg.job_server:  # no driver here: training goes to the cluster as a Ray Job that outlives this process
+        return _job_server(cfg)
     if cfg.mode == "remote":
         if not cfg.address:
-            raise ClusterError("cluster.address is empty; mode=remote needs e.g. 'ray://head:10001'")
+            raise ClusterError("cluster.address is empty; mode=remote needs e.g. 'http://head:8265'")
         try:
             ray.init(address=cfg.address, log_to_driver=False, runtime_env=code_runtime_env())
         except Exception as e:  # noqa: BLE001 - Ray raises many types; the user needs the address and cause
@@ -99,6 +103,27 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     info.gcs_address = head.gcs_address
     info.dashboard_url = head.dashboard_url
     return info
+
+
+def _job_server(cfg: ClusterConfig) -> ClusterInfo:
+    """The cluster behind a job server: checked reachable (with token auth), its nodes and resources listed."""
+    from infra.jobs import job_client
+
+    job_client(cfg.address)  # ClusterError when it does not answer
+    resources: dict[str, float] = {}
+    nodes = 0
+    try:
+        from ray.util.state import list_nodes
+
+        for node in list_nodes(address=cfg.address, filters=[("state", "=", "ALIVE")]):
+            nodes += 1
+            for key, value in (node.resources_total or {}).items():
+                if not key.startswith("node:"):
+                    resources[key] = resources.get(key, 0.0) + float(value)
+    except Exception:  # noqa: BLE001 - the listing is informational; the job server answered
+        pass
+    return ClusterInfo(address=cfg.address, mode=cfg.mode, resources=resources, nodes=nodes, started_here=False,
+                       dashboard_url=cfg.address, config=cfg)
 
 
 # What a run's job on the long-lived local head needs from the driver's environment: the head's own processes were

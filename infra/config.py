@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra.launch.config import LauncherConfig
 from infra.network import Network
@@ -18,10 +18,27 @@ class ClusterConfig(BaseModel):
         "local",
         description="local: the pipeline starts Ray in-process and stops it at the end; "
         "local-multinode: a head and worker nodes started as separate processes on this machine; "
-        "remote: connect to `address` and leave the cluster running.",
+        "remote: use the running cluster at `address` and leave it running.",
     )
     address: str = Field(
-        "", description="Ray address for mode=remote, e.g. 'ray://head:10001' or 'head:6379'."
+        "", description="mode=remote: a job-server URL 'http://head:8265' (training is submitted as a Ray Job "
+        "that survives this process), or a GCS address 'head:6379' (this process is a driver on the cluster). "
+        "Ray Client ('ray://') is refused: a dropped connection kills a long training.",
+    )
+    shared_paths: list[str] = Field(
+        default_factory=list,
+        description="mode=remote: local path prefixes every node of the cluster mounts at the same place (NFS, "
+        "a shared volume); train.storage_path and data.output must be s3://, az:// or under one of these.",
+    )
+    job_pip: list[str] = Field(
+        default_factory=list,
+        description="Job-server mode: pip requirements installed into the training job's runtime env, only for "
+        "what the cluster's image lacks (empty: the cluster already has torch, ray, mlflow, ...).",
+    )
+    job_secrets_file: str = Field(
+        "",
+        description="Job-server mode: path, on the cluster's nodes, of a JSON file of credentials the training "
+        "workers read (the values never travel in the job's runtime env); empty: the nodes' own environment/IAM.",
     )
     num_cpus: int = Field(
         4,
@@ -55,3 +72,16 @@ class ClusterConfig(BaseModel):
     launcher: LauncherConfig = Field(
         default_factory=LauncherConfig, description="What `shardline cluster` renders for AWS, Azure and KubeRay."
     )
+
+    @field_validator("address")
+    @classmethod
+    def _no_ray_client(cls, value: str) -> str:
+        if value.startswith("ray://"):
+            raise ValueError("Ray Client (ray://) is not supported: a dropped connection kills a long training; "
+                             "give the job-server URL instead, e.g. 'http://head:8265'")
+        return value
+
+    @property
+    def job_server(self) -> bool:
+        """True when training goes to the cluster as a Ray Job (mode=remote with an http(s):// address)."""
+        return self.mode == "remote" and self.address.startswith(("http://", "https://"))

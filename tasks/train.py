@@ -19,6 +19,7 @@ from infra.tracking import (
     flat_params, safe_tags, stage_run,
 )
 from tasks.retry import TIMEOUT_S, retry_unless
+from tasks.train_job import train_as_job
 from training import resume
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig
@@ -35,6 +36,9 @@ TAG_NETWORK = "shardline.network"
 def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage: Lineage,
                model_name: str = "") -> TrainResult:
     """Train the model with FSDP2 on Ray Train; a retry or a rerun resumes from the latest checkpoint.
+
+    With a remote cluster's job-server address the training runs as a Ray Job (tasks.train_job): a rerun
+    re-attaches to the job of the same training still running there, and cancelling the stage stops it.
 
     The Ray Train run is named by the training key (dataset digest, training config, starting weights): a rerun
     after the process died continues that run; a training already finished is reused without retraining. A
@@ -73,18 +77,23 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
         key = resume.training_key(request, init)
         mlflow.set_tags({resume.TAG_TRAIN_REQUEST: request, resume.TAG_TRAIN_KEY: key})
         progress = create_progress_artifact(0.0, key="train-progress", description=f"train_fsdp: {cfg.steps} steps")
-        # Ray Train blocks in fit(); run it beside this thread, which moves the progress bar from MLflow.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            future = pool.submit(run_training, cfg, shards, lineage.tracking_uri, run_id, f"train-{key}",
-                                 init.checkpoint_uri if init else "", cluster.network_env)
-            while not future.done():
-                time.sleep(POLL_S)
-                step = logged_step(lineage.tracking_uri, run_id)
-                update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps))
-            result = future.result()
+        metrics_run = run_id  # where rank 0 logs the loss: a re-attached job keeps the run it was submitted with
+        if cluster.config.job_server:
+            result, metrics_run = train_as_job(
+                cfg, shards, cluster.config, lineage, run_id, key, init.checkpoint_uri if init else "", logger,
+                lambda step: update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps)))
+        else:  # Ray Train blocks in fit(); run it beside this thread, which moves the progress bar from MLflow.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                future = pool.submit(run_training, cfg, shards, lineage.tracking_uri, run_id, f"train-{key}",
+                                     init.checkpoint_uri if init else "", cluster.network_env)
+                while not future.done():
+                    time.sleep(POLL_S)
+                    step = logged_step(lineage.tracking_uri, run_id)
+                    update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps))
+                result = future.result()
         update_progress_artifact(progress, 100.0)
         with tempfile.TemporaryDirectory() as tmp:
-            mlflow.log_artifact(str(loss_curve_png(lineage.tracking_uri, run_id, Path(tmp) / "loss_curve.png")))
+            mlflow.log_artifact(str(loss_curve_png(lineage.tracking_uri, metrics_run, Path(tmp) / "loss_curve.png")))
         mlflow.log_metrics({"final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s})
         mlflow.set_tags(safe_tags({TAG_CHECKPOINT_URI: result.checkpoint_uri,
                                    resume.TAG_RESUMED_FROM_STEP: _resumed_from(result.checkpoint_uri)}))

@@ -23,7 +23,7 @@ ENV_KEY_ID, ENV_SECRET = "PLANTEDENVKEYID7A", "PLANTED-env-secret-7c2e"
 BLOCK_KEY_ID, BLOCK_SECRET = "PLANTEDBLOCKKEY9B", "PLANTED-block-secret-9d4f"
 MLFLOW_PASSWORD = "PLANTED-mlflow-pw-5a1b"
 CONFIG_PASSWORDS = {"registry.tracking_uri": ("https://ops:{}@mlflow.example.com", "PLANTED-cfg-pw-2c3d"),
-                    "cluster.address": ("ray://ops:{}@head:10001", "PLANTED-ray-pw-3b8e")}
+                    "cluster.address": ("http://ops:{}@head:8265", "PLANTED-ray-pw-3b8e")}
 
 
 @pytest.fixture
