@@ -13,6 +13,7 @@ from flows.config import PipelineConfig, check_no_credentials
 from infra import orphans
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
+from tasks.cache import results_dir
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.data import shard_dataset
@@ -76,7 +77,8 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             cluster = provision_cluster(config.cluster, lineage)
             shards = sharding.result()
         trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        validate = validate_checkpoint.with_options(result_storage=results_dir())  # under $SHARDLINE_HOME
+        validated = validate(config.validation, config.train, trained, shards, lineage, config.registry)
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
         with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
             logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)

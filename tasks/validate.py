@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import mlflow
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
+from tasks.cache import VALIDATION_CACHE
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
@@ -21,10 +21,15 @@ from training.trainer import TrainResult
 
 @task(name="validate_checkpoint", timeout_seconds=TIMEOUT_S["validate_checkpoint"],
       retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE, retry_condition_fn=retry_unless(GateFailed, CheckpointError))
+      # a rerun reuses the result of the same checkpoint, data and champion (tasks/cache.py); JSON, never pickle
+      cache_policy=VALIDATION_CACHE, persist_result=True, result_serializer="json",
+      retry_condition_fn=retry_unless(GateFailed, CheckpointError))
 def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: TrainResult, shards: ShardSet,
                         lineage: Lineage, registry: RegistryConfig | None = None) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
+
+    Cached by Prefect (tasks/cache.py): a rerun with the same checkpoint bytes, data, config and champion gets the
+    recorded result back, pointing at the validation run and logged model of the attempt that computed it.
 
     Args:
         cfg: the gates (max bits per byte, max regression against the champion) and how much text to evaluate.

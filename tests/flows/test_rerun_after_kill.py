@@ -32,13 +32,15 @@ def _command(stage: str) -> list[str]:
     return [*COMMAND, "--set", f"train.steps={STEPS.get(stage, 20)}"]
 
 
-def _env(home: Path) -> dict[str, str]:
+def _env(home: Path, api_url: str = "") -> dict[str, str]:
+    """The CLI's environment: its own temporary Prefect server, or the one at `api_url` (as under `shardline up`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI"))}
-    return {**env, "SHARDLINE_HOME": str(home)}
+    return {**env, "SHARDLINE_HOME": str(home), **({"PREFECT_API_URL": api_url} if api_url else {})}
 
 
-def _run(home: Path, stage: str) -> dict:
-    proc = subprocess.run(_command(stage), cwd=REPO, env=_env(home), capture_output=True, text=True, timeout=900)
+def _run(home: Path, stage: str, api_url: str = "") -> dict:
+    proc = subprocess.run(_command(stage), cwd=REPO, env=_env(home, api_url), capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -75,12 +77,16 @@ def _alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("stage", ["shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoint",
                                    "promote_model"])
-def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_path, run_home):
+def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_path, run_home, request):
     import mlflow
 
+    # The training case runs with the CLI's own temporary Prefect server, killed with the rest of the tree; the
+    # others share the session's server (a temporary server costs ~10 s per run on 2 busy cores).
+    api_url = "" if stage == "train_fsdp" else request.getfixturevalue("prefect_server")
     home, started = run_home, time.monotonic()
     log = (tmp_path / "killed.log").open("w")
-    killed = subprocess.Popen(_command(stage), cwd=REPO, env=_env(home), stdout=log, stderr=subprocess.STDOUT)
+    killed = subprocess.Popen(_command(stage), cwd=REPO, env=_env(home, api_url), stdout=log,
+                              stderr=subprocess.STDOUT)
     deadline, pids = time.monotonic() + 600, []
     while time.monotonic() < deadline and killed.poll() is None:
         if _stage_is_running(home, stage):
@@ -97,8 +103,13 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     killed_train = [r for r in client.search_runs(
         [e.experiment_id for e in client.search_experiments()], "tags.`shardline.stage` = 'train_fsdp'")]
     trained_before = [r for r in killed_train if r.info.status == "FINISHED"]
+    validated_before = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
+                        "tags.`shardline.stage` = 'validate_checkpoint' and attributes.status = 'FINISHED'")]
+    name = "shardline-debug"
+    champion_before = client.get_registered_model(name).aliases.get("champion") \
+        if client.search_registered_models(f"name = '{name}'") else None
 
-    summary = _run(home, stage)
+    summary = _run(home, stage, api_url)
     assert summary["model_version"] == "1" and summary["decision"] == "first-champion"
     assert [str(v.version) for v in client.search_model_versions(f"name = '{summary['model_name']}'")] == ["1"]
     train_stage = next(r for r in client.search_runs(
@@ -121,6 +132,16 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
         assert train_stage.data.tags[resume.TAG_RESUMED_FROM_STEP] == str(resumed)
         losses = sorted(client.get_metric_history(summary["train_run_id"], "loss"), key=lambda m: m.step)
         assert losses[0].step == resumed + 1  # no step before the checkpoint was trained again
+    version_tags = client.get_model_version(name, "1").tags
+    rerun_validated = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.`shardline.stage` = 'validate_checkpoint' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'")
+    if validated_before and champion_before is None:  # same checkpoint, data and champion: Prefect's cache
+        assert stage == "promote_model" and not rerun_validated
+        assert version_tags["shardline.validation_run_id"] == validated_before[0].info.run_id
+    else:  # validated in the rerun (the killed validation never returned; or the champion changed since)
+        assert [r.info.status for r in rerun_validated] == ["FINISHED"]
+        assert version_tags["shardline.validation_run_id"] == rerun_validated[0].info.run_id
     print(f"{stage}: kill and rerun took {time.monotonic() - started:.1f} s")
 
     if stage == "train_fsdp":  # once more: the champion exists now, so it continues from it (new training, v2)
