@@ -18,7 +18,7 @@ from tasks.cluster import provision_cluster
 from tasks.data import shard_dataset
 from tasks.promote import promote_model
 from tasks.train import train_fsdp
-from tasks.validate import validate_checkpoint
+from tasks.validate import cached as validate_cached
 
 FLOW_TIMEOUT_S = 72 * 3600  # every stage's own bound (tasks/retry.TIMEOUT_S) with their retries fits well inside
 
@@ -77,7 +77,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             cluster = provision_cluster(config.cluster, lineage)
             shards = sharding.result()
         trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        validated = validate_cached()(config.validation, config.train, trained, shards, lineage, config.registry)
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
         with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
             logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)

@@ -17,7 +17,7 @@ from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.promote import promote_model
 from tasks.train import train_fsdp
-from tasks.validate import validate_checkpoint
+from tasks.validate import cached as validate_cached
 from training.data import ShardSet
 
 # Bounds, so a hung stage frees its concurrency slot instead of holding the deployment forever.
@@ -66,7 +66,7 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
         shards = open_shard_set(shard_set, lineage)
         cluster = provision_cluster(config.cluster, lineage)
         trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_checkpoint(config.validation, config.train, trained, shards, lineage, config.registry)
+        validated = validate_cached()(config.validation, config.train, trained, shards, lineage, config.registry)
         with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s):
             promoted = promote_model(config.registry, validated, trained, shards, lineage)
             canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)

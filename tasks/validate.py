@@ -3,12 +3,13 @@ champion), log the servable model and prove it runs at serving shapes before any
 from __future__ import annotations
 
 import mlflow
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
+from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
@@ -21,10 +22,15 @@ from training.trainer import TrainResult
 
 @task(name="validate_checkpoint", timeout_seconds=TIMEOUT_S["validate_checkpoint"],
       retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE, retry_condition_fn=retry_unless(GateFailed, CheckpointError))
+      cache_policy=NO_CACHE,  # the flows call cached() below; called directly (tests), nothing is persisted
+      retry_condition_fn=retry_unless(GateFailed, CheckpointError))
 def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: TrainResult, shards: ShardSet,
                         lineage: Lineage, registry: RegistryConfig | None = None) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
+
+    Through `cached()` (as the flows call it) Prefect caches it (tasks/cache.py): a rerun with the same checkpoint
+    bytes, data, config and champion gets the recorded result back, pointing at the validation run and logged
+    model of the attempt that computed it.
 
     Args:
         cfg: the gates (max bits per byte, max regression against the champion) and how much text to evaluate.
@@ -77,3 +83,10 @@ def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: 
         return ValidationResult(validation_run_id=run_id, checkpoint_uri=trained.checkpoint_uri,
                                 val_bits_per_byte=bpb, champion_val_bits_per_byte=champion_bpb,
                                 champion_version=champion_version, model_uri=model_uri, seq_len=train_cfg.seq_len)
+
+
+def cached() -> Task:
+    """validate_checkpoint under Prefect's cache (tasks/cache.py), results persisted as JSON (never pickle) under
+    $SHARDLINE_HOME/results: resolved when a flow calls it, not at import."""
+    return validate_checkpoint.with_options(cache_policy=VALIDATION_CACHE, persist_result=True,
+                                            result_serializer="json", result_storage=results_dir())

@@ -1,14 +1,17 @@
-"""Crash anywhere, rerun, lose nothing: SIGKILL the whole `shardline run` process tree while it trains, run the same
-command again: it completes, training continued from the newest complete checkpoint of the killed attempt, the
-registry holds one version, nothing of the killed run is left running. A third run continues from the champion
-(train.init_from = "champion") and starts far below a from-scratch loss."""
+"""Crash anywhere, rerun, lose nothing: for each stage, SIGKILL the whole `shardline run` process tree once that
+stage is running and run the same command again: it completes, the registry holds one version, training continued
+from the newest complete checkpoint of the killed attempt (or was reused whole), nothing of the killed run is left
+running. After the training case a third run continues from the champion (train.init_from = "champion") and starts
+far below a from-scratch loss. (The canary stage's kill is tests/flows/test_pipeline.py's, against a live endpoint.)"""
 from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -16,20 +19,28 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from train_support import kill_tree  # noqa: E402
 from training import checkpoint as ck  # noqa: E402
+from training import resume  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+STEPS = {"train_fsdp": 60}  # long enough to be caught between checkpoints; the other cases train the fewest steps
 COMMAND = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json",
-           "--set", "train.steps=60", "--set", "train.log_every=1", "--set", "canary.enabled=false"]
+           "--set", "train.log_every=1", "--set", "canary.enabled=false"]
 
 
-def _env(home: Path) -> dict[str, str]:
+def _command(stage: str) -> list[str]:
+    return [*COMMAND, "--set", f"train.steps={STEPS.get(stage, 20)}"]
+
+
+def _env(home: Path, api_url: str = "") -> dict[str, str]:
+    """The CLI's environment: its own temporary Prefect server, or the one at `api_url` (as under `shardline up`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "MLFLOW_TRACKING_URI"))}
-    return {**env, "SHARDLINE_HOME": str(home)}
+    return {**env, "SHARDLINE_HOME": str(home), **({"PREFECT_API_URL": api_url} if api_url else {})}
 
 
-def _run(home: Path) -> dict:
-    proc = subprocess.run(COMMAND, cwd=REPO, env=_env(home), capture_output=True, text=True, timeout=900)
+def _run(home: Path, stage: str, api_url: str = "") -> dict:
+    proc = subprocess.run(_command(stage), cwd=REPO, env=_env(home, api_url), capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -38,46 +49,109 @@ def _complete(home: Path) -> tuple[int, str] | None:
     return ck.latest_complete([str(p) for p in (home / "checkpoints").glob("train-*/checkpoint_0*")])
 
 
-def test_sigkill_while_training_then_rerun_resumes_and_registers_once(tmp_path, run_home):
+def _running_stages(home: Path) -> set[str]:
+    """The stages whose MLflow child run is RUNNING now (read straight from the run's SQLite store)."""
+    db = home / "mlflow.db"
+    if not db.exists():
+        return set()
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as con:
+            rows = con.execute("SELECT t.value FROM tags t JOIN runs r ON r.run_uuid = t.run_uuid "
+                               "WHERE t.key = 'shardline.stage' AND r.status = 'RUNNING'").fetchall()
+    except sqlite3.Error:  # not created yet, or a writer holds it this instant
+        return set()
+    return {value for (value,) in rows}
+
+
+def _stage_is_running(home: Path, stage: str) -> bool:
+    """True once every stage named in `stage` ("a+b": at the same time) is running."""
+    if stage == "train_fsdp":  # mid-training: a complete checkpoint exists and more steps are to come
+        found = _complete(home)
+        return found is not None and found[0] >= 10
+    return set(stage.split("+")) <= _running_stages(home)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
+
+
+# With data.engine = "local" the corpus is sharded while Ray starts: one kill while both run covers both stages.
+@pytest.mark.parametrize("stage", ["shard_dataset+provision_cluster", "train_fsdp", "validate_checkpoint",
+                                   "promote_model"])
+def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_path, run_home, request):
     import mlflow
 
-    home = run_home
+    # The training case runs with the CLI's own temporary Prefect server, killed with the rest of the tree; the
+    # others share the session's server (a temporary server costs ~10 s per run on 2 busy cores).
+    api_url = "" if stage == "train_fsdp" else request.getfixturevalue("prefect_server")
+    home, started = run_home, time.monotonic()
     log = (tmp_path / "killed.log").open("w")
-    killed = subprocess.Popen(COMMAND, cwd=REPO, env=_env(home), stdout=log, stderr=subprocess.STDOUT)
+    killed = subprocess.Popen(_command(stage), cwd=REPO, env=_env(home, api_url), stdout=log,
+                              stderr=subprocess.STDOUT)
     deadline, pids = time.monotonic() + 600, []
     while time.monotonic() < deadline and killed.poll() is None:
-        found = _complete(home)
-        if found and found[0] >= 10:
+        if _stage_is_running(home, stage):
             pids = kill_tree(killed.pid)
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     killed.wait(timeout=30)
-    assert pids, f"the run ended before it could be killed mid-training: {(tmp_path / 'killed.log').read_text()[-3000:]}"
+    assert pids, f"the run ended before {stage} was seen running: {(tmp_path / 'killed.log').read_text()[-3000:]}"
     at_kill = _complete(home)
-    assert at_kill is not None and at_kill[0] < 60
     time.sleep(1.0)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
-
-    summary = _run(home)
-    assert summary["model_version"] == "1" and summary["decision"] == "first-champion"
-    final = Path(summary["checkpoint_uri"])
-    assert final.parent == Path(at_kill[1]).parent  # the same Ray Train run (named by the training key)
-    manifest = json.loads((final / ck.manifest_name(0)).read_text())
-    assert manifest["step"] == 60 and manifest["resumed_from"] == at_kill[0]
+    assert not _alive(pids)
     uri = f"sqlite:///{home / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri, registry_uri=uri)
-    assert [str(v.version) for v in client.search_model_versions(f"name = '{summary['model_name']}'")] == ["1"]
-    train = client.get_run(summary["train_run_id"])
-    assert train.data.tags["shardline.resumed_from_step"] == str(at_kill[0])
-    resumed_losses = sorted(client.get_metric_history(summary["train_run_id"], "loss"), key=lambda m: m.step)
-    assert resumed_losses[0].step == at_kill[0] + 1  # no step before the checkpoint was trained again
+    killed_train = [r for r in client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.`shardline.stage` = 'train_fsdp'")]
+    trained_before = [r for r in killed_train if r.info.status == "FINISHED"]
+    validated_before = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
+                        "tags.`shardline.stage` = 'validate_checkpoint' and attributes.status = 'FINISHED'")]
+    name = "shardline-debug"
+    champion_before = client.get_registered_model(name).aliases.get("champion") \
+        if client.search_registered_models(f"name = '{name}'") else None
 
-    # the same command once more: the champion exists now, so it continues from it (new training, version 2)
-    third = _run(home)
-    assert third["model_version"] == "2"
-    tags = client.get_run(third["train_run_id"]).data.tags
-    assert tags["shardline.init_from_version"] == f"{summary['model_name']}/1"
-    assert tags["shardline.init_from_checkpoint"] == summary["checkpoint_uri"]
-    continued = sorted(client.get_metric_history(third["train_run_id"], "loss"), key=lambda m: m.step)
-    scratch_first = 5.545  # ln 256: an untrained byte model's loss
-    assert continued[0].step == 1 and continued[0].value < scratch_first - 1.0
+    summary = _run(home, stage, api_url)
+    assert summary["model_version"] == "1" and summary["decision"] == "first-champion"
+    assert [str(v.version) for v in client.search_model_versions(f"name = '{summary['model_name']}'")] == ["1"]
+    train_stage = next(r for r in client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.`shardline.stage` = 'train_fsdp' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'"))
+    if trained_before:  # the killed run had finished training: reused whole, not one step trained again
+        assert stage in ("validate_checkpoint", "promote_model")
+        assert train_stage.data.tags[resume.TAG_REUSED_FROM] == trained_before[0].info.run_id
+        assert summary["train_run_id"] == trained_before[0].info.run_id
+        assert not client.get_metric_history(train_stage.info.run_id, "loss")
+    else:  # trained in the rerun, from the newest complete checkpoint of the killed attempt (none: from step 0)
+        assert stage in ("shard_dataset+provision_cluster", "train_fsdp")
+        resumed = at_kill[0] if at_kill else 0
+        assert (stage == "train_fsdp") == (resumed > 0)
+        final = Path(summary["checkpoint_uri"])
+        if at_kill:
+            assert final.parent == Path(at_kill[1]).parent  # the same Ray Train run (named by the training key)
+        manifest = json.loads((final / ck.manifest_name(0)).read_text())
+        assert manifest["step"] == STEPS.get(stage, 20) and manifest["resumed_from"] == resumed
+        assert train_stage.data.tags[resume.TAG_RESUMED_FROM_STEP] == str(resumed)
+        losses = sorted(client.get_metric_history(summary["train_run_id"], "loss"), key=lambda m: m.step)
+        assert losses[0].step == resumed + 1  # no step before the checkpoint was trained again
+    version_tags = client.get_model_version(name, "1").tags
+    rerun_validated = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.`shardline.stage` = 'validate_checkpoint' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'")
+    if validated_before and champion_before is None:  # same checkpoint, data and champion: Prefect's cache
+        assert stage == "promote_model" and not rerun_validated
+        assert version_tags["shardline.validation_run_id"] == validated_before[0].info.run_id
+    else:  # validated in the rerun (the killed validation never returned; or the champion changed since)
+        assert [r.info.status for r in rerun_validated] == ["FINISHED"]
+        assert version_tags["shardline.validation_run_id"] == rerun_validated[0].info.run_id
+    print(f"{stage}: kill and rerun took {time.monotonic() - started:.1f} s")
+
+    if stage == "train_fsdp":  # once more: the champion exists now, so it continues from it (new training, v2)
+        third = _run(home, stage)
+        assert third["model_version"] == "2"
+        tags = client.get_run(third["train_run_id"]).data.tags
+        assert tags["shardline.init_from_version"] == f"{summary['model_name']}/1"
+        assert tags["shardline.init_from_checkpoint"] == summary["checkpoint_uri"]
+        continued = sorted(client.get_metric_history(third["train_run_id"], "loss"), key=lambda m: m.step)
+        scratch_first = 5.545  # ln 256: an untrained byte model's loss
+        assert continued[0].step == 1 and continued[0].value < scratch_first - 1.0

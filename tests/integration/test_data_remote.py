@@ -63,6 +63,39 @@ def test_unchanged_store_corpus_is_reused_unread_and_an_overwrite_is_seen(tmp_pa
     assert changed.chunks > 0 and changed.dataset_digest != first.dataset_digest
 
 
+def test_publish_uploads_to_final_names_and_commits_with_the_manifest(tmp_path, store, monkeypatch):
+    """Shards go straight to {output}/{digest} (no staging, no server-side copy: a private Azure account needs no
+    SAS) and the manifest is written last: a publish that dies before it leaves a set no reader trusts, and the
+    next build completes it."""
+    corpus, out = make_corpus(tmp_path / "c"), storage.join(store, "out")
+
+    def no_copy(src, dst, retries=None):
+        raise AssertionError(f"server-side copy {src} -> {dst}")
+
+    real_write = storage.write_bytes
+
+    def die_at_the_manifest(uri, data, retries=None):
+        if uri.endswith("/manifest.json"):
+            raise storage.StorageError(f"{uri}: the process died here")
+        return real_write(uri, data, retries)
+
+    monkeypatch.setattr(storage, "copy", no_copy)
+    monkeypatch.setattr(storage, "write_bytes", die_at_the_manifest)
+    with pytest.raises(storage.StorageError, match="died here"):
+        build_shards(config(corpus, out))
+    left = sorted(e.uri.rsplit("/", 1)[1] for e in storage.list_prefix(out))
+    assert "validation.json" in left and "manifest.json" not in left and any(n.endswith(".tar") for n in left)
+    assert all(e.uri.count("/_staging/") == 0 for e in storage.list_prefix(out))
+    digest = storage.list_prefix(out)[0].uri.split("/out/", 1)[1].split("/", 1)[0]
+    with pytest.raises(DataError, match="no manifest.json; not a published shard set"):
+        load_shard_set(storage.join(out, digest))
+
+    monkeypatch.setattr(storage, "write_bytes", real_write)
+    shards = build_shards(config(corpus, out))
+    assert not shards.cache_hit and shards.dataset_digest == digest
+    assert load_shard_set(shards.uri, verify="sha256").num_train == shards.num_train
+
+
 def _stamps(base):
     loc = storage.parse(base)
     if loc.scheme == "s3":

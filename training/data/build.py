@@ -103,7 +103,6 @@ def build_shards(cfg: DataConfig) -> ShardSet:
         else:
             (local_shards / VALIDATION_NAME).write_bytes(validation)
         if remote:
-            staged = True
             _publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
         else:
             _publish_local(local_shards, manifest, Path(final), cfg)
@@ -285,15 +284,21 @@ def _publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig)
 
 
 def _publish_remote(local: Path | None, stage: str, manifest: Manifest, output: str, retries: int) -> None:
-    """Upload the set from `local` into `stage` (unless the Ray tasks did), copy it server-side into
-    {output}/{digest}, then write the manifest. The caller deletes `stage`."""
+    """Put the set under {output}/{digest}, then write the manifest there, last.
+
+    The manifest is the commit marker: readers (`_reusable`, `load_shard_set`) trust a set only once it exists
+    and verifies, so shards may be written straight to their final names. Built here (`local`), they are uploaded
+    there directly: no staging copy, no server-side copy, so a private Azure account needs no SAS. Written by Ray
+    tasks on other machines into `stage` (the digest is known only once every chunk is done), they are copied
+    server-side (Azure: Copy Blob with a short-lived read SAS). The caller deletes `stage`.
+    """
     final = storage.join(output, manifest.dataset_digest)
     names = [*manifest.shard_names(), VALIDATION_NAME]
-    if local is not None:
-        for name in names:
-            storage.upload_file(local / name, storage.join(stage, name), retries)
     for name in names:
-        storage.copy(storage.join(stage, name), storage.join(final, name), retries)
+        if local is not None:
+            storage.upload_file(local / name, storage.join(final, name), retries)
+        else:
+            storage.copy(storage.join(stage, name), storage.join(final, name), retries)
     storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
 
 

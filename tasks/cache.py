@@ -1,0 +1,80 @@
+"""Which stage results Prefect itself may reuse across flow runs (its cache policies and persisted results).
+
+Validation is a pure function of what it reads: the checkpoint's bytes (named by the sha256s in its manifests),
+the held-out shards (the dataset digest), the validation and model config and the champion it is compared
+with. Its result is therefore cached by Prefect under that key, persisted as JSON (no pickle) under
+$SHARDLINE_HOME/results: a rerun after a crash in a later stage (promotion, canary) returns the recorded
+ValidationResult instead of scoring and exporting the model again (~30 s of the debug run's 80). MLflow stays the
+system of record: the cached result points at the validation run and logged model the first attempt recorded.
+
+The other stages are not cached by Prefect, on purpose. The shard set is reused by its content digest, which is
+known only after the corpus is read (a cache on the config would serve stale shards of a changed corpus). A
+training is reused or resumed from MLflow and the checkpoint store (`training/resume.py`), because reuse must
+first verify that the checkpoint is still there and intact, and resume must find the newest complete checkpoint
+of an attempt that never returned a result. Registration is idempotent in the registry itself (the version made
+from the same checkpoint is reused), and provisioning and the canary act on live systems: their "result" is
+not a value worth replaying.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect.cache_policies import TASK_SOURCE, CachePolicy
+
+RESULTS_DIR = "results"
+
+
+def results_dir() -> Path:
+    """Where persisted task results and cache records live: $SHARDLINE_HOME/results."""
+    from infra.paths import shardline_home
+
+    return shardline_home() / RESULTS_DIR
+
+
+def validation_key(cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage: Any, registry: Any) -> str | None:
+    """The cache key of a validation: checkpoint content, data, configs, registry and current champion.
+
+    None (no caching) when the checkpoint's manifests cannot be read: the task then runs and reports why.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from deployments.registry import CHAMPION, client_for, read_aliases
+    from infra import storage
+    from training.checkpoint_manifest import manifest_name
+
+    try:
+        manifests = [hashlib.sha256(storage.read_bytes(storage.join(trained.checkpoint_uri, manifest_name(rank)), 1))
+                     .hexdigest() for rank in range(max(1, trained.world_size))]
+        champion = read_aliases(client_for(lineage.tracking_uri), registry.model_name).get(CHAMPION, "") \
+            if registry is not None else ""
+    except (OSError, storage.StorageError, MlflowException):
+        return None
+    payload = {
+        "checkpoint": trained.checkpoint_uri, "manifests": manifests, "dataset": shards.dataset_digest,
+        "validation": cfg.model_dump(mode="json"), "train": train_cfg.model_dump(mode="json"),
+        "tracking": hashlib.sha256(lineage.tracking_uri.encode()).hexdigest(), "experiment": lineage.experiment,
+        "model": registry.model_name if registry is not None else "", "champion": champion,
+    }
+    return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class ValidationInputs(CachePolicy):
+    """Prefect cache policy keyed by `validation_key` of the task's inputs and the task's source code (a change
+    to the code invalidates what it recorded). No key, no caching: not composed with `+`, which would drop a
+    None key and cache on the source alone."""
+
+    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
+                    **kwargs: Any) -> str | None:
+        key = validation_key(inputs["cfg"], inputs["train_cfg"], inputs["trained"], inputs["shards"],
+                             inputs["lineage"], inputs.get("registry"))
+        if key is None:
+            return None
+        return f"{key}-{TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters, **kwargs)}"
+
+
+VALIDATION_CACHE = ValidationInputs()
