@@ -107,12 +107,7 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     log = (tmp_path / "killed.log").open("w")
     killed = subprocess.Popen(_command(address, shared), cwd=REPO, env=_driver_env(home), stdout=log,
                               stderr=subprocess.STDOUT)
-    deadline, job_id = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and killed.poll() is None and not job_id:
-        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
-                   and j.submission_id not in before]
-        job_id = running[0].submission_id if running else ""
-        time.sleep(0.3)
+    job_id = _running_job(client, before, killed)
     pids = kill_tree(killed.pid) if job_id else []
     killed.wait(timeout=30)
     assert job_id, f"no training job ran before the follower ended: {(tmp_path / 'killed.log').read_text()[-3000:]}"
@@ -146,6 +141,18 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     assert PLANTED not in client.get_job_logs(job_id)
 
 
+def _running_job(client, before: set[str], follower: subprocess.Popen) -> str:
+    """The id of the first new training job seen RUNNING while `follower` lives (up to 240 s); '' if none."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and follower.poll() is None:
+        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
+                   and j.submission_id not in before]
+        if running:
+            return running[0].submission_id
+        time.sleep(0.3)
+    return ""
+
+
 def test_cancelling_the_run_stops_its_job(bare_head, tmp_path):
     """SIGTERM is how a Prefect worker cancels a flow run's process: the stage stops the job it follows."""
     from infra.jobs import job_client
@@ -158,12 +165,7 @@ def test_cancelling_the_run_stops_its_job(bare_head, tmp_path):
     follower = subprocess.Popen([*_command(address, shared), "--set", "train.steps=100000"], cwd=REPO,
                                 env=_driver_env(shared / "home"), stdout=subprocess.DEVNULL,
                                 stderr=log_path.open("w"), text=True)
-    deadline, job_id = time.monotonic() + 240, ""
-    while time.monotonic() < deadline and follower.poll() is None and not job_id:
-        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
-                   and j.submission_id not in before]
-        job_id = running[0].submission_id if running else ""
-        time.sleep(0.3)
+    job_id = _running_job(client, before, follower)
     if not job_id:
         kill_tree(follower.pid)
     assert job_id, log_path.read_text()[-3000:]
