@@ -152,7 +152,8 @@ def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, h
     assert train_tags["shardline.init_from_version"] == f"{name}/1"  # debug.toml: init_from = "champion"
     assert train_tags["shardline.init_from_checkpoint"] == v1.tags["shardline.checkpoint_uri"]
     continued = sorted(client.get_metric_history(summary["train_run_id"], "loss"), key=lambda m: m.step)
-    assert continued[0].step == 1 and continued[0].value < 5.545 - 1.0  # ln 256: an untrained byte model's loss
+    # the first logged loss (step 5) is far below a from-scratch run's at that step (~5.0; ln 256 = 5.545 at step 0)
+    assert continued[0].step <= 5 and continued[0].value < 5.545 - 1.0
     assert v2.tags["shardline.checkpoint_uri"] == summary["checkpoint_uri"]
     assert "testing" not in json.dumps(client.get_run(children["shard_dataset"].info.run_id).data.params)
 
