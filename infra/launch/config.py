@@ -60,11 +60,11 @@ class AwsLauncher(BaseModel):
     )
     iam_instance_profile: str = Field(
         "shardline-ray", description="Instance profile of the nodes: grants S3 access to shards and checkpoints.")
-    head: NodeType = Field(default_factory=lambda: AWS_NODES["head"].model_copy(),
+    head: NodeType = Field(default=AWS_NODES["head"],
                            description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy.")
-    cpu_worker: NodeType = Field(default_factory=lambda: AWS_NODES["cpu_worker"].model_copy(),
+    cpu_worker: NodeType = Field(default=AWS_NODES["cpu_worker"],
                                  description="CPU workers: sharding, evaluation, Serve replicas on CPU.")
-    gpu_worker: NodeType = Field(default_factory=lambda: AWS_NODES["gpu_worker"].model_copy(),
+    gpu_worker: NodeType = Field(default=AWS_NODES["gpu_worker"],
                                  description="GPU workers for FSDP training (8x H100 each by default).")
     efa_interfaces: int = Field(
         0, ge=0, le=32,
@@ -108,11 +108,11 @@ class AzureLauncher(BaseModel):
     image_sku: str = Field("2204", description="VM image SKU (Ubuntu 22.04).")
     image_version: str = Field("latest", description="VM image version.")
     ssh_public_key: str = Field("~/.ssh/id_rsa.pub", description="Public key Azure installs on the VMs.")
-    head: NodeType = Field(default_factory=lambda: AZURE_NODES["head"].model_copy(),
+    head: NodeType = Field(default=AZURE_NODES["head"],
                            description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy.")
-    cpu_worker: NodeType = Field(default_factory=lambda: AZURE_NODES["cpu_worker"].model_copy(),
+    cpu_worker: NodeType = Field(default=AZURE_NODES["cpu_worker"],
                                  description="CPU workers.")
-    gpu_worker: NodeType = Field(default_factory=lambda: AZURE_NODES["gpu_worker"].model_copy(),
+    gpu_worker: NodeType = Field(default=AZURE_NODES["gpu_worker"],
                                  description="GPU workers for FSDP training (8x H100, InfiniBand, by default).")
 
     @model_validator(mode="before")
