@@ -81,6 +81,8 @@ def _start_commands(cfg: LauncherConfig) -> tuple[list[str], list[str]]:
     worker = (f"{_ray_env()} ray start --address=$RAY_HEAD_IP:{PORTS['gcs']} "
               f"--metrics-export-port={PORTS['metrics']} --object-manager-port={PORTS['object_manager']} "
               "--disable-usage-stats")
+    # `ray stop` first, as Ray's own launcher templates do: these nodes are machines `ray up` created for this
+    # cluster alone (a restarted node must not keep a half-started Ray); shardline never runs it anywhere else.
     return ["ray stop", head], ["ray stop", worker]
 
 
