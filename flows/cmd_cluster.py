@@ -57,7 +57,7 @@ def render_kuberay(config: Any, out_dir: Path) -> list[Path]:
 
 
 def _ray_cli(verb: str, path: Path) -> int:
-    from infra.cluster import _ray_cli as ray_exe
+    from infra.cluster import ray_cli as ray_exe
 
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     return subprocess.run([ray_exe(), verb, "-y", str(path)], env=env, stdin=subprocess.DEVNULL).returncode

@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _ray_cli() -> str:
+def ray_cli() -> str:
     exe = Path(sys.executable).with_name("ray")
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
@@ -59,7 +59,7 @@ def _run_ray(args: list[str], new_session: bool = False) -> None:
         plain, secret = split_secrets(env)
         env = {**plain, **{k: v for k, v in secret.items() if k.startswith("RAY_")}}  # Ray's own auth stays
     env.setdefault("RAY_AUTH_MODE", "token")
-    proc = subprocess.run([_ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180,
+    proc = subprocess.run([ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180,
                           start_new_session=new_session, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         # stderr only: stdout of `ray get-auth-token` is the token itself
@@ -91,7 +91,7 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     from infra.head import ensure_head
 
     head = ensure_head(cfg)
-    _use_token_auth()
+    use_token_auth()
     try:
         runtime_env = {"env_vars": _job_env(), **(code_runtime_env() if cfg.mode == "local-multinode" else {})}
         ray.init(address=head.gcs_address, log_to_driver=False, runtime_env=runtime_env)
@@ -167,7 +167,7 @@ def _job_env() -> dict[str, str]:
     return plain
 
 
-def _use_token_auth() -> None:
+def use_token_auth() -> None:
     """Authenticate this driver with the token file the nodes were started with.
 
     ray.init(address=...) with an explicit address does not turn token auth on by itself (Ray 2.60), and setting

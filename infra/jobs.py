@@ -43,11 +43,11 @@ def job_client(address: str) -> Any:
     Raises:
         ClusterError: the job server does not answer.
     """
-    from infra.cluster import ClusterError, _use_token_auth
+    from infra.cluster import ClusterError, use_token_auth
     from infra.paths import quiet_telemetry
 
     quiet_telemetry()
-    _use_token_auth()
+    use_token_auth()
     from ray.job_submission import JobSubmissionClient
 
     try:
