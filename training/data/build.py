@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,9 @@ from infra.paths import shardline_home
 from training.data import listing_index, quality
 from training.data.config import DataConfig
 from training.data.corpus import Tally, no_usable_records
-from training.data.engine import local_workers, ray_workers, run_chunks
+from training.data.engine import LocalPool, local_workers, ray_workers, run_chunks
 from training.data.plan import plan_chunks
+from training.data.readers import Source
 from training.data.shardset import DataError, ShardSet
 from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, ShardEntry, SplitEntry
 from training.data.shards import dataset_digest, manifest_of
@@ -72,14 +73,28 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     """
     check_locations(cfg)
     output = resolve_output(cfg)
-    listing_key = listing_index.fingerprint(cfg) if cfg.reuse_unchanged else None
-    if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
-        return found
     remote = storage.is_remote(output)
     parent = (shardline_home() / "tmp") if remote else Path(output) / STAGING
     parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(parent)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=parent))
+    try:
+        return _build(cfg, output, remote, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _build(cfg: DataConfig, output: str, remote: bool, work: Path) -> ShardSet:
+    with LocalPool(local_workers(cfg.workers) if cfg.engine == "local" else 1, cfg.chunk_bytes) as pool:
+        return _build_with(cfg, output, remote, work, pool)
+
+
+def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: LocalPool) -> ShardSet:
+    spool = work / "listing.jsonl"  # the corpus is listed once: fingerprinted, then planned from the spool
+    listing_key = listing_index.fingerprint(cfg, spool, pool.listed) if cfg.reuse_unchanged else None
+    if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
+        return found
+    listing = listing_index.spooled_listing(spool) if listing_key else None
     local_shards, gate_dir = work / "shards", work / "gate"
     local_shards.mkdir()
     gate_dir.mkdir()
@@ -87,12 +102,12 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     stage = storage.join(output, STAGING, f"build-{uuid.uuid4().hex[:12]}") if remote else ""
     tasks_upload = remote and cfg.engine == "ray"
     job = ChunkJob(cfg, shards=stage if tasks_upload else str(local_shards),
-                   rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir))
+                   rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir), durable=not remote)
     staged = tasks_upload  # whether _staging in the store may hold something of this build
     gate: quality.QualityGate | None = None
     try:
         gate = quality.QualityGate(cfg, gate_dir)
-        manifest, tally, chunks, workers = _write_chunks(cfg, job, gate)
+        manifest, tally, chunks, workers = _write_chunks(cfg, job, gate, listing, pool)
         final = storage.join(output, manifest.dataset_digest)
         if _reusable(final, manifest, cfg):
             _index(output, listing_key, manifest, tally, cfg)
@@ -111,7 +126,6 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     finally:
         if gate is not None:
             gate.close()
-        shutil.rmtree(work, ignore_errors=True)
         if staged:
             try:
                 storage.delete_prefix(stage, retries=1)
@@ -142,14 +156,15 @@ def _index(output: str, key: str | None, manifest: Manifest, tally: Tally, cfg: 
                              cfg.storage_retries)
 
 
-def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate) -> tuple[Manifest, Tally, int, int]:
-    """Write every chunk, feed their rows to the gate in corpus order; the manifest, what was skipped, the number
-    of chunks and of workers."""
+def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate, listing: Iterable[Source] | None,
+                  pool: LocalPool) -> tuple[Manifest, Tally, int, int]:
+    """Write every chunk (of `listing`, else of a new listing), feed their rows to the gate in corpus order; the
+    manifest, what was skipped, the number of chunks and of workers."""
     workers = ray_workers(cfg.workers) if cfg.engine == "ray" else local_workers(cfg.workers)
     shards: dict[str, list[ShardEntry]] = {split: [] for split in SPLITS}
     samples = dict.fromkeys(SPLITS, 0)
     tally, chunks = Tally(), 0
-    with contextlib.closing(run_chunks(plan_chunks(cfg), job, cfg.engine, workers)) as results:
+    with contextlib.closing(run_chunks(plan_chunks(cfg, listing), job, cfg.engine, workers, pool)) as results:
         for result in results:
             chunks += 1
             tally.merge(result.skipped, result.examples)

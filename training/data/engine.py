@@ -5,6 +5,7 @@ grow with the corpus, and the first error in corpus order is the one raised (as 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -14,9 +15,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from training.data.plan import Chunk
+from training.data.plan import CHUNK_MAX_ITEMS, Chunk
 from training.data.shardset import DataError
-from training.data.worker import ChunkJob, ChunkResult, shard_chunk
+from training.data.worker import ChunkJob, ChunkResult, shard_chunk, warm_up
 
 
 def local_workers(configured: int) -> int:
@@ -35,11 +36,51 @@ def ray_workers(configured: int) -> int:
     return configured or max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int) -> Iterator[ChunkResult]:
+class LocalPool:
+    """The local engine's worker processes (spawned: the caller may hold threads, e.g. Prefect's), started early.
+
+    `listed` is told the size of every input as the corpus is listed; once more than one chunk's worth is listed
+    (so the pool will be used) the processes are started, and their start-up (~0.2 s each: interpreter, imports)
+    overlaps the rest of the listing instead of following it. A corpus of one chunk never starts them.
+    """
+
+    def __init__(self, workers: int, chunk_bytes: int) -> None:
+        self.workers, self.chunk_bytes = workers, chunk_bytes
+        self._listed_bytes = self._listed_items = 0
+        self._pool: ProcessPoolExecutor | None = None
+
+    def listed(self, size: int) -> None:
+        self._listed_bytes += size
+        self._listed_items += 1
+        if self._pool is None and self.workers > 1 and (
+                self._listed_bytes > self.chunk_bytes or self._listed_items > CHUNK_MAX_ITEMS):
+            self.executor()
+
+    def executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(self.workers):
+                self._pool.submit(warm_up)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "LocalPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int,
+               pool: LocalPool | None = None) -> Iterator[ChunkResult]:
     """Each chunk's result, in chunk order.
 
-    engine=local with workers > 1 and more than one chunk uses a pool of `workers` processes (spawned: the caller
-    may hold threads, e.g. Prefect's); otherwise chunks run in this process. engine=ray needs Ray connected.
+    engine=local with workers > 1 and more than one chunk uses `pool` (or a new LocalPool of `workers`);
+    otherwise chunks run in this process. engine=ray needs Ray connected.
     """
     it = iter(chunks)
     head = list(itertools.islice(it, 2))
@@ -49,9 +90,11 @@ def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int
     elif workers <= 1 or len(head) < 2:
         yield from _ordered(rest, lambda c: c, lambda c: shard_chunk(c, job), lambda pending: None, window=1)
     else:
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            yield from _ordered(rest, lambda c: pool.submit(shard_chunk, c, job), _result,
+        with contextlib.ExitStack() as own:
+            if pool is None:
+                pool = own.enter_context(LocalPool(workers, job.cfg.chunk_bytes))
+            executor = pool.executor()
+            yield from _ordered(rest, lambda c: executor.submit(shard_chunk, c, job), _result,
                                 lambda pending: [f.cancel() for f in pending], window=2 * workers)
 
 

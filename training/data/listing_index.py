@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import IO
 
 from infra import storage
 from training.data.config import DataConfig
@@ -34,22 +37,46 @@ NOT_SHAPING = {"workers", "engine", "output", "storage_retries", "verify_existin
                "reuse_unchanged"}
 
 
-def fingerprint(cfg: DataConfig) -> str | None:
+def fingerprint(cfg: DataConfig, spool: Path | None = None,
+                on_listed: Callable[[int], None] | None = None) -> str | None:
     """sha256 over the corpus listing and the shaping settings; None when it cannot stand for the corpus (a
-    plug-in reader, or a listing that found problems such as unreadable directories, which a build reports)."""
+    plug-in reader, or a listing that found problems such as unreadable directories, which a build reports).
+
+    `spool`: a file that receives the listing as it is read (one JSON line per input), so that a build after a
+    miss plans its chunks from exactly the listing that was fingerprinted, without listing the corpus again
+    (`spooled_listing`). It is complete only when a fingerprint is returned. `on_listed` is called with the size
+    of every input listed into the spool.
+    """
     if cfg.reader:
         return None
-    return _digest(cfg, list_sources(cfg))
+    if spool is None:
+        return _digest(cfg, list_sources(cfg), None, None)
+    with open(spool, "w", encoding="utf-8") as fh:
+        return _digest(cfg, list_sources(cfg), fh, on_listed)
 
 
-def _digest(cfg: DataConfig, listing: Iterable[Source | Problem]) -> str | None:
+def spooled_listing(spool: Path) -> Iterator[Source]:
+    """The inputs `fingerprint` wrote to `spool`, in listing order."""
+    with open(spool, encoding="utf-8") as fh:
+        for line in fh:
+            key, size, stamp, where = json.loads(line)
+            yield Source(where, key, size, stamp)
+
+
+def _digest(cfg: DataConfig, listing: Iterable[Source | Problem], spool: IO[str] | None,
+            on_listed: Callable[[int], None] | None) -> str | None:
     h = hashlib.sha256()
     settings = {k: v for k, v in cfg.model_dump().items() if k not in NOT_SHAPING}
     h.update(json.dumps([SHARD_FORMAT, settings], sort_keys=True).encode())
     for item in listing:  # streamed: memory does not grow with the listing
         if isinstance(item, Problem) or not item.stamp:
             return None
-        h.update(json.dumps([item.key, item.size, item.stamp]).encode() + b"\n")
+        line = json.dumps([item.key, item.size, item.stamp])
+        h.update(line.encode() + b"\n")
+        if spool is not None:  # the same line plus where to read it: [key, size, stamp, where]
+            spool.write(f"{line[:-1]}, {encode_basestring_ascii(item.where)}]\n")
+            if on_listed is not None:
+                on_listed(item.size)
     return h.hexdigest()[:32]
 
 

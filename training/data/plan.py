@@ -6,7 +6,7 @@ every chunk, hence every shard, comes out the same however many processes write 
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from training.data.config import DataConfig
@@ -29,15 +29,18 @@ class Chunk:
     error: str = ""
 
 
-def plan_chunks(cfg: DataConfig) -> Iterator[Chunk]:
-    """The chunks of `cfg`'s corpus, in corpus order, listed lazily (memory does not grow with the listing)."""
+def plan_chunks(cfg: DataConfig, listing: Iterable[Source | Problem] | None = None) -> Iterator[Chunk]:
+    """The chunks of `cfg`'s corpus, in corpus order, listed lazily (memory does not grow with the listing).
+
+    `listing`: the corpus' inputs as already listed (listing_index.spooled_listing); default: list them now.
+    """
     if cfg.reader:
         yield Chunk(0, plugin=True)
         return
     items: list[Source | Problem] = []
     size = index = 0
     try:
-        for item in list_sources(cfg):
+        for item in list_sources(cfg) if listing is None else listing:
             items.append(item)
             size += item.size if isinstance(item, Source) else 0
             if size >= cfg.chunk_bytes or len(items) >= CHUNK_MAX_ITEMS:

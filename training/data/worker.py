@@ -26,11 +26,13 @@ from training.data.shardset import DataError
 class ChunkJob:
     """What every chunk of one build shares: the config and where shards and rows go. Each of `shards` and `rows`
     is a local directory the coordinator can read (this machine, or a shared filesystem) or an s3:// / az://
-    staging prefix the worker uploads to."""
+    staging prefix the worker uploads to. `durable`: fsync every shard as it is closed (the set is published from
+    `shards` as it is; not when the shards are uploaded to an object store and deleted)."""
 
     cfg: DataConfig
     shards: str
     rows: str
+    durable: bool = False
 
 
 @dataclass
@@ -53,6 +55,11 @@ class ChunkResult:
 
 def rows_name(index: int) -> str:
     return f"rows-{index:06d}.jsonl"
+
+
+def warm_up() -> int:
+    """Nothing: submitted to a new worker process so that it starts (and imports this module) ahead of work."""
+    return os.getpid()
 
 
 def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
@@ -86,7 +93,8 @@ def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
     try:
         records = plugin_records(cfg) if chunk.plugin else read_sources(chunk.items, cfg)
         with open(rows_path, "w", encoding="utf-8") as rows:
-            written = write_shards(checked(records, cfg, tally), local, cfg, chunk.index, rows, closed)
+            written = write_shards(checked(records, cfg, tally), local, cfg, chunk.index, rows, closed,
+                                   durable=job.durable and not upload)
         rows_uri = str(rows_path)
         if upload:
             rows_uri = storage.join(job.rows, rows_name(chunk.index))
