@@ -5,6 +5,8 @@ auto-decoders and nothing is unpickled.
 """
 from __future__ import annotations
 
+import gc
+
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -113,4 +115,13 @@ def train_batches(shard_uris: list[str], rank: int, world_size: int, cfg: TrainC
         yield from dataset
         return
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4)
-    yield from loader
+    # The workers are forked here. Garbage of this process must not be finalised in them: a process group left
+    # for the GC (e.g. one destroyed earlier in this process) would run its destructor in a child where its gloo
+    # threads do not exist, and hang there. Frozen objects are never collected by the children (CPython's advice
+    # for fork); this process unfreezes and collects them as usual.
+    gc.freeze()
+    try:
+        batches_of_workers = iter(loader)
+    finally:
+        gc.unfreeze()
+    yield from batches_of_workers
