@@ -121,7 +121,7 @@ def test_verify_catches_flipped_byte(saved):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(ck.CheckpointError, match="sha256 does not match"):
+    with pytest.raises(ck.CheckpointError, match="xxh3_128 does not match"):
         ck.verify_checkpoint(saved[0])
 
 
@@ -148,8 +148,7 @@ def test_metadata_naming_an_absent_file_is_caught(saved, tmp_path):
     info.relative_path = "__7_0.distcp"
     (directory / ".metadata").write_bytes(pickle.dumps(md))
     body = json.loads((directory / ck.manifest_name(0)).read_text())
-    body["files"][".metadata"] = {"bytes": (directory / ".metadata").stat().st_size,
-                                  "sha256": ck._sha256(directory / ".metadata")}
+    body["files"][".metadata"] = ck.file_record(directory / ".metadata")
     (directory / ck.manifest_name(0)).write_text(json.dumps(body))
     with pytest.raises(ck.CheckpointError, match=r"__7_0.distcp: missing \(named by .metadata"):
         ck.verify_checkpoint(directory)
@@ -190,9 +189,9 @@ def _chunk(directory, fqn: str):
 
 
 def _rehash_file(directory, name: str) -> None:
-    """Make the manifest's sha256 of `name` match the file again, as a corruption before hashing would."""
+    """Make the manifest's digest of `name` match the file again, as a corruption before hashing would."""
     body = json.loads((directory / ck.manifest_name(0)).read_text())
-    body["files"][name] = {"bytes": (directory / name).stat().st_size, "sha256": ck._sha256(directory / name)}
+    body["files"][name] = ck.file_record(directory / name)
     (directory / ck.manifest_name(0)).write_text(json.dumps(body))
 
 
@@ -209,7 +208,7 @@ def test_manifest_records_file_hashes_taken_while_writing(saved):
     directory = saved[0]
     body = json.loads((directory / ck.manifest_name(0)).read_text())
     for name, rec in body["files"].items():
-        assert rec == {"bytes": (directory / name).stat().st_size, "sha256": ck._sha256(directory / name)}, name
+        assert rec == {"bytes": (directory / name).stat().st_size, "xxh3_128": ck.file_digest(directory / name)}, name
     assert set(body["files"]) == {".metadata", "__0_0.distcp"}
 
 
@@ -220,17 +219,63 @@ def test_manifest_records_a_checksum_of_every_saved_tensor(saved):
     assert {k.split("@")[0] for k in body["tensors"]} == stored
     weight = _full(model)["wte.weight"]
     rec = body["tensors"]["model.wte.weight@0,0"]
-    assert rec["sizes"] == list(weight.shape) and rec["crc32"] == ck.tensor_crc32(weight)
+    assert rec["sizes"] == list(weight.shape) and rec["xxh3_64"] == ck.tensor_checksum(weight)
+
+
+def _as_format_2(directory) -> None:
+    """Rewrite rank 0's manifest as format /2 wrote it: sha256 per file, CRC32 per tensor chunk."""
+    import hashlib
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    body["format"] = "shardline-dcp-manifest/2"
+    body["files"] = {name: {"bytes": (directory / name).stat().st_size,
+                            "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
+                     for name in body["files"]}
+    state = {"model": {k: v.detach().clone() for k, v in build_gpt(CFG).state_dict().items()}}
+    dcp.load(state, storage_reader=ck.safe_reader(directory), no_dist=True)
+    for key, rec in body["tensors"].items():
+        fqn = key.split("@")[0]
+        if fqn.startswith("model."):
+            del rec["xxh3_64"]
+            rec["crc32"] = zlib.crc32(state["model"][fqn[len("model."):]].contiguous().view(-1).view(torch.uint8)
+                                      .numpy())
+    body["tensors"] = {k: v for k, v in body["tensors"].items() if "crc32" in v}
+    (directory / ck.manifest_name(0)).write_text(json.dumps(body))
+
+
+def test_checkpoints_of_the_sha256_crc32_format_still_verify_and_load(saved):
+    # Checkpoints written before the XXH3 manifests (format /2) must stay resumable and servable.
+    directory, model, _ = saved
+    _as_format_2(directory)
+    assert ck.verify_checkpoint(directory).step == 3
+    plain = build_gpt(CFG)
+    ck.load_unsharded(plain, directory)
+    assert torch.equal(plain.state_dict()["wte.weight"], _full(model)["wte.weight"])
+    # and their checksums are still checked: a flipped byte fails the sha256, damage before hashing the CRC32
+    path, _, _, _ = _chunk(directory, "model.wte.weight")
+    _overwrite_floats(path, _full(model)["wte.weight"], 0.125)
+    with pytest.raises(ck.CheckpointError, match="sha256 does not match"):
+        ck.verify_checkpoint(directory)
+    body = json.loads((directory / ck.manifest_name(0)).read_text())
+    import hashlib
+
+    body["files"][path.name]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (directory / ck.manifest_name(0)).write_text(json.dumps(body))
+    with pytest.raises(ck.CheckpointError, match=r"tensor model.wte.weight .*crc32 mismatch"):
+        ck.load_unsharded(build_gpt(CFG), directory)
 
 
 def test_corruption_between_memory_and_disk_is_caught_by_tensor_checksum(saved):
-    # The bytes are damaged before they were hashed: the file's sha256 matches, the tensor does not.
+    # The bytes are damaged before they were hashed: the file's digest matches, the tensor does not.
     directory, model, _ = saved
     path, _, _, _ = _chunk(directory, "model.wte.weight")
     _overwrite_floats(path, _full(model)["wte.weight"], 0.125)
     _rehash_file(directory, path.name)
     ck.verify_checkpoint(directory)  # the files are as the manifest says
-    with pytest.raises(ck.CheckpointError, match=r"__0_0.distcp: tensor model.wte.weight .*crc32 mismatch"):
+    with pytest.raises(ck.CheckpointError, match=r"__0_0.distcp: tensor model.wte.weight .*xxh3_64 mismatch"):
         ck.load_unsharded(build_gpt(CFG), directory)
 
 
@@ -247,7 +292,7 @@ def test_nan_weights_under_a_manifest_that_matches_them_are_refused(saved):
 
     state = {"model": {k: v.detach().clone() for k, v in plain.state_dict().items()}}
     dcp.load(state, storage_reader=ck.safe_reader(directory), no_dist=True)
-    body["tensors"]["model.wte.weight@0,0"]["crc32"] = ck.tensor_crc32(state["model"]["wte.weight"])
+    body["tensors"]["model.wte.weight@0,0"]["xxh3_64"] = ck.tensor_checksum(state["model"]["wte.weight"])
     (directory / ck.manifest_name(0)).write_text(json.dumps(body))
     with pytest.raises(ck.CheckpointError, match=r"non-finite values in \['wte.weight'\]"):
         ck.load_unsharded(build_gpt(CFG), directory)
