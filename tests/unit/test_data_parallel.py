@@ -41,6 +41,18 @@ def test_one_two_and_three_workers_write_byte_identical_sets(tmp_path):
         assert _files(Path(shards.uri)) == _files(Path(one.uri))
 
 
+def test_a_corpus_of_a_few_chunks_is_written_in_process_without_starting_workers(tmp_path):
+    # Starting two workers costs more than they save on <= 4 chunks: the listing decides, the bytes do not change.
+    corpus = make_corpus(tmp_path / "c", n=8)  # ~5 KB: 2-3 chunks of 2 KiB
+    small = build_shards(config(corpus, tmp_path / "two", workers=2, **SMALL_CHUNKS))
+    one = build_shards(config(corpus, tmp_path / "one", workers=1, **SMALL_CHUNKS))
+    assert small.chunks == one.chunks >= 2 and small.workers == 1
+    assert _files(Path(small.uri)) == _files(Path(one.uri))
+    # Without the listing index there is no listing before the build: two chunks or more start the workers.
+    unlisted = build_shards(config(corpus, tmp_path / "unlisted", workers=2, reuse_unchanged=False, **SMALL_CHUNKS))
+    assert unlisted.workers == 2 and unlisted.dataset_digest == one.dataset_digest
+
+
 def test_chunks_run_in_worker_processes_and_come_back_in_corpus_order(tmp_path):
     cfg = config(make_corpus(tmp_path / "c", n=60), tmp_path / "out", **SMALL_CHUNKS)
     (tmp_path / "s").mkdir()

@@ -94,7 +94,10 @@ def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: Lo
     listing_key = listing_index.fingerprint(cfg, spool, pool.listed) if cfg.reuse_unchanged else None
     if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
         return found
-    listing = listing_index.spooled_listing(spool) if listing_key else None
+    listing = None
+    if listing_key:
+        listing = listing_index.spooled_listing(spool)
+        pool.listing_done()
     local_shards, gate_dir = work / "shards", work / "gate"
     local_shards.mkdir()
     gate_dir.mkdir()
@@ -161,6 +164,8 @@ def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate, lis
     """Write every chunk (of `listing`, else of a new listing), feed their rows to the gate in corpus order; the
     manifest, what was skipped, the number of chunks and of workers."""
     workers = ray_workers(cfg.workers) if cfg.engine == "ray" else local_workers(cfg.workers)
+    if cfg.engine == "local" and pool.not_worth_it:
+        workers = 1  # a small corpus is written in this process (engine.LocalPool)
     shards: dict[str, list[ShardEntry]] = {split: [] for split in SPLITS}
     samples = dict.fromkeys(SPLITS, 0)
     tally, chunks = Tally(), 0
