@@ -8,7 +8,9 @@ writing the same files into tar files of the same member count, fsyncing each, a
 At the largest size (where the serial parts, pool start and gate, weigh least), the stage with 1 worker and with 2 (--repeat runs each, interleaved, fastest kept).
 
 Targets: time(largest)/time(smallest) <= 1.1 x the size ratio; peak tree RSS at the largest <= 1.2 x at the
-smallest; stage MB/s >= 0.5 x tarfile MB/s; 2 workers >= 1.7 x 1 worker.
+smallest; stage MB/s >= 0.5 x tarfile MB/s; 2 workers >= 1.7 x 1 worker. With automatic workers (--workers 0,
+the default) a corpus of at most 4 chunks is written in one process, so the smallest size is also run with the
+cores' worker count: the RSS ratio at the same process layout.
 
 Corpora are generated under --where from the interpreter's standard-library .py files, each copy perturbed (a
 header line naming the copy, and its files' lines rotated by the copy number) so no two records are equal; they
@@ -142,6 +144,7 @@ def main() -> None:
     from training.data.config import DataConfig
 
     per_tar = DataConfig().max_samples_per_shard
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-shard-scale-", dir=args.where) as tmp:
         for mb in sizes:
@@ -153,6 +156,11 @@ def main() -> None:
             stage = run_stage(corpus, Path(tmp) / "out", args.workers, keep=True)
             rerun = run_stage(corpus, Path(tmp) / "out", args.workers)  # the nightly rerun: listing unchanged
             rows[mb] = {"bytes": size, "tar_s": tar_s, "rerun_s": rerun["seconds"], **stage}
+            if mb == sizes[0] and args.workers == 0:  # automatic workers write a small corpus in one process
+                pooled = run_stage(corpus, Path(tmp) / "out", cores)
+                rows[mb]["pooled_tree_kb"] = pooled["tree_kb"]
+                print(f"  with data.workers={cores} (the processes of the largest size): {pooled['seconds']:.2f} s, "
+                      f"peak RSS {pooled['tree_kb'] / 1024:.0f} MB tree", flush=True)
             print(f"  stage ({stage['chunks']} chunks): {stage['seconds']:.1f} s = {size / 1e6 / stage['seconds']:.1f} "
                   f"MB/s, peak RSS {stage['tree_kb'] / 1024:.0f} MB tree / "
                   f"{max(stage['self_kb'], stage['children_kb']) / 1024:.0f} MB largest process "
@@ -174,12 +182,17 @@ def main() -> None:
     size_ratio = large["bytes"] / small["bytes"]
     time_ratio = large["seconds"] / small["seconds"]
     rss_ratio = large["tree_kb"] / small["tree_kb"]
+    rss_largest = max(large["self_kb"], large["children_kb"]) / max(small["self_kb"], small["children_kb"])
     tar_ratio = large["tar_s"] / large["seconds"]
     tar_worst = min(rows[mb]["tar_s"] / rows[mb]["seconds"] for mb in sizes)
     one, two = rows["workers"]
     print(f"TIME RATIO {sizes[-1]}/{sizes[0]} MB = {time_ratio:.1f} for size ratio {size_ratio:.1f}: "
           f"{time_ratio / size_ratio:.2f}x the size ratio (target <= 1.1)")
     print(f"RSS RATIO {sizes[-1]}/{sizes[0]} MB = {rss_ratio:.2f} (process tree; target <= 1.2)")
+    if "pooled_tree_kb" in small:
+        print(f"RSS RATIO {sizes[-1]}/{sizes[0]} MB with the same processes ({cores} workers at both) = "
+              f"{large['tree_kb'] / small['pooled_tree_kb']:.2f}; largest process {rss_largest:.2f} "
+              f"(at {sizes[0]} MB the automatic workers wrote it in one process)")
     print(f"TAR RATIO stage/tarfile throughput = {tar_ratio:.2f}x at {sizes[-1]} MB, {tar_worst:.2f}x at worst "
           "(target >= 0.5)")
     print(f"RERUN (listing unchanged) at {sizes[-1]} MB: {large['rerun_s']:.2f} s vs {large['seconds']:.1f} s "

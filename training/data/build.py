@@ -85,7 +85,8 @@ def build_shards(cfg: DataConfig) -> ShardSet:
 
 
 def _build(cfg: DataConfig, output: str, remote: bool, work: Path) -> ShardSet:
-    with LocalPool(local_workers(cfg.workers) if cfg.engine == "local" else 1, cfg.chunk_bytes) as pool:
+    workers = local_workers(cfg.workers) if cfg.engine == "local" else 1
+    with LocalPool(workers, cfg.chunk_bytes, auto=cfg.workers == 0) as pool:
         return _build_with(cfg, output, remote, work, pool)
 
 

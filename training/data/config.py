@@ -77,8 +77,9 @@ class DataConfig(BaseModel):
         0,
         ge=0,
         description="Chunks processed at once: worker processes (engine=local) or Ray tasks in flight "
-        "(engine=ray). 0 means the cores this process may use (local) or the cluster's CPUs (ray). The shards "
-        "are byte-identical whatever the number.",
+        "(engine=ray). 0 means the cores this process may use (local; a corpus of at most 4 chunks is then "
+        "written in this process, where starting workers would cost more than they save) or the cluster's CPUs "
+        "(ray). The shards are byte-identical whatever the number.",
     )
     engine: Literal["local", "ray"] = Field(
         "local",

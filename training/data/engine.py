@@ -44,13 +44,13 @@ class LocalPool:
 
     `listed` is told the size of every input as the corpus is listed. Once more than POOL_MIN_CHUNKS chunks' worth
     of bytes is listed, the processes are started, so their start-up (~0.2 s: interpreter, imports) overlaps the
-    rest of the listing instead of following it. A corpus whose whole listing stays under that (`listing_done`)
-    is written in this process: on fewer chunks, two workers save less than their start costs (50 MB: 0.29 s in
-    process, 0.42 s with two workers).
+    rest of the listing instead of following it. With `auto` (data.workers = 0), a corpus whose whole listing
+    stays under that (`listing_done`) is written in this process: on so few chunks two workers save less than
+    their start costs (50 MB: 0.29 s in process, 0.42 s with two workers). An explicit data.workers is obeyed.
     """
 
-    def __init__(self, workers: int, chunk_bytes: int) -> None:
-        self.workers, self.chunk_bytes = workers, chunk_bytes
+    def __init__(self, workers: int, chunk_bytes: int, auto: bool = False) -> None:
+        self.workers, self.chunk_bytes, self.auto = workers, chunk_bytes, auto
         self._listed_bytes = self._listed_items = 0
         self._complete = False
         self._pool: ProcessPoolExecutor | None = None
@@ -69,7 +69,7 @@ class LocalPool:
 
     @property
     def not_worth_it(self) -> bool:
-        return self._complete and self._pool is None
+        return self.auto and self._complete and self._pool is None
 
     def executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
