@@ -135,8 +135,8 @@ class _SplitWriter:
 
     def _next(self) -> None:
         self._finish()
-        if self.closed:  # at most one closed shard per split still hashing/syncing: bounded memory when disk lags
-            self.closed[-1][2].result()
+        if len(self.closed) >= 2:  # the shard before the one just closed is hashed and synced: while this one
+            self.closed[-2][2].result()  # syncs the next is written, and memory stays bounded when the disk lags
         self.name = f"{self.split}-{self.chunk:06d}-{len(self.closed):06d}.tar"
         self.file = HashingFile(str(self.directory / self.name), self.pool, self.durable)
         self.tar, self.count, self.size = UstarWriter(self.file), 0, 0
