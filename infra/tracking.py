@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.paths import quiet_telemetry, shardline_home
+from infra.redact import redact
+from infra.run_owner import TAG_OWNER, current_owner, end_orphaned_runs
 
 # Lineage tags. Every stage tags what it produced with the ids of what it consumed, under these names.
 TAG_STAGE = "shardline.stage"
@@ -99,20 +102,36 @@ def _find_run(client: Any, experiment_id: str, filter_string: str) -> Any | None
 
 
 def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_run_name: str) -> str:
-    """Get or create the parent run of a Prefect flow run (idempotent on the flow run id); return its id."""
+    """Get or create the parent run of a Prefect flow run (idempotent on the flow run id); return its id.
+
+    The run records this process as its owner (a retried flow run takes its run over, RUNNING again); parent
+    runs of the experiment whose owner died on this host are then ended as KILLED (infra/run_owner.py).
+    """
     import mlflow
 
     experiment_id = setup_tracking(tracking_uri, experiment)
     client = mlflow.MlflowClient(tracking_uri)
     found = _find_run(client, experiment_id, f"tags.`{TAG_FLOW_RUN_ID}` = '{flow_run_id}' and tags.`{TAG_STAGE}` = 'pipeline'")
     if found is not None:
-        return found.info.run_id
-    run = client.create_run(
-        experiment_id,
-        run_name=flow_run_name,
-        tags={TAG_FLOW_RUN_ID: flow_run_id, TAG_STAGE: "pipeline", **git_tags()},
-    )
-    return run.info.run_id
+        run_id = found.info.run_id
+        client.set_tag(run_id, TAG_OWNER, current_owner())
+        if found.info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+    else:
+        run_id = client.create_run(
+            experiment_id,
+            run_name=flow_run_name,
+            tags={TAG_FLOW_RUN_ID: flow_run_id, TAG_STAGE: "pipeline", TAG_OWNER: current_owner(), **git_tags()},
+        ).info.run_id
+    try:
+        ended = end_orphaned_runs(client, experiment_id, run_id)
+    except Exception as err:  # noqa: BLE001 - tidying up after dead runs must never fail this one
+        logging.getLogger(__name__).warning("could not end the runs of dead processes: %s", redact(str(err)))
+    else:
+        if ended:
+            logging.getLogger(__name__).info("ended %d MLflow run(s) whose process died (KILLED): %s",
+                                             len(ended), ", ".join(ended))
+    return run_id
 
 
 def close_run(tracking_uri: str, run_id: str, ok: bool) -> None:
