@@ -149,4 +149,11 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     else:  # validated in the rerun (the killed validation never returned; or the champion changed since)
         assert [r.info.status for r in rerun_validated] == ["FINISHED"]
         assert version_tags["shardline.validation_run_id"] == rerun_validated[0].info.run_id
+    # The killed run's MLflow runs did not stay RUNNING: the rerun found their process gone and ended them.
+    every_run = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_name for r in every_run if r.info.status == "RUNNING"] == []
+    ended = [r for r in every_run if r.info.status == "KILLED"]
+    assert "pipeline" in {r.data.tags.get("shardline.stage") for r in ended}  # and the stages it was running
+    assert all(r.data.tags["shardline.ended_by"].startswith(f"run {summary['parent_run_id']}: owner process ")
+               for r in ended)
     print(f"{stage}: kill and rerun took {time.monotonic() - started:.1f} s")
