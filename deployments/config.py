@@ -22,6 +22,11 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    enabled: bool = Field(
+        True, description="The pipeline's last stage keeps the live endpoint serving the champion. false: the run "
+        "ends at the registry and starts or changes no endpoint (the model is served elsewhere); "
+        "canary.enabled must then be false.",
+    )
     host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds to; 127.0.0.1 unless you mean otherwise.")
     port: int = Field(8000, ge=0, le=65535, description="Port of Ray Serve's HTTP proxy (one per cluster).")
     public_url: str = Field(

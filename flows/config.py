@@ -148,7 +148,15 @@ def load_stack_config(
         raise ConfigError(describe_errors(e, origin)) from None
     check_no_credentials(config, origin)
     check_remote_storage(config, origin)
+    check_serving(config, origin)
     return stack, config
+
+
+def check_serving(config: PipelineConfig, origin: str = "config") -> None:
+    """ConfigError when the canary is on but the live endpoint it ramps on is off."""
+    if config.canary.enabled and not config.serve.enabled:
+        raise ConfigError(f"{origin}: canary.enabled = true needs serve.enabled = true (the canary ramps on the live "
+                          "endpoint); set canary.enabled = false to end runs at the registry")
 
 
 def check_remote_storage(config: PipelineConfig, origin: str = "config", tracking_uri: str = "") -> None:

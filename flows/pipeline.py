@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from deployments.release_lock import release_lock
 from flows import log_hygiene
-from flows.config import PipelineConfig, check_no_credentials, check_remote_storage
+from flows.config import PipelineConfig, check_no_credentials, check_remote_storage, check_serving
 from infra import orphans
 from infra.cluster import ClusterInfo, teardown
 from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
@@ -56,6 +56,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     logger = get_run_logger()
     tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
     check_remote_storage(config, "flow parameter", tracking_uri)  # before anything is submitted to a remote cluster
+    check_serving(config, "flow parameter")
     run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline")
     lineage = Lineage(
         tracking_uri=tracking_uri,

@@ -12,7 +12,7 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.endpoint import reconcile
-from deployments.registry import AliasChanged, PromotionResult, client_for
+from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
 from deployments.rollout import CanaryDecided, log_decision, run_rollout, skip_reason
 from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_table
 from deployments.serving import api_token, replica_runtime_env, token_digest
@@ -51,8 +51,13 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
                          TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
                          TAG_CLUSTER_ADDRESS: cluster.address, "shardline.champion_version": str(champion)})
         mlflow.log_params(flat_params("canary", cfg) | flat_params("serve", serve))
-        token, env = api_token(serve), replica_runtime_env(cluster.mode)
         why_not = skip_reason(client, cfg, name, champion, challenger)
+        if why_not and not serve.enabled:  # the config check made sure the canary is off too
+            decision = skipped(name, challenger, champion, f"{why_not}; serve.enabled is false: no endpoint")
+            log_decision(decision)
+            logger.info("canary skipped (%s); serve.enabled is false: no endpoint started or changed", why_not)
+            return result_of(decision, 0, champion=read_aliases(client, name).get(CHAMPION, str(champion or "")))
+        token, env = api_token(serve), replica_runtime_env(cluster.mode)
         if why_not:
             served = reconcile(serve, name, lineage.tracking_uri, token_digest(token), env)
             decision = skipped(name, challenger, champion, why_not)

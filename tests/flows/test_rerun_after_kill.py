@@ -29,7 +29,10 @@ COMMAND = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.
 
 
 def _command(stage: str) -> list[str]:
-    return [*COMMAND, "--set", f"train.steps={STEPS.get(stage, 20)}"]
+    # No live endpoint (10-14 s a run) where it plays no part; the promote case keeps it, so that a kill that
+    # lands just after registration still finds the run inside a stage.
+    serving = [] if stage == "promote_model" else ["--set", "serve.enabled=false"]
+    return [*COMMAND, "--set", f"train.steps={STEPS.get(stage, 20)}", *serving]
 
 
 def _env(home: Path, api_url: str = "") -> dict[str, str]:

@@ -116,3 +116,11 @@ def test_every_field_is_described():
             if isinstance(ann, type) and hasattr(ann, "model_fields"):
                 walk(ann, f"{prefix}{name}.")
     walk(PipelineConfig)
+
+
+def test_a_canary_without_the_live_endpoint_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["serve.enabled=false"])
+    assert str(e.value) == ("config (with --set): canary.enabled = true needs serve.enabled = true (the canary "
+                            "ramps on the live endpoint); set canary.enabled = false to end runs at the registry")
+    assert not load_config(None, ["serve.enabled=false", "canary.enabled=false"]).serve.enabled

@@ -86,6 +86,20 @@ def test_promote_task_registers_with_lineage_and_a_first_version_needs_no_canary
     assert client.get_model_version("m", "2").tags[TAG_FLOW_RUN_ID] == "flow-run-2"
     assert _stage_run(lineage2, "promote_model").data.tags[TAG_MODEL_VERSION] == "2"
 
+    # serve.enabled = false: the run ends at the registry. No Ray is running here: the stage touches no endpoint.
+    from deployments.config import ServeConfig
+    from infra.cluster import ClusterInfo
+    from tasks.canary import canary_deploy
+
+    cluster = ClusterInfo(address="", mode="local", resources={}, nodes=0, started_here=False)
+    with disable_run_logger():
+        result = canary_deploy.fn(CanaryConfig(enabled=False), ServeConfig(enabled=False), second, shards, cluster,
+                                  cfg, lineage2)
+    assert (result.decision, result.champion_version, result.endpoint_url) == ("skipped", "1", "")
+    assert result.reason == "canary.enabled is false; serve.enabled is false: no endpoint"
+    assert read_aliases(client, "m") == {"champion": "1", "challenger": "2"}
+    assert _stage_run(lineage2, "canary_deploy").info.status == "FINISHED"
+
 
 def test_decisions_and_user_errors_are_not_retried():
     from prefect.states import Failed
