@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Policy = Literal["fail", "skip"]
 
@@ -16,17 +16,29 @@ class DataConfig(BaseModel):
     source: str = Field(
         "stdlib",
         description="The corpus: 'stdlib' (the running interpreter's top-level standard-library .py files), "
-        "a local directory or .jsonl file, 's3://bucket/prefix' or 'az://container/prefix'.",
+        "a local directory or .jsonl / .parquet file, 's3://bucket/prefix' or 'az://container/prefix'.",
     )
-    format: Literal["text", "jsonl"] = Field(
-        "text", description="text: one record per file; jsonl: one record per line of each .jsonl file."
+    format: Literal["text", "jsonl", "parquet", "hf_dataset"] = Field(
+        "text",
+        description="text: one record per file; jsonl: one record per line of each .jsonl file; parquet: one "
+        "record per row of each .parquet file (read a row group at a time); hf_dataset: one record per row of the "
+        "directory data.source written by datasets' save_to_disk (a Dataset or a DatasetDict: every split, in "
+        "order; data.include is not used).",
     )
-    text_field: str = Field("text", description="Field of each JSON Lines object that holds the text.")
+    text_field: str = Field(
+        "text", min_length=1,
+        description="Field of each JSON Lines object, or column of the Parquet files or saved dataset, that holds "
+        "the text (a string column; binary columns are taken as UTF-8 bytes).",
+    )
     key_field: str = Field(
-        "", description="Field of each JSON Lines object used as the record key; '' keys by file and line."
+        "",
+        description="Field (JSON Lines) or column (parquet, hf_dataset) used as the record key: a string or an "
+        "integer. '' keys by file and line (JSON Lines, from 1) or file and row (from 0).",
     )
     include: str = Field(
-        "*", description="Glob that file names (not paths) must match; 'stdlib' always uses '*.py'."
+        "*",
+        description="Glob that file names (not paths) must match; 'stdlib' always uses '*.py'; '*' means "
+        "'*.jsonl' or '*.parquet' for those formats.",
     )
     reader: str = Field(
         "",
@@ -101,3 +113,10 @@ class DataConfig(BaseModel):
     storage_retries: int = Field(
         5, ge=0, description="Retries (exponential backoff) of one storage call on endpoint errors, 5xx, timeouts."
     )
+
+    @model_validator(mode="after")
+    def _format_fits_source(self) -> "DataConfig":
+        if self.source == "stdlib" and not self.reader and self.format != "text":
+            raise ValueError(f"data.format={self.format!r} needs a data.source of that format; 'stdlib' is the "
+                             "interpreter's .py files (data.format='text')")
+        return self

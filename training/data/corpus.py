@@ -1,4 +1,4 @@
-"""Corpus readers (stdlib, directory tree, JSON Lines, object-store prefix, plug-in) and the bad-input policies.
+"""Corpus readers (stdlib, directory tree, JSON Lines, Parquet, saved datasets, object store, plug-in) and the policies.
 
 Readers yield `Record`s and `Problem`s; `checked` checks every record and applies the configured policy per
 cause: `fail` raises DataError with a one-line cause naming the file, `skip` counts it. Causes and their fields:
@@ -6,13 +6,15 @@ cause: `fail` raises DataError with a one-line cause naming the file, `skip` cou
     empty        data.on_empty_record   record shorter than data.min_record_bytes
     oversize     data.on_oversize       record (file, object or JSON line) over data.max_record_bytes
     binary       data.on_binary         NUL byte in the content
-    undecodable  data.on_undecodable    not UTF-8; for JSON Lines also bad JSON or a missing/non-string field
+    undecodable  data.on_undecodable    not UTF-8; for JSON Lines also bad JSON or a missing/non-string field; for
+                                        Parquet and saved datasets a null value or a file that does not decode
     unreadable   data.on_unreadable     open/read fails, or the entry is not a regular file (FIFO, socket, device)
     symlink_loop data.on_symlink_loop   symlink loop (ELOOP or a link back to an ancestor) or dangling link
     unsafe_name  data.on_unsafe_name    key with a '..' segment, an absolute path, a drive letter or a NUL
 
 Hidden entries (names starting with '.') are not read. A source that does not exist, or that holds no file
-matching `data.include`, is always an error.
+matching `data.include`, is always an error; so is a Parquet file or saved dataset without a text column named
+data.text_field (a wrong setting, not a bad record).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The built-in corpus readers: stdlib, local directory tree or file, object-store prefix, JSON Lines, plug-in.
+"""The built-in corpus readers: stdlib, local directory tree or file, object-store prefix, JSON Lines, plug-in;
+Parquet and save_to_disk directories are read by training.data.columnar.
 
 Reading is two steps, so that chunks of a corpus can be read in parallel: `list_sources` lists the inputs (files,
 objects, and problems found while listing) in one deterministic order, with their sizes; `read_sources` reads any
@@ -13,27 +14,20 @@ import os
 import stat
 import sysconfig
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from infra import storage
 from training.data.config import DataConfig
-from training.data.records import Problem, Record, load_callable, unsafe_key
+from training.data.columnar import list_saved, read_columnar
+from training.data.records import Problem, Record, Source, load_callable, unsafe_key
 from training.data.shardset import DataError
 
 # A JSON-escaped string can be up to 6x its UTF-8 size (\u00XX); longer lines are oversize without parsing.
 JSON_ESCAPE_FACTOR = 6
+COLUMNAR = ("parquet", "hf_dataset")
 
-
-@dataclass(frozen=True)
-class Source:
-    """One listed input: a local file or an object in S3/Azure, keyed relative to data.source."""
-
-    where: str  # local path or object URI
-    key: str
-    size: int  # as listed (stat / object size): what chunks are planned by
-    stamp: str = ""  # as listed: ETag or file times (training.data.listing_index)
+__all__ = ["Source", "list_sources", "plugin_records", "read_sources", "records_of"]
 
 
 def records_of(cfg: DataConfig) -> Iterator[Record | Problem]:
@@ -49,13 +43,16 @@ def list_sources(cfg: DataConfig) -> Iterator[Source | Problem]:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(".py"))
         return iter([_local_source(p, p.name) for p in files])
+    if cfg.format == "hf_dataset":
+        return list_saved(cfg)
     if storage.is_remote(cfg.source):
         return _list_remote(cfg)
     return _list_local(cfg)
 
 
 def read_sources(items: Iterable[Source | Problem], cfg: DataConfig) -> Iterator[Record | Problem]:
-    """The records of listed inputs, in order (a JSON Lines file gives one per line); problems pass through."""
+    """The records of listed inputs, in order (a JSON Lines file gives one per line, a Parquet or Arrow file one per
+    row); problems pass through."""
     remote = cfg.source != "stdlib" and storage.is_remote(cfg.source)
     for item in items:
         if isinstance(item, Problem):
@@ -72,7 +69,9 @@ def _local_source(path: Path, key: str) -> Source:
 
 
 def _include(cfg: DataConfig) -> str:
-    return "*.jsonl" if cfg.format == "jsonl" and cfg.include == "*" else cfg.include
+    if cfg.include == "*" and cfg.format in ("jsonl", "parquet"):
+        return f"*.{cfg.format}"
+    return cfg.include
 
 
 # ---------------------------------------------------------------------------------------------- local
@@ -140,6 +139,9 @@ def _read_local_file(item: Source, cfg: DataConfig) -> Iterator[Record | Problem
         kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "special file"
         yield Problem("unreadable", path, f"not a regular file ({kind})")
         return
+    if cfg.format in COLUMNAR:
+        yield from read_columnar(item, cfg, remote=False)
+        return
     if cfg.format == "jsonl":
         try:
             with open(path, "rb") as fh:
@@ -185,6 +187,9 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
 
 
 def _read_object(item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:
+    if cfg.format in COLUMNAR:
+        yield from read_columnar(item, cfg, remote=True)
+        return
     if cfg.format == "jsonl":
         try:
             with storage.open_read(item.where, retries=cfg.storage_retries) as fh:
@@ -236,15 +241,19 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
         except json.JSONDecodeError as err:
             yield Problem("undecodable", where, f"not valid JSON ({err.msg} at column {err.colno})")
             continue
-        value = obj.get(cfg.text_field) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict):
+            yield Problem("undecodable", where, f"not a JSON object but {_json_kind(obj)} (data.format='jsonl')")
+            continue
+        value = obj.get(cfg.text_field)
         if not isinstance(value, str):
-            yield Problem("undecodable", where, f"field {cfg.text_field!r} missing or not a string (data.text_field)")
+            yield Problem("undecodable", where, _not_a(cfg.text_field, obj, "a string", "data.text_field"))
             continue
         key = f"{rel}:{lineno}"
         if cfg.key_field:
             raw_key = obj.get(cfg.key_field)
             if not isinstance(raw_key, (str, int)) or isinstance(raw_key, bool):
-                yield Problem("undecodable", where, f"field {cfg.key_field!r} missing or not a string (data.key_field)")
+                yield Problem("undecodable", where,
+                              _not_a(cfg.key_field, obj, "a string or integer", "data.key_field"))
                 continue
             key = str(raw_key)
         try:
@@ -253,6 +262,22 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
             yield Problem("undecodable", where, f"text is not valid Unicode (lone surrogate at char {err.start})")
             continue
         yield Record(key, data, where)
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's type and a short excerpt of it, for messages: 'a number (12)', 'null'."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)
+    text = json.dumps(value, ensure_ascii=True)
+    return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
+
+
+def _not_a(field: str, obj: dict, wanted: str, setting: str) -> str:
+    if field not in obj:
+        return f"no field {field!r} ({setting})"
+    return f"field {field!r} is {_json_kind(obj[field])}, not {wanted} ({setting})"
 
 
 # ---------------------------------------------------------------------------------------------- plug-in

@@ -1,4 +1,4 @@
-"""What a corpus reader yields (Record, Problem), the record checks, and the bad-input policy fields."""
+"""What a corpus listing and reader yield (Source, Record, Problem), the record checks, the bad-input policy fields."""
 from __future__ import annotations
 
 import re
@@ -24,6 +24,16 @@ class Record:
     key: str  # unique name of the record in the corpus (relative path, file:line, or the key field)
     data: bytes
     origin: str  # the file / object / line it came from, for messages
+
+
+@dataclass(frozen=True)
+class Source:
+    """One listed input: a local file or an object in S3/Azure, keyed relative to data.source."""
+
+    where: str  # local path or object URI
+    key: str
+    size: int  # as listed (stat / object size): what chunks are planned by
+    stamp: str = ""  # as listed: ETag or file times (training.data.listing_index)
 
 
 @dataclass(frozen=True)
