@@ -2,8 +2,9 @@
 
 `ensure_head` starts `ray start --head` on 127.0.0.1 (token auth, dashboard on 127.0.0.1) in its own session, so a
 killed `shardline run` does not take the served model down with it, and records the head's address and PIDs in
-`$SHARDLINE_HOME/ray/head.json`. `stop_head` signals exactly those PIDs (and their descendants), never Ray's host-wide stop command,
-which would stop every Ray on the host.
+`$SHARDLINE_HOME/ray/head.json`. `stop_head` signals exactly those processes (and their descendants), never Ray's
+host-wide stop command, which would stop every Ray on the host; a recorded PID counts only while its start time is
+the recorded one (infra.process), so a PID reused after the head died is left alone.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import socket
 import time
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from infra import process
 from infra.cluster import ClusterError, _run_ray, free_port
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
@@ -26,6 +28,8 @@ class HeadInfo(BaseModel):
     gcs_address: str
     dashboard_url: str
     pids: list[int]
+    # start times (clock ticks since boot) of `pids`, in the same order; empty in records of older versions
+    start_ticks: list[int] = Field(default_factory=list)
     host: str
     num_cpus: int
     worker_nodes: int = 0
@@ -37,28 +41,25 @@ class HeadInfo(BaseModel):
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return process.inspect(pid) is not None
 
 
 def _node_processes(gcs_port: str) -> list[int]:
     """PIDs of the Ray processes whose command line names GCS port `gcs_port` (head and joined nodes)."""
     marks = (f"--gcs_server_port={gcs_port}", f":{gcs_port}")
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if any(a.startswith(("--gcs-address=", "--address=", "--gcs_server_port=")) and a.endswith(marks)
-               for a in args):
-            found.append(int(entry.name))
+    found = [p.pid for p in process.processes()
+             if any(a.startswith(("--gcs-address=", "--address=", "--gcs_server_port=")) and a.endswith(marks)
+                    for a in p.cmdline)]
     return _descendants(found)
+
+
+def _recorded_alive(info: HeadInfo) -> list[int]:
+    """The recorded PIDs that are still the head's processes: same start time or, in a record written before start
+    times were kept, a Ray process of this head's GCS port (or below one)."""
+    if info.start_ticks:
+        return [pid for pid, ticks in zip(info.pids, info.start_ticks) if process.is_same(pid, ticks)]
+    ours = set(_node_processes(info.gcs_address.rsplit(":", 1)[-1]))
+    return [pid for pid in info.pids if pid in ours]
 
 
 def _forget_current_cluster(port: str) -> None:
@@ -91,7 +92,7 @@ def read_head() -> HeadInfo | None:
         info = HeadInfo.model_validate_json(path.read_text())
     except (OSError, ValueError):
         return None
-    if any(_alive(pid) for pid in info.pids) and _answers(info.gcs_address):
+    if _recorded_alive(info) and _answers(info.gcs_address):
         return info
     path.unlink(missing_ok=True)
     return None
@@ -132,8 +133,10 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
         _forget_current_cluster(str(port))
         raise
     _forget_current_cluster(str(port))  # later plain ray.init() calls must not silently join our head
-    info = HeadInfo(gcs_address=gcs, dashboard_url=f"http://{cfg.host}:{dash_port}", pids=_node_processes(str(port)),
-                    host=cfg.host, num_cpus=cfg.num_cpus, worker_nodes=workers, started_at=time.time())
+    procs = [p for pid in _node_processes(str(port)) if (p := process.inspect(pid)) is not None]
+    info = HeadInfo(gcs_address=gcs, dashboard_url=f"http://{cfg.host}:{dash_port}", pids=[p.pid for p in procs],
+                    start_ticks=[p.start_ticks for p in procs], host=cfg.host, num_cpus=cfg.num_cpus,
+                    worker_nodes=workers, started_at=time.time())
     path = _record()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -144,27 +147,11 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
 
 def _descendants(pids: list[int]) -> list[int]:
     """`pids` and every live process below them (workers the raylet forked after the record was written)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    members = {p for p in pids if p in parents}
-    grew = True
-    while grew:
-        extra = {pid for pid, ppid in parents.items() if ppid in members and pid not in members}
-        members |= extra
-        grew = bool(extra)
-    members.discard(os.getpid())
-    return sorted(members)
+    return process.descendants(pids)
 
 
 def _kill(pids: list[int]) -> None:
-    from infra.orphans import terminate
-
-    terminate(pids, _alive, wait_s=10.0)
+    process.terminate(pids, wait_s=10.0)
 
 
 def stop_head() -> bool:
@@ -174,7 +161,7 @@ def stop_head() -> bool:
         info = HeadInfo.model_validate_json(path.read_text())
     except (OSError, ValueError):
         return False
-    _kill(_descendants(info.pids))
+    _kill(_descendants(_recorded_alive(info)))
     _forget_current_cluster(info.gcs_address.rsplit(":", 1)[-1])
     path.unlink(missing_ok=True)
     return True

@@ -6,13 +6,16 @@ executing the flow (`shardline.owner`). When a later flow opens its parent run i
 parent runs whose owner ran on this host and no longer exists (no such pid with that start time, or the host has
 rebooted since) are ended as KILLED together with their RUNNING stage runs, each tagged `shardline.ended_by` with
 the run that found them and why. Runs owned on another host are left alone: their process cannot be checked from
-here (they are ended by the next run on their own host). Without /proc (not Linux) nothing is ended.
+here (they are ended by the next run on their own host). Without a boot id (not Linux) nothing is ended. The start
+time is in clock ticks since boot (infra.process), so owner tags written by earlier versions compare as before.
 """
 from __future__ import annotations
 
 import os
 import socket
 from typing import Any
+
+from infra import process
 
 TAG_OWNER = "shardline.owner"
 TAG_ENDED_BY = "shardline.ended_by"
@@ -21,29 +24,10 @@ TAG_PARENT = "mlflow.parentRunId"
 SCAN_LIMIT = 200  # RUNNING parent runs looked at per call: a bound on the cost of opening a run
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
-def _start_ticks(pid: int) -> str:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); "" if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return ""
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": comm may hold spaces and parentheses
-    return fields[19] if len(fields) > 19 else ""
-
-
 def current_owner() -> str:
     """This process as a run owner: host/boot id/pid/start time (pid alone is reused)."""
-    pid = os.getpid()
-    return f"{socket.gethostname()}/{_boot_id()}/{pid}/{_start_ticks(pid)}"
+    me = process.inspect(os.getpid())
+    return f"{socket.gethostname()}/{process.boot_id()}/{os.getpid()}/{me.start_ticks if me else ''}"
 
 
 def owner_alive(owner: str) -> bool | None:
@@ -51,12 +35,12 @@ def owner_alive(owner: str) -> bool | None:
     parts = owner.split("/")
     if len(parts) != 4 or parts[0] != socket.gethostname() or not parts[1] or not parts[3]:
         return None
-    host_boot = _boot_id()
+    host_boot = process.boot_id()
     if not host_boot or not parts[2].isdigit():
         return None
     if parts[1] != host_boot:
         return False  # the host rebooted since: every process of then is gone
-    return _start_ticks(int(parts[2])) == parts[3]
+    return process.is_same(int(parts[2]), parts[3])
 
 
 def end_orphaned_runs(client: Any, experiment_id: str, found_by: str) -> list[str]:

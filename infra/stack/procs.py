@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from infra import process
+
 
 class StackError(RuntimeError):
     """A part of the stack could not start, answer or stop; the message names the part and says why."""
@@ -25,19 +27,14 @@ class Proc(BaseModel):
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None if gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] == "Z":
-        return None
-    return int(fields[19])
+    """The process's start time in clock ticks since boot (infra.process), or None if gone."""
+    info = process.inspect(pid)
+    return None if info is None else info.start_ticks
 
 
 def is_ours(proc: Proc) -> bool:
     """True while the recorded process is alive and is the very process `up` started."""
-    return _start_ticks(proc.pid) == proc.start_ticks
+    return process.is_same(proc.pid, proc.start_ticks)
 
 
 def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path | None = None) -> Proc:
@@ -76,16 +73,7 @@ def stop(proc: Proc, grace_s: float = 15.0) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+    return any(p.pgid == pgid for p in process.processes())
 
 
 def _reap(pid: int) -> None:
