@@ -6,11 +6,12 @@ clock ticks since boot (field 22 of /proc/PID/stat), the unit every record writt
 (`Proc.start_ticks`), run records ($SHARDLINE_HOME/runs/*.json) and `shardline.owner` tags on MLflow runs.
 
 psutil reports a start as epoch seconds, boot time + ticks / CLK_TCK, and re-reads the boot time (/proc/stat btime,
-whole seconds, moved by a step of the system clock) on each call. `start_ticks` subtracts the boot time read on
-both sides of that call and rereads when the two differ, so the ticks are the kernel's, not shifted by 100 after a
-clock step. Measured here (Linux, psutil 7.2.2, CLK_TCK 100): the ticks equal /proc/PID/stat's for all 77 processes
-of the host; the float round trip errs by at most 1.2e-5 ticks over three years of uptime; a scan of all processes
-(77, command lines included) took 9 ms, against 1.6 ms for reading parent pids from /proc by hand. Zombies count as gone: they cannot be stopped or run anything.
+whole seconds, moved by a step of the system clock) on each call. `ProcessInfo.start_ticks` subtracts the boot time
+read on both sides of that call, and reads again when the two differ, so the ticks are the kernel's, not shifted
+by CLK_TCK after a clock step. Measured here (Linux, psutil 7.2.2, CLK_TCK 100): the ticks equal /proc/PID/stat's
+for all 77 processes of the host; the float round trip errs by at most 1.2e-5 ticks over three years of uptime; a
+scan of all 77 processes, command lines included, took 9 ms (1.6 ms for parent pids read from /proc by hand).
+Zombies count as gone: they run nothing and cannot be stopped.
 """
 from __future__ import annotations
 
