@@ -1,15 +1,14 @@
 """Canary one registered version against the current champion, on the held-out shards it was trained with."""
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
+from prefect import flow
 
 from deployments.release_lock import release_lock
 from deployments.registry import CHAMPION, PromotionResult, client_for, read_aliases
 from flows.config import PipelineConfig
 from flows.release import FLOW_TIMEOUT_S, open_shard_set
-from infra.cluster import ClusterInfo, teardown
-from infra.tracking import TAG_MANIFEST_URI, Lineage, close_run, open_parent_run, resolve_tracking_uri
+from flows.run_context import shardline_run
+from infra.tracking import TAG_MANIFEST_URI
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 
@@ -37,29 +36,20 @@ def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> d
         version: the registered model version (of `config.registry.model_name`) to canary.
         config: the pipeline config; its `registry`, `cluster` and `canary` sections are used.
     """
-    logger = get_run_logger()
-    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
-    client = client_for(tracking_uri)
     name = config.registry.model_name
-    manifest = client.get_model_version(name, str(version)).tags.get(TAG_MANIFEST_URI, "")
-    if not manifest:
-        raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are unknown")
-    run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline-canary")
-    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, flow_run_id=run_id,
-                      parent_run_id=open_parent_run(tracking_uri, config.registry.experiment, run_id, run_name))
-    cluster: ClusterInfo | None = None
-    ok = False
-    try:
-        shards = open_shard_set(manifest, lineage)
-        cluster = provision_cluster(config.cluster, lineage)
+    with shardline_run(config, "shardline-canary", version=version) as run:
+        client = client_for(run.tracking_uri)
+        manifest = client.get_model_version(name, str(version)).tags.get(TAG_MANIFEST_URI, "")
+        if not manifest:
+            raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are "
+                             "unknown")
+        shards = open_shard_set(manifest, run.lineage)
+        run.cluster = provision_cluster(config.cluster, run.lineage)
         # the champion is read under the release lock: another release may move it while this one waits
-        with release_lock(name, tracking_uri, config.canary.lock_timeout_s):
+        with release_lock(name, run.tracking_uri, config.canary.lock_timeout_s):
             promoted = challenge(name, str(version), read_aliases(client, name))
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
-        ok = True
-    finally:
-        teardown(cluster)
-        close_run(tracking_uri, lineage.parent_run_id, ok)
-    logger.info("version %s of %s: %s (%s)", version, name, canary.decision, canary.reason)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
+                                   run.lineage)
+    run.logger.info("version %s of %s: %s (%s)", version, name, canary.decision, canary.reason)
     return {"model_name": name, "model_version": str(version), "decision": canary.decision,
-            "reason": canary.reason, "parent_run_id": lineage.parent_run_id}
+            "reason": canary.reason, "parent_run_id": run.lineage.parent_run_id}

@@ -7,7 +7,6 @@ import json
 import logging
 import sys
 import time
-import uuid
 
 from flows.config import ConfigError, load_config
 
@@ -42,6 +41,9 @@ def cmd_shard(args: argparse.Namespace) -> int:
     start = time.monotonic()
     try:
         out = _shard(config)
+    except ConfigError as e:  # the run's own guards; load_config's checks make this rare
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("shardline: interrupted", file=sys.stderr)
         return 130
@@ -66,27 +68,17 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def _shard(config) -> dict:
-    """Run shard_dataset under a fresh parent run (and, for data.engine='ray', a cluster per [cluster])."""
-    from infra.cluster import provision, teardown
-    from infra.tracking import TAG_STAGE, Lineage, close_run, open_parent_run, resolve_tracking_uri
+    """Run shard_dataset under a fresh parent run (and, for data.engine='ray', a cluster per [cluster]).
+
+    There is no Prefect flow run: the stage's plain function runs here, and the parent run is keyed and tagged
+    `shard`, so it is not taken for a pipeline run.
+    """
+    from flows.run_context import shardline_run
+    from infra.cluster import provision
     from tasks.data import shard_dataset
 
-    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
-    run_key = f"shard-{uuid.uuid4().hex[:12]}"
-    parent = open_parent_run(tracking_uri, config.registry.experiment, run_key, "shard")
-    import mlflow
-
-    mlflow.MlflowClient(tracking_uri).set_tag(parent, TAG_STAGE, "shard")  # not a pipeline run
-    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, parent_run_id=parent,
-                      flow_run_id=run_key)
-    cluster, ok = None, False
-    try:
+    with shardline_run(config, "shard", origin="config", uses_ray=config.data.engine == "ray") as run:
         if config.data.engine == "ray":
-            cluster = provision(config.cluster)
-        shards = shard_dataset.fn(config.data, lineage, cluster)
-        ok = True
-    finally:
-        if config.data.engine == "ray":
-            teardown(cluster)
-        close_run(tracking_uri, parent, ok)
-    return {**shards.model_dump(), "parent_run_id": parent, "engine": config.data.engine}
+            run.cluster = provision(config.cluster)
+        shards = shard_dataset.fn(config.data, run.lineage, run.cluster)
+    return {**shards.model_dump(), "parent_run_id": run.lineage.parent_run_id, "engine": config.data.engine}

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
+from prefect import flow
 from pydantic import BaseModel, Field
 
 from deployments.release_lock import release_lock
-from flows import log_hygiene
-from flows.config import PipelineConfig, check_no_credentials, check_remote_storage, check_serving
-from infra import orphans
-from infra.cluster import ClusterInfo, teardown
-from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri, stage_seconds
+from flows.config import PipelineConfig
+from flows.run_context import shardline_run
+from infra.tracking import stage_seconds
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.data import shard_dataset
@@ -50,47 +47,25 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         config: one section per stage (data, cluster, train, validation, registry, canary); the same model
             as the TOML config file. Every field has a description in the form.
     """
-    log_hygiene.install()  # masked credentials, one-line expected failures (also when a worker runs the flow)
-    orphans.record_children()  # e.g. Prefect's temporary server: a rerun stops it if this process is killed
-    check_no_credentials(config, "flow parameter")
-    logger = get_run_logger()
-    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
-    check_remote_storage(config, "flow parameter", tracking_uri)  # before anything is submitted to a remote cluster
-    check_serving(config, "flow parameter")
-    run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline")
-    lineage = Lineage(
-        tracking_uri=tracking_uri,
-        experiment=config.registry.experiment,
-        parent_run_id=open_parent_run(tracking_uri, config.registry.experiment, run_id, run_name),
-        flow_run_id=run_id,
-    )
-    logger.info("MLflow parent run %s (%s)", lineage.parent_run_id, tracking_uri.split("://")[0])
-
-    cluster: ClusterInfo | None = None
-    sharding = None
-    ok = False
-    try:
+    with shardline_run(config, "shardline") as run:
         if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
-            cluster = provision_cluster(config.cluster, lineage)
-            shards = shard_dataset(config.data, lineage, cluster)
+            run.cluster = provision_cluster(config.cluster, run.lineage)
+            shards = shard_dataset(config.data, run.lineage, run.cluster)
         else:  # independent: the corpus is sharded while Ray starts (on this thread, where Ray wants its driver)
-            sharding = shard_dataset.submit(config.data, lineage)
-            cluster = provision_cluster(config.cluster, lineage)
+            sharding = shard_dataset.submit(config.data, run.lineage)
+            try:
+                run.cluster = provision_cluster(config.cluster, run.lineage)
+            finally:
+                sharding.wait()  # provisioning failed first: let the data stage finish, not leave it running
             shards = sharding.result()
-        trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_cached()(config.validation, config.train, trained, shards, lineage, config.registry)
+        trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
+        validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
-        with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s) as lock:
-            logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)
-            promoted = promote_model(config.registry, validated, trained, shards, lineage)
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
-        ok = True
-    finally:
-        if sharding is not None:
-            sharding.wait()  # provisioning failed first: let the data stage finish, not leave it running
-        teardown(cluster)
-        close_run(tracking_uri, lineage.parent_run_id, ok)
-        orphans.forget()
+        with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s) as lock:
+            run.logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)
+            promoted = promote_model(config.registry, validated, trained, shards, run.lineage)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
+                                   run.lineage)
 
     if promoted.decision == "first-champion":
         decision, reason, champion = "first-champion", "no champion existed", promoted.version
@@ -106,14 +81,14 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         reason=reason,
         champion_version=champion,
         val_bits_per_byte=validated.val_bits_per_byte,
-        parent_run_id=lineage.parent_run_id,
+        parent_run_id=run.lineage.parent_run_id,
         train_run_id=trained.train_run_id,
         dataset_digest=shards.dataset_digest,
         manifest_uri=shards.manifest_uri,
         checkpoint_uri=trained.checkpoint_uri,
-        flow_run_id=run_id,
+        flow_run_id=run.lineage.flow_run_id,
         endpoint_url=canary.endpoint_url,
-        stage_seconds=stage_seconds(tracking_uri, lineage.parent_run_id),
+        stage_seconds=stage_seconds(run.tracking_uri, run.lineage.parent_run_id),
     )
-    logger.info("decision=%s version=%s champion=%s: %s", decision, promoted.version, champion, reason)
+    run.logger.info("decision=%s version=%s champion=%s: %s", decision, promoted.version, champion, reason)
     return summary

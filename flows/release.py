@@ -4,15 +4,13 @@ The data stage is skipped: the shard set named by its prefix (or manifest) is op
 """
 from __future__ import annotations
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
 
 from deployments.release_lock import release_lock
 from flows.config import PipelineConfig
-from infra.cluster import ClusterInfo, teardown
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, close_run, open_parent_run, \
-    resolve_tracking_uri, stage_run
+from flows.run_context import shardline_run
+from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, stage_run
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.promote import promote_model
@@ -55,25 +53,17 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
         shard_set: prefix ({data.output}/{digest}) or manifest URI of a published shard set.
         config: the pipeline config; its `data` section is not used.
     """
-    logger = get_run_logger()
-    tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
-    run_id, run_name = str(flow_run.id or "local"), str(flow_run.name or "shardline-release")
-    lineage = Lineage(tracking_uri=tracking_uri, experiment=config.registry.experiment, flow_run_id=run_id,
-                      parent_run_id=open_parent_run(tracking_uri, config.registry.experiment, run_id, run_name))
-    cluster: ClusterInfo | None = None
-    ok = False
-    try:
-        shards = open_shard_set(shard_set, lineage)
-        cluster = provision_cluster(config.cluster, lineage)
-        trained = train_fsdp(config.train, shards, cluster, lineage, config.registry.model_name)
-        validated = validate_cached()(config.validation, config.train, trained, shards, lineage, config.registry)
-        with release_lock(config.registry.model_name, tracking_uri, config.canary.lock_timeout_s):
-            promoted = promote_model(config.registry, validated, trained, shards, lineage)
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, cluster, config.registry, lineage)
-        ok = True
-    finally:
-        teardown(cluster)
-        close_run(tracking_uri, lineage.parent_run_id, ok)
-    logger.info("version %s of %s: %s (%s)", promoted.version, promoted.model_name, canary.decision, canary.reason)
+    with shardline_run(config, "shardline-release", shard_set=shard_set) as run:
+        shards = open_shard_set(shard_set, run.lineage)
+        run.cluster = provision_cluster(config.cluster, run.lineage)
+        trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
+        validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)
+        with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s):
+            promoted = promote_model(config.registry, validated, trained, shards, run.lineage)
+            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
+                                   run.lineage)
+    run.logger.info("version %s of %s: %s (%s)", promoted.version, promoted.model_name, canary.decision,
+                    canary.reason)
     return {"model_name": promoted.model_name, "model_version": promoted.version, "decision": canary.decision,
-            "reason": canary.reason, "dataset_digest": shards.dataset_digest, "parent_run_id": lineage.parent_run_id}
+            "reason": canary.reason, "dataset_digest": shards.dataset_digest,
+            "parent_run_id": run.lineage.parent_run_id}
