@@ -18,7 +18,8 @@ class RegistryConfig(BaseModel):
 
 
 class ServeConfig(BaseModel):
-    """The live endpoint: one Ray Serve application per registered model, serving the registry's `champion`."""
+    """The live endpoint: one gateway per route prefix in front of one Ray Serve application per registered model,
+    each serving the registry's `champion`; a request's `model` picks the model."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -33,8 +34,20 @@ class ServeConfig(BaseModel):
         "", description="URL clients (and the canary's probe traffic) use when it differs from http://host:port, "
         "e.g. a remote cluster's load balancer.",
     )
-    route_prefix: str = Field("/", description="Route prefix of the model's application ('/' serves /v1/...).")
-    app_name: str = Field("", description="Serve application name; empty derives 'shardline-<registry.model_name>'.")
+    route_prefix: str = Field(
+        "/", description="Route prefix of the stack's gateway, which serves every model ('/' serves /v1/...).",
+    )
+    default_model: str = Field(
+        "", description="Model a request naming none goes to; empty: the only model served (several: a 400).",
+    )
+    app_name: str = Field(
+        "", description="Serve application of this model (behind the gateway); empty derives "
+        "'shardline-<registry.model_name>'. A name not starting with 'shardline-' is refused.",
+    )
+    gateway_replicas: int = Field(1, ge=1, description="Replicas of the gateway (the HTTP ingress of every model).")
+    max_queued_requests: int = Field(
+        512, ge=1, description="Requests the gateway queues beyond those in flight; more get a fast 503.",
+    )
     max_request_bytes: int = Field(
         65536, ge=256, description="Largest request body accepted; bigger ones get 413 before the body is read."
     )
@@ -51,6 +64,21 @@ class ServeConfig(BaseModel):
     drain_timeout_s: float = Field(
         30.0, gt=0, description="How long a removed version's replicas may finish requests in flight."
     )
+
+    @field_validator("app_name")
+    @classmethod
+    def _shardline_app_name(cls, name: str) -> str:
+        if name and not name.startswith("shardline-"):
+            raise ValueError(f"serve.app_name must start with 'shardline-' (the gateway serves only shardline's "
+                             f"applications), got {name!r}")
+        return name
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _route_prefix(cls, prefix: str) -> str:
+        if not prefix.startswith("/") or (len(prefix) > 1 and prefix.endswith("/")):
+            raise ValueError(f"serve.route_prefix must start with '/' and not end with one, got {prefix!r}")
+        return prefix
 
 
 class CanaryConfig(BaseModel):

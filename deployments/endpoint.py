@@ -1,6 +1,7 @@
 """The live endpoint's control side: desired state in, Ray Serve application out.
 
-The registry's `champion` alias is the desired state. `reconcile` observes what the application serves, diffs it
+Each model has its own application (no route of its own) behind the stack's gateway (gateway_control), which
+`reconcile` keeps deployed on serve.route_prefix. The registry's `champion` alias is the desired state. `reconcile` observes what the application serves, diffs it
 with the registry and acts: it deploys the champion at 100%, switches the router first and drains a replaced
 version before removing it, and removes a challenger that a dead canary left behind. `apply` deploys an AppSpec
 (used by the rollout driver for each ramp step); every change to weights is a lightweight `user_config` update,
@@ -20,12 +21,16 @@ from typing import Any
 from pydantic import BaseModel
 
 from deployments.config import ServeConfig
+from deployments.gateway_control import (
+    GATEWAY_APP, QUIET, EndpointConflict, ensure_gateway, gateway_name, prefix_holder, remove_gateway_if_unused,
+)
+from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
 from deployments.serve_app import RouterConfig
 
 log = logging.getLogger(__name__)
 ROUTER = "router"
-_CODE_FILES = ("deployments/serve_app.py", "deployments/serve_metrics.py", "training/bpb.py")
-_QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per request would flood every log
+_CODE_FILES = ("deployments/serve_app.py", "deployments/serve_metrics.py", "deployments/model_server.py",
+               "deployments/generation.py", "deployments/openai_api.py", "deployments/http_io.py", "training/bpb.py")
 
 
 class EndpointError(RuntimeError):
@@ -71,7 +76,8 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     """The Serve application of a spec: one ModelServer deployment `v<version>` per version, one router."""
     from ray import serve as rs
 
-    from deployments.serve_app import ModelServer, Router
+    from deployments.model_server import ModelServer
+    from deployments.serve_app import Router
 
     version = code_version(spec.tracking_uri, serve)
     # An explicit runtime env, never the deploying job's: Serve would copy that job's environment (which differs
@@ -92,7 +98,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
         name=ROUTER, num_replicas=1, ray_actor_options=options, user_config=spec.router.model_dump(),
         max_ongoing_requests=64,
     ), version)
-    return router.bind(spec.app_name, models)
+    return router.bind(spec.app_name, models, spec.router.model_name)
 
 
 def _tracking_env(app_name: str) -> dict[str, str]:
@@ -125,7 +131,7 @@ def start_proxy(serve: ServeConfig) -> None:
     """Start Serve's controller and HTTP proxy on serve.host:serve.port unless Serve already runs here."""
     from ray import serve as rs
 
-    rs.start(http_options={"host": serve.host, "port": serve.port}, logging_config=_QUIET)
+    rs.start(http_options={"host": serve.host, "port": serve.port}, logging_config=QUIET)
 
 
 def endpoint_url(serve: ServeConfig) -> str:
@@ -178,8 +184,9 @@ def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None 
 
     start_proxy(serve)
     try:
-        rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=serve.route_prefix,
-               blocking=False, logging_config=_QUIET)
+        # no route: the gateway forwards this model's requests to its router's handle
+        rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=None,
+               blocking=False, logging_config=QUIET)
     except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
         raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
@@ -246,9 +253,10 @@ def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha2
     challenger (a canary that died) is taken out of routing and removed. Another champion: the new one is deployed
     next to the old, the router switches, in-flight requests to the old one drain, then it is removed.
     """
-    from deployments.registry import CHAMPION, client_for, read_aliases
-
     app_name = app_name_for(serve, model_name)
+    if app_name.startswith(GATEWAY_APP):
+        raise EndpointConflict(f"registry.model_name={model_name!r}: its application {app_name!r} would be taken "
+                               "for the gateway's; set serve.app_name")
     champion = read_aliases(client_for(tracking_uri), model_name).get(CHAMPION)
     if champion is None:
         return Reconciled(app_name=app_name, url="", champion=None, action="no champion in the registry")
@@ -270,20 +278,54 @@ def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha2
         for v in stale:
             drain(app_name, v, serve.drain_timeout_s)
     spec = AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion], router=target)
-    if current == target.model_dump() and existing == [champion]:
+    client = client_for(tracking_uri)
+    try:
+        action = _serve_champion(spec, serve, current, existing, runtime_env, token_sha256)
+    except (EndpointError, EndpointConflict) as e:  # the registry says champion; say why nothing serves it
+        mark_serving(client, model_name, gateway_name(serve), f"{type(e).__name__}: {e}")
+        raise
+    mark_serving(client, model_name, gateway_name(serve))
+    return Reconciled(app_name=app_name, url=endpoint_url(serve), champion=champion, removed=stale,
+                      action=action + (f"; removed {', '.join('v' + v for v in stale)}" if stale else ""))
+
+
+def _serve_champion(spec: AppSpec, serve: ServeConfig, current: dict[str, Any] | None, existing: list[str],
+                    runtime_env: dict[str, Any] | None, token_sha256: str) -> str:
+    """Deploy the champion-only spec unless it already runs, with the gateway in front; what was done."""
+    app_name, champion = spec.app_name, spec.versions[0]
+    holder = prefix_holder(serve)  # an application of an older shardline, routed itself, moves behind the gateway
+    if current == spec.router.model_dump() and existing == [champion] and holder != app_name:
         action = "already serving the champion"
     else:
         apply(spec, serve, runtime_env)
-        action = f"serving v{champion} at 100%" + (f"; removed {', '.join('v' + v for v in stale)}" if stale else "")
-    return Reconciled(app_name=app_name, url=endpoint_url(serve), champion=champion, removed=stale, action=action)
+        action = f"serving v{champion} at 100%"
+    if holder is not None and holder != app_name:
+        _move_behind_gateway(holder, serve, spec.tracking_uri, runtime_env)
+    ensure_gateway(serve, token_sha256, runtime_env)
+    return action
+
+
+def _move_behind_gateway(app_name: str, serve: ServeConfig, tracking_uri: str,
+                         runtime_env: dict[str, Any] | None) -> None:
+    """Redeploy another model's application, as it is, without a route of its own (it was deployed by a shardline
+    from before the gateway). Its models are assumed to be in this stack's registry, `tracking_uri`."""
+    state = read_state(app_name)
+    if state is None or not state.get("config"):
+        raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
+                               "not answer; remove it with `shardline serve --down` for its model")
+    log.info("moving %s behind the gateway", app_name)
+    apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=served_versions(app_name),
+                  router=RouterConfig.model_validate(state["config"])), serve, runtime_env)
 
 
 def remove(serve: ServeConfig, model_name: str) -> bool:
-    """Delete this model's application (only it; never Serve itself or another application)."""
+    """Delete this model's application, and the gateway once no model is left behind it (never Serve itself or an
+    application shardline did not start)."""
     from ray import serve as rs
 
     app_name = app_name_for(serve, model_name)
     if app_name not in rs.status().applications:
         return False
     rs.delete(app_name, _blocking=True)
+    remove_gateway_if_unused(serve)
     return True

@@ -9,6 +9,9 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_REJECTED = "rejected"  # value: the reason the canary gave
 TAG_CANARY_DECISION = "shardline.canary_decision"
+# on the registered model: the gateway (app name) that serves its champion, and why serving it last failed
+TAG_SERVED_BY = "shardline.served_by"
+TAG_SERVE_ERROR = "shardline.serve_error"
 _MAX_TAG_VALUE = 5000  # MLflow caps model version tag values (8000 in recent servers); stay well below
 
 
@@ -232,3 +235,24 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
         return None
     mlflow.set_registry_uri(tracking_uri)
     return version, mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+
+
+def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:
+    """Record on the registered model that `gateway` serves (or should serve) its champion, and the last error
+    serving it ("" clears it): `shardline serve` reconciles every such model, `shardline status` reports them."""
+    client.set_registered_model_tag(name, TAG_SERVED_BY, gateway)
+    if error:
+        client.set_registered_model_tag(name, TAG_SERVE_ERROR, error[:500])
+    elif TAG_SERVE_ERROR in (client.get_registered_model(name).tags or {}):
+        client.delete_registered_model_tag(name, TAG_SERVE_ERROR)
+
+
+def served_champions(client: Any, gateway: str | None = None) -> dict[str, dict[str, str]]:
+    """Models marked as served (by `gateway`, or by any) that have a champion: name -> {"champion", "error"}."""
+    out = {}
+    for model in client.search_registered_models(filter_string=f"tags.`{TAG_SERVED_BY}` "
+                                                 + (f"= '{gateway}'" if gateway else "LIKE '%'")):
+        champion = (getattr(model, "aliases", None) or {}).get(CHAMPION)
+        if champion is not None:
+            out[model.name] = {"champion": str(champion), "error": (model.tags or {}).get(TAG_SERVE_ERROR, "")}
+    return out

@@ -1,29 +1,34 @@
-"""The live endpoint's Ray Serve application: one ModelServer deployment per served version behind one Router.
+"""A model's Ray Serve application: one ModelServer deployment per served version behind one Router.
 
-The Router is the HTTP ingress (`/v1/completions`, `/v1/score`, `/healthz`, `/metrics`). Which versions serve, and
-how much traffic the challenger gets, is the router's `user_config` (RouterConfig): changed by lightweight
-`reconfigure()` updates, read back by a restarted replica. A challenger's weight holds only while the canary's
-lease is fresh: past `lease_expires_at` the router sends everything to the champion by itself.
+The Router takes a model's requests (from the gateway over a deployment handle, or over HTTP where the application
+has a route of its own, as in a KubeRay RayService), validates them against the OpenAI protocol, routes each to the
+champion or the challenger, shadow-scores, and records the canary's evidence. Which versions serve, and how much
+traffic the challenger gets, is the router's `user_config` (RouterConfig): changed by lightweight `reconfigure()`
+updates, read back by a restarted replica. A challenger's weight holds only while the canary's lease is fresh: past
+`lease_expires_at` the router sends everything to the champion by itself.
 The classes are plain; endpoint.build_app wraps them with `serve.deployment`, so importing this needs no Ray.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import math
 import random
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from deployments import openai_api as oai
+from deployments.http_io import EVENT_STREAM, check_token, error_reply, read_body, reply, to_response, \
+    to_streaming_response
+from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
 from deployments.serve_metrics import RouterMetrics
 
 VERSION_HEADER = "x-shardline-model-version"
 PROBE_HEADER = "x-shardline-probe"
+VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence
 
 
 class RouterConfig(BaseModel):
@@ -52,112 +57,38 @@ class RouterConfig(BaseModel):
         return self.challenger_percent
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+@dataclass
+class Job:
+    """A validated request, ready to be routed."""
 
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=5.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    endpoint: str
+    req: CompletionRequest | ScoreRequest
+    cfg: RouterConfig
+    probe: bool
+    variant: str  # "" = routed by weight
 
+    @property
+    def text(self) -> bytes:
+        return (self.req.prompt if isinstance(self.req, CompletionRequest) else self.req.text).encode("utf-8")
 
-class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    text: str = Field(min_length=1)
-
-
-class ModelServer:
-    """One registered model version: `score(text)` and `complete(prompt, ...)`, with the model's own latency."""
-
-    def __init__(self, model_name: str, version: str, tracking_uri: str, threads: int = 1):
-        from infra.credentials import adopt_worker_secrets
-        from infra.paths import quiet_telemetry
-
-        quiet_telemetry()
-        adopt_worker_secrets(required=False)  # MLflow credentials from this application's 0600 file, if any
-        import mlflow
-        import torch
-
-        from deployments.registry import seq_len_of
-
-        torch.set_num_threads(threads)
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_registry_uri(tracking_uri)
-        uri = f"models:/{model_name}/{version}"
-        self.version = version
-        self.seq_len = seq_len_of(uri)
-        self.model = mlflow.pytorch.load_model(uri, map_location="cpu")
-        self.score(bytes(i % 256 for i in range(2 * self.seq_len + 3)))  # the first calls are slow: not on a request
-        self.complete(b"warm", 2, 0.0, 0)
-
-    def describe(self) -> dict[str, Any]:
-        """The replica's version and process id (tests check that a weight change restarts no replica)."""
-        import os
-
-        return {"version": self.version, "pid": os.getpid()}
-
-    def check_health(self) -> None:
-        """Serve's health check: a replica whose model cannot run one token is restarted."""
-        import torch
-
-        with torch.no_grad():
-            self.model(torch.zeros(1, 1, dtype=torch.long))
-
-    def score(self, text: bytes) -> dict[str, Any]:
-        from training.bpb import text_bits
-
-        t0 = time.perf_counter()
-        bits, n = _finite(text_bits(self.model, text, self.seq_len), self.version)
-        return {"version": self.version, "bits": bits, "bytes": n, "bpb": bits / n if n else None,
-                "latency_ms": (time.perf_counter() - t0) * 1000.0}
-
-    def complete(self, prompt: bytes, max_tokens: int, temperature: float, seed: int | None) -> dict[str, Any]:
-        """Continue `prompt` by `max_tokens` bytes; also score the prompt (the request's own labels)."""
-        import torch
-
-        from training.bpb import text_bits
-
-        t0 = time.perf_counter()
-        bits, n = _finite(text_bits(self.model, prompt, self.seq_len), self.version)
-        gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
-        context = torch.tensor(list(prompt[-self.seq_len:]), dtype=torch.long)
-        out = bytearray()
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                logits = self.model(context[None, -self.seq_len:])[0, -1].float()
-                if temperature == 0:
-                    nxt = int(torch.argmax(logits))
-                else:
-                    nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
-                out.append(nxt)
-                context = torch.cat([context, torch.tensor([nxt])])
-        return {"version": self.version, "text": out.decode("utf-8", errors="replace"), "bits": bits, "bytes": n,
-                "bpb": bits / n if n else None, "latency_ms": (time.perf_counter() - t0) * 1000.0}
-
-
-def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
-    """A score, or ValueError when the model produced non-finite logits (a broken model is an erroring one)."""
-    if not math.isfinite(scored[0]):
-        raise ValueError(f"model version {version} produced non-finite logits")
-    return scored
-
-
-def _error(status: int, message: str) -> Any:
-    from starlette.responses import JSONResponse
-
-    return JSONResponse({"error": message}, status_code=status)
+    def op_args(self) -> tuple[str, tuple[Any, ...]]:
+        if isinstance(self.req, ScoreRequest):
+            return "score", (self.text,)
+        r = self.req
+        params = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                  "seed": r.seed, "stop": r.stops(), "logprobs": r.logprobs, "echo": r.echo}
+        return "complete", (self.text, params)
 
 
 class Router:
-    """HTTP ingress: validates, routes each request to champion or challenger, shadow-scores, records."""
+    """A model's requests: validates, routes each to champion or challenger, shadow-scores, records."""
 
-    def __init__(self, app_name: str, models: dict[str, Any]):
+    def __init__(self, app_name: str, models: dict[str, Any], model_name: str = ""):
         self.app_name = app_name
         self.handles: dict[str, Any] = dict(models)  # bound at deploy time; later versions resolved by name
         self.cfg: RouterConfig | None = None
         self.replica_id = uuid.uuid4().hex
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(model_name or app_name)
         self.observations: deque[dict[str, Any]] = deque(maxlen=20000)
         self.seq = 0
         self.inflight: Counter[str] = Counter()
@@ -189,6 +120,10 @@ class Router:
                  if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
         return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
+    def metrics_text(self) -> str:
+        """This replica's Prometheus exposition (the gateway merges every model's into its /metrics)."""
+        return self.metrics.exposition()[0].decode()
+
     def _handle(self, version: str) -> Any:
         if version not in self.handles:
             from ray import serve
@@ -207,129 +142,234 @@ class Router:
         self.metrics.model_call(version, kind, op, out)
         return out
 
-    # ----- HTTP
+    # ----- requests: over HTTP (an application with a route of its own) or from the gateway's handle
     async def __call__(self, request: Any) -> Any:
-        path = request.url.path.rstrip("/")
-        if request.method == "GET" and path.endswith("/healthz"):
-            return self._healthz()
-        if request.method == "GET" and path.endswith("/metrics"):
-            from starlette.responses import Response
-
-            body, content_type = self.metrics.exposition()
-            return Response(body, media_type=content_type)
-        endpoint = "completions" if path.endswith("/v1/completions") else "score" if path.endswith("/v1/score") else ""
-        if not endpoint:
-            return self._reject(404, "", f"no such endpoint: {request.method} {request.url.path}")
-        if request.method != "POST":
-            return self._reject(405, endpoint, f"{request.url.path} takes POST")
-        if self.cfg is None:
-            return self._reject(503, endpoint, "the router has no configuration yet")
-        cfg = self.cfg
-        if cfg.token_sha256:
-            given = request.headers.get("authorization", "")
-            digest = hashlib.sha256(given.removeprefix("Bearer ").encode()).hexdigest()
-            if not given.startswith("Bearer ") or not hmac.compare_digest(digest, cfg.token_sha256):
-                return self._reject(401, endpoint, "missing or wrong bearer token")
-        body = await self._read_body(request, cfg.max_request_bytes)
-        if isinstance(body, int):
-            return self._reject(413, endpoint, f"request body over serve.max_request_bytes={cfg.max_request_bytes}")
-        parsed = self._parse(endpoint, body, cfg)
-        if isinstance(parsed, tuple):
-            return self._reject(*parsed[:1], endpoint, parsed[1])
-        return await self._serve(endpoint, parsed, cfg, request.headers.get(PROBE_HEADER) == "1")
-
-    def _healthz(self) -> Any:
-        from starlette.responses import JSONResponse
-
-        if self.cfg is None:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.cfg.model_name, "champion": self.cfg.champion,
-                             "challenger": self.cfg.challenger,
-                             "challenger_percent": self.cfg.effective_percent(time.time())},
-                            headers={VERSION_HEADER: self.cfg.champion})
-
-    def _reject(self, status: int, endpoint: str, message: str) -> Any:
-        self.metrics.rejected(endpoint or "none", status)
-        return _error(status, message)
-
-    @staticmethod
-    async def _read_body(request: Any, limit: int) -> bytes | int:
-        """The body, or the status 413 when it is over `limit`: from Content-Length before reading, else while
-        streaming (a chunked body is never held past the limit)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return 413
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return 413
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    @staticmethod
-    def _parse(endpoint: str, body: bytes, cfg: RouterConfig) -> CompletionRequest | ScoreRequest | tuple[int, str]:
+        limit = self.cfg.max_request_bytes if self.cfg else 65536
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return 400, f"body is not JSON: {e.msg if hasattr(e, 'msg') else e} at position {getattr(e, 'pos', 0)}"
-        except RecursionError:
-            return 400, "body is not JSON this endpoint accepts: nested too deeply"
-        model = CompletionRequest if endpoint == "completions" else ScoreRequest
+            body = await read_body(request, limit) if request.method == "POST" else b""
+        except ApiError as e:
+            self.metrics.rejected("none", e.status)
+            return to_response(error_reply(e))
+        out = self.respond_stream(request.method, request.url.path, dict(request.headers), body)
+        head = await out.__anext__()
+        if "body" in head:
+            return to_response(head)
+        return await to_streaming_response(head, out)
+
+    async def respond(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
+        """The whole reply to one request that is not a stream."""
+        prepared = self._prepare(method, path, headers, body)
+        return prepared if isinstance(prepared, dict) else await self._serve(prepared)
+
+    async def respond_stream(self, method: str, path: str, headers: dict[str, str],
+                             body: bytes) -> AsyncIterator[Any]:
+        """A reply as a head ({"status", "headers", "media_type"}, with "body" when it is whole) and, for a
+        stream, its server-sent events as bytes."""
+        prepared = self._prepare(method, path, headers, body)
+        if isinstance(prepared, dict):
+            yield prepared
+        elif isinstance(prepared.req, CompletionRequest) and prepared.req.stream:
+            async for item in self._serve_stream(prepared):
+                yield item
+        else:
+            yield await self._serve(prepared)
+
+    def _prepare(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any] | Job:
+        path = path.rstrip("/")
+        endpoint = ""
         try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            return 422, f"{where}: {first['msg']}"
-        text = req.prompt if isinstance(req, CompletionRequest) else req.text
-        size = len(text.encode("utf-8"))
-        if size > cfg.max_prompt_bytes:
-            return 422, f"{'prompt' if endpoint == 'completions' else 'text'}: {size} bytes > serve.max_prompt_bytes={cfg.max_prompt_bytes}"
-        if isinstance(req, ScoreRequest) and size < 2:
-            return 422, "text: needs at least 2 bytes (the first byte is never predicted)"
-        if isinstance(req, CompletionRequest) and req.max_tokens > cfg.max_tokens_cap:
-            return 422, f"max_tokens: {req.max_tokens} > serve.max_tokens_cap={cfg.max_tokens_cap}"
-        return req
+            if method == "GET" and path.endswith("/healthz"):
+                return self._healthz()
+            if method == "GET" and path.endswith("/metrics"):
+                body_, content_type = self.metrics.exposition()
+                return reply(200, body_, media_type=content_type)
+            endpoint = "completions" if path.endswith("/v1/completions") else \
+                "score" if path.endswith("/v1/score") else "models" if path.endswith("/v1/models") else ""
+            if not endpoint:
+                raise ApiError(404, f"no such endpoint: {method} {path or '/'}", code="not_found")
+            if self.cfg is None:
+                raise ApiError(503, "the router has no configuration yet", kind="server_error", retry_after=1)
+            cfg = self.cfg
+            check_token(headers, cfg.token_sha256)
+            if endpoint == "models":
+                if method != "GET":
+                    raise ApiError(405, f"{path} takes GET")
+                return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
+            if method != "POST":
+                raise ApiError(405, f"{path} takes POST")
+            req = oai.validate(endpoint, oai.parse_json(body), cfg.max_prompt_bytes, cfg.max_tokens_cap)
+            if req.model is not None and req.model != cfg.model_name:
+                raise ApiError(404, f"model: {req.model!r} is not served here (this is {cfg.model_name!r})",
+                               param="model", code="model_not_found")
+            variant = headers.get(VARIANT_HEADER, "")
+            if variant not in ("", "champion", "challenger"):
+                raise ApiError(400, f"{VARIANT_HEADER}: {variant!r} is not champion or challenger")
+            if variant == "challenger" and cfg.challenger is None:
+                raise ApiError(404, f"{VARIANT_HEADER}: {cfg.model_name} has no challenger deployed",
+                               code="no_challenger")
+        except ApiError as e:
+            self.metrics.rejected(endpoint or "none", e.status)
+            return error_reply(e)
+        return Job(endpoint, req, cfg, headers.get(PROBE_HEADER) == "1", variant)
 
-    async def _serve(self, endpoint: str, req: CompletionRequest | ScoreRequest, cfg: RouterConfig,
-                     probe: bool) -> Any:
-        from starlette.responses import JSONResponse
+    def _healthz(self) -> dict[str, Any]:
+        if self.cfg is None:
+            return reply(503, {"status": "starting"})
+        return reply(200, {"status": "ok", "model": self.cfg.model_name, "champion": self.cfg.champion,
+                           "challenger": self.cfg.challenger,
+                           "challenger_percent": self.cfg.effective_percent(time.time())},
+                     {VERSION_HEADER: self.cfg.champion})
 
-        text = (req.prompt if isinstance(req, CompletionRequest) else req.text).encode("utf-8")
-        op, args = ("complete", (text, req.max_tokens, req.temperature, req.seed)) \
-            if isinstance(req, CompletionRequest) else ("score", (text,))
-        t0 = time.perf_counter()
+    def _choose(self, job: Job) -> tuple[bool, bool]:
+        """(to the challenger, paired with a champion shadow score)."""
+        cfg = job.cfg
+        if job.variant:
+            return job.variant == "challenger", False
         percent = cfg.effective_percent(time.time())
         to_challenger = cfg.challenger is not None and self.rng.random() * 100 < percent
+        return to_challenger, to_challenger and self.shadow_rng.random() < cfg.shadow_share
+
+    async def _serve(self, job: Job) -> dict[str, Any]:
+        cfg, text = job.cfg, job.text
+        op, args = job.op_args()
+        t0 = time.perf_counter()
+        to_challenger, paired = self._choose(job)
         shadow = failed = None
         if to_challenger:
-            paired = self.shadow_rng.random() < cfg.shadow_share
             # sequential, alternating order: concurrent scoring on a small machine would compare contention
             if paired and self.seq % 2:
                 shadow = await self._call(cfg.champion, "score", "shadow", text)
-            served = await self._call(cfg.challenger, op, "served", *args)
+            served = await self._call(str(cfg.challenger), op, "served", *args)
             if paired and shadow is None:
                 shadow = await self._call(cfg.champion, "score", "shadow", text)
-            if not served["ok"]:  # the client is answered by the champion; the failure counts against the challenger
+            if not served["ok"] and not job.variant:
+                # the client is answered by the champion; the failure counts against the challenger
                 failed = served
                 served = await self._call(cfg.champion, op, "served", *args) if op != "score" or not (
                     shadow and shadow["ok"]) else shadow
         else:
             served = await self._call(cfg.champion, op, "served", *args)
-        self._record(cfg, endpoint, probe, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0)
+        if not job.variant:
+            self._record(cfg, job.endpoint, job.probe, to_challenger, served, shadow, failed,
+                         (time.perf_counter() - t0) * 1000.0)
         version = served["version"]
+        self.metrics.request(version, job.endpoint, self._source(job), ok=served["ok"])
         if not served["ok"]:
-            self.metrics.request(version, endpoint, probe, ok=False)
-            return JSONResponse({"error": f"model version {version} failed: {served['error']}",
-                                 "model_version": version}, status_code=503, headers={VERSION_HEADER: version})
-        self.metrics.request(version, endpoint, probe, ok=True)
-        payload: dict[str, Any] = {"model": cfg.model_name, "model_version": version}
-        if endpoint == "completions":
-            payload |= {"text": served["text"], "prompt_bits_per_byte": served["bpb"]}
+            e = ApiError(503, f"model version {version} failed: {served['error']}", kind="server_error",
+                         code="model_failed", retry_after=1)
+            return error_reply(e, {VERSION_HEADER: version})
+        if isinstance(job.req, ScoreRequest):
+            payload: dict[str, Any] = {"model": cfg.model_name, "model_version": version,
+                                       "bits_per_byte": served["bpb"], "bytes": served["bytes"],
+                                       "bits": served["bits"]}
         else:
-            payload |= {"bits_per_byte": served["bpb"], "bytes": served["bytes"], "bits": served["bits"]}
-        return JSONResponse(payload, headers={VERSION_HEADER: version})
+            payload = self._completion(job, served)
+        return reply(200, payload, {VERSION_HEADER: version})
+
+    @staticmethod
+    def _source(job: Job) -> str:
+        return "variant" if job.variant else "probe" if job.probe else "live"
+
+    def _completion(self, job: Job, served: dict[str, Any]) -> dict[str, Any]:
+        from deployments.generation import merge_logprobs
+
+        req = job.req
+        assert isinstance(req, CompletionRequest)
+        prompt = req.prompt if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            head = self._prompt_piece({**served, "prompt": job.text}) if req.echo else None
+            logprobs = merge_logprobs([head, *served["pieces"]])
+        return oai.completion(oai.completion_id(), job.cfg.model_name, served["version"], prompt + served["text"],
+                              served["finish_reason"], len(job.text), int(served["tokens"]), logprobs,
+                              served["bpb"])
+
+    @staticmethod
+    def _prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
+        from deployments.generation import token_text
+
+        scored = head.get("prompt_logprobs")
+        if scored is None:
+            return None
+        return {"tokens": [token_text(b) for b in head["prompt"]], "token_logprobs": [lp for lp, _ in scored],
+                "top_logprobs": [top for _, top in scored]}
+
+    async def _serve_stream(self, job: Job) -> AsyncIterator[Any]:
+        """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
+        from deployments.generation import merge_logprobs
+
+        cfg, text = job.cfg, job.text
+        _, (prompt, params) = job.op_args()
+        t0 = time.perf_counter()
+        to_challenger, paired = self._choose(job)
+        shadow = failed = None
+        if paired:
+            shadow = await self._call(cfg.champion, "score", "shadow", text)
+        version = str(cfg.challenger) if to_challenger else cfg.champion
+        stream, head = await self._open_stream(version, prompt, params)
+        if "error" in head and to_challenger and not job.variant:  # failed before a byte: the champion answers
+            failed, version = head, cfg.champion
+            stream, head = await self._open_stream(version, prompt, params)
+        if "error" in head:
+            self._finish_stream(job, to_challenger, head, shadow, failed, t0)
+            yield error_reply(ApiError(503, f"model version {version} failed: {head['error']}",
+                                       kind="server_error", code="model_failed", retry_after=1),
+                              {VERSION_HEADER: version})
+            return
+        yield {"status": 200, "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
+               "media_type": EVENT_STREAM}
+        cid, model, req = oai.completion_id(), cfg.model_name, job.req
+        assert isinstance(req, CompletionRequest)
+        served: dict[str, Any] = {**head, "ok": True}
+        if req.echo:
+            piece = self._prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
+            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None,
+                                    merge_logprobs([piece]) if piece else None))
+        offset = len(req.prompt) if req.echo else 0
+        finished = False
+        try:
+            async for event in stream:
+                if "text" in event:
+                    lp = merge_logprobs([event["logprobs"]], offset) if req.logprobs is not None else None
+                    offset += len(event["text"])
+                    yield oai.sse(oai.chunk(cid, model, version, event["text"], None, lp))
+                else:
+                    served |= event
+        except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
+            served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            yield oai.sse(oai.error_body(f"model version {version} failed mid-stream: {served['error']}",
+                                         "server_error", code="model_failed"))
+        else:
+            finished = True
+            yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield oai.sse(oai.usage_chunk(cid, model, version, len(prompt), int(served.get("tokens", 0))))
+        finally:
+            if not finished:  # the client went away (or the replica failed): stop generating now
+                stream.cancel()
+            self._finish_stream(job, to_challenger, served, shadow, failed, t0)
+        yield oai.DONE
+
+    async def _open_stream(self, version: str, prompt: bytes, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The replica's event stream and its first event, or (None, {"version", "error"})."""
+        self.inflight[version] += 1
+        try:
+            stream = self._handle(version).options(stream=True).complete_stream.remote(prompt, params)
+            return stream, {**await stream.__anext__(), "prompt": prompt}
+        except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
+            return None, {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            self.inflight[version] -= 1
+
+    def _finish_stream(self, job: Job, to_challenger: bool, served: dict[str, Any], shadow: dict | None,
+                       failed: dict | None, t0: float) -> None:
+        out = dict(served)
+        out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
+        self.metrics.model_call(out["version"], "served", "complete", out)
+        self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
+        if not job.variant:
+            self._record(job.cfg, job.endpoint, job.probe, to_challenger, out, shadow, failed,
+                         (time.perf_counter() - t0) * 1000.0)
 
     def _record(self, cfg: RouterConfig, endpoint: str, probe: bool, to_challenger: bool, served: dict,
                 shadow: dict | None, failed: dict | None, total_ms: float) -> None:

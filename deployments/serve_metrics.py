@@ -1,4 +1,7 @@
-"""Prometheus metrics of the live endpoint's router, per model version, through prometheus_client."""
+"""Prometheus metrics of a model's router, per model and version, through prometheus_client.
+
+Every series carries the `model` label: the gateway merges the routers' expositions into one /metrics.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,42 +10,44 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class RouterMetrics:
-    """One registry per router replica (scraped at GET /metrics of the application)."""
+    """One registry per router replica (merged into the gateway's GET /metrics)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.model = model
         self.registry = CollectorRegistry()
         self.requests = Counter("shardline_requests", "HTTP requests answered, by the version that served them.",
-                                ["version", "endpoint", "source", "outcome"], registry=self.registry)
+                                ["model", "version", "endpoint", "source", "outcome"], registry=self.registry)
         self.rejects = Counter("shardline_rejected_requests", "Requests refused before reaching a model.",
-                               ["endpoint", "status"], registry=self.registry)
+                               ["model", "endpoint", "status"], registry=self.registry)
         self.calls = Counter("shardline_model_calls", "Model calls, served or shadow, by outcome.",
-                             ["version", "kind", "op", "outcome"], registry=self.registry)
+                             ["model", "version", "kind", "op", "outcome"], registry=self.registry)
         self.latency = Histogram("shardline_model_latency_seconds", "Model time inside the replica per call.",
-                                 ["version", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.bits = Counter("shardline_bits", "Bits the model needed for the bytes it scored.", ["version"],
+                                 ["model", "version", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.bits = Counter("shardline_bits", "Bits the model needed for the bytes it scored.", ["model", "version"],
                             registry=self.registry)
-        self.bytes = Counter("shardline_scored_bytes", "Bytes scored (predicted), per version.", ["version"],
+        self.bytes = Counter("shardline_scored_bytes", "Bytes scored (predicted), per version.", ["model", "version"],
                              registry=self.registry)
         self.percent = Gauge("shardline_challenger_percent", "Percent of requests routed to the challenger.",
-                             registry=self.registry)
+                             ["model"], registry=self.registry)
 
     def set_percent(self, percent: int) -> None:
-        self.percent.set(percent)
+        self.percent.labels(self.model).set(percent)
 
     def rejected(self, endpoint: str, status: int) -> None:
-        self.rejects.labels(endpoint, str(status)).inc()
+        self.rejects.labels(self.model, endpoint, str(status)).inc()
 
-    def request(self, version: str, endpoint: str, probe: bool, ok: bool) -> None:
-        self.requests.labels(version, endpoint, "probe" if probe else "live", "ok" if ok else "error").inc()
+    def request(self, version: str, endpoint: str, source: str, ok: bool) -> None:
+        """source: live, probe (the canary's own traffic) or variant (a tester's x-shardline-variant request)."""
+        self.requests.labels(self.model, version, endpoint, source, "ok" if ok else "error").inc()
 
     def model_call(self, version: str, kind: str, op: str, out: dict[str, Any]) -> None:
-        self.calls.labels(version, kind, op, "ok" if out.get("ok") else "error").inc()
+        self.calls.labels(self.model, version, kind, op, "ok" if out.get("ok") else "error").inc()
         if out.get("ok"):
-            self.latency.labels(version, op).observe(out["latency_ms"] / 1000.0)
-            self.bits.labels(version).inc(out["bits"])
-            self.bytes.labels(version).inc(out["bytes"])
+            self.latency.labels(self.model, version, op).observe(out["latency_ms"] / 1000.0)
+            self.bits.labels(self.model, version).inc(out["bits"])
+            self.bytes.labels(self.model, version).inc(out["bytes"])
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

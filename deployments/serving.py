@@ -48,6 +48,7 @@ def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
         {"url", "app", "champion", "action", "ray_address", "dashboard_url", "reconciled"}.
     """
     from deployments.endpoint import app_name_for, endpoint_url, read_state, reconcile, start_proxy
+    from deployments.gateway_control import ensure_gateway
     from deployments.registry import client_for
     from deployments.release_lock import LockTimeout, release_lock
     from deployments.rollout import tag_abandoned
@@ -64,14 +65,46 @@ def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
             done = reconcile(config.serve, name, tracking_uri, token, env)
             tag_abandoned(client_for(tracking_uri), name, done.removed)
             start_proxy(config.serve)
+            if done.champion is None:  # the gateway answers "waiting for a first model" until there is one
+                ensure_gateway(config.serve, token, env)
             out = {"url": done.url or endpoint_url(config.serve), "champion": done.champion, "action": done.action,
                    "reconciled": True}
     except LockTimeout:
         state = read_state(app_name_for(config.serve, name))
         out = {"url": endpoint_url(config.serve), "champion": state["config"]["champion"] if state else None,
                "action": "a release of this model is in progress; left as it is", "reconciled": False}
+    others = reconcile_others(config.serve, name, tracking_uri, token, env)
     return {**out, "app": app_name_for(config.serve, name), "ray_address": cluster.gcs_address or cluster.address,
-            "dashboard_url": cluster.dashboard_url}
+            "dashboard_url": cluster.dashboard_url, "others": others}
+
+
+def reconcile_others(serve: ServeConfig, skip: str, tracking_uri: str, token_sha256: str,
+                     runtime_env: dict[str, Any] | None) -> dict[str, str]:
+    """Serve the champion of every other model this gateway serves (per the registry) where it is not served: a
+    release that failed after promotion left it so. Models whose release is in progress are left to it.
+
+    Returns:
+        model name -> what was done, or the one-line reason it still is not served.
+    """
+    from deployments.endpoint import EndpointError, app_name_for, read_state, reconcile
+    from deployments.gateway_control import EndpointConflict, gateway_name
+    from deployments.registry import client_for, served_champions
+    from deployments.release_lock import LockTimeout, release_lock
+
+    plain = serve.model_copy(update={"app_name": ""})  # serve.app_name names this run's model's application only
+    out = {}
+    for model, want in served_champions(client_for(tracking_uri), gateway_name(serve)).items():
+        state = read_state(app_name_for(plain, model))
+        if model == skip or (state is not None and state["config"]["champion"] == want["champion"]):
+            continue
+        try:
+            with release_lock(model, tracking_uri, 0.5):
+                out[model] = reconcile(plain, model, tracking_uri, token_sha256, runtime_env).action
+        except LockTimeout:
+            out[model] = "a release of this model is in progress; left as it is"
+        except (EndpointError, EndpointConflict) as e:
+            out[model] = f"not served: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return out
 
 
 def serve_down(config: Any) -> dict[str, Any]:

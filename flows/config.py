@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
+from deployments.gateway_control import EndpointConflict, check_endpoint_free
 from infra.config import ClusterConfig
 from infra.stack.config import StackConfig
 from training.config import TrainConfig, ValidationConfig
@@ -153,10 +154,17 @@ def load_stack_config(
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:
-    """ConfigError when the canary is on but the live endpoint it ramps on is off."""
+    """ConfigError when the canary is on but the live endpoint it ramps on is off, or when the endpoint's address
+    cannot host shardline's gateway (a route prefix or port held by something shardline did not start): found
+    before anything trains, so nothing is registered for a model that could not be served."""
     if config.canary.enabled and not config.serve.enabled:
         raise ConfigError(f"{origin}: canary.enabled = true needs serve.enabled = true (the canary ramps on the live "
                           "endpoint); set canary.enabled = false to end runs at the registry")
+    if config.serve.enabled:
+        try:
+            check_endpoint_free(config.serve)
+        except EndpointConflict as e:
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def check_remote_storage(config: PipelineConfig, origin: str = "config", tracking_uri: str = "") -> None:

@@ -25,6 +25,7 @@ class Load:
     max_requests: int = 3000
     max_seconds: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # the request's `model` field (None: the gateway's default)
     answers: list[Answer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class Load:
                 text = next(bodies)
                 endpoint, body = (("score", {"text": text}) if i % 2 == 0 else
                                   ("completions", {"prompt": text[:200], "max_tokens": 4, "temperature": 0}))
+                if self.model is not None:
+                    body["model"] = self.model
                 try:
                     r = http.post(f"{self.url}/v1/{endpoint}", json=body, headers=self.headers)
                     self.answers.append(Answer(time.time(), r.status_code,

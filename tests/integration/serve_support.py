@@ -80,9 +80,9 @@ def log_model(table, run_name: str, exp: str, client, behaviour: str = "plain") 
     return train_run, info.model_uri
 
 
-def register(client, train_run: str, model_uri: str):
-    version = register_version(client, NAME, model_uri, train_run, {TAG_TRAIN_RUN_ID: train_run})
-    return apply_promotion(client, decide_promotion(NAME, version, read_aliases(client, NAME)))
+def register(client, train_run: str, model_uri: str, name: str = NAME):
+    version = register_version(client, name, model_uri, train_run, {TAG_TRAIN_RUN_ID: train_run})
+    return apply_promotion(client, decide_promotion(name, version, read_aliases(client, name)))
 
 
 def heldout_bpb(table, texts: list[bytes]) -> float:

@@ -73,10 +73,17 @@ def test_the_endpoint_serves_the_champion_and_refuses_bad_input(world):
         r = http.post(f"{url}/v1/completions", json={"prompt": "import os\n", "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200 and r.json()["model_version"] == "1"
         assert r.headers["x-shardline-model-version"] == "1"
-        assert len(r.json()["text"].encode("utf-8", "surrogatepass")) >= 1
+        answer = r.json()
+        assert answer["object"] == "text_completion" and answer["model"] == NAME
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
+        assert len(answer["choices"][0]["text"].encode("utf-8", "surrogatepass")) >= 1
         # greedy decoding is deterministic
-        assert http.post(f"{url}/v1/completions", json={"prompt": "import os\n", "max_tokens": 12,
-                                                        "temperature": 0}).json()["text"] == r.json()["text"]
+        again = http.post(f"{url}/v1/completions", json={"prompt": "import os\n", "max_tokens": 12,
+                                                         "temperature": 0}).json()
+        assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+        assert http.get(f"{url}/v1/models").json()["data"][0] | {"created": 0} == {
+            "id": NAME, "object": "model", "created": 0, "owned_by": "shardline", "champion_version": "1"}
         text = world["texts"][0]
         s = http.post(f"{url}/v1/score", json={"text": text})
         assert s.status_code == 200 and s.headers["x-shardline-model-version"] == "1"
@@ -88,18 +95,22 @@ def test_the_endpoint_serves_the_champion_and_refuses_bad_input(world):
         bad = [
             (413, {"content": b"x" * (limit + 1)}, "score"),
             (400, {"content": b"{not json"}, "score"),
-            (422, {"json": {"text": 42}}, "score"),
-            (422, {"json": {"text": "x"}}, "score"),
-            (422, {"json": {"text": "ok", "extra": 1}}, "score"),
-            (422, {"json": {"prompt": ""}}, "completions"),
-            (422, {"json": {"prompt": "hi", "max_tokens": 10_000}}, "completions"),
-            (422, {"json": {"prompt": "hi", "max_tokens": "3"}}, "completions"),
-            (422, {"json": {"prompt": "é" * 3000}}, "completions"),
+            (400, {"json": {"text": 42}}, "score"),
+            (400, {"json": {"text": "x"}}, "score"),
+            (400, {"json": {"text": "ok", "extra": 1}}, "score"),
+            (400, {"json": {"prompt": ""}}, "completions"),
+            (400, {"json": {"prompt": "hi", "max_tokens": 10_000}}, "completions"),
+            (400, {"json": {"prompt": "hi", "max_tokens": "3"}}, "completions"),
+            (400, {"json": {"prompt": "é" * 3000}}, "completions"),
+            (400, {"json": {"prompt": "hi", "n": 3}}, "completions"),
+            (404, {"json": {"prompt": "hi", "model": "no-such-model"}}, "completions"),
         ]
         for status, kwargs, path in bad:
             r = http.post(f"{url}/v1/{path}", headers={"content-type": "application/json"}, **kwargs)
             assert r.status_code == status, (kwargs, r.text)
-            assert list(r.json()) == ["error"] and "\n" not in r.json()["error"]
+            error = r.json()["error"]  # OpenAI's error object
+            assert list(r.json()) == ["error"] and set(error) == {"message", "type", "param", "code"}
+            assert "\n" not in error["message"]
         assert http.get(f"{url}/v1/score").status_code == 405
         assert http.get(f"{url}/healthz").json()["champion"] == "1"
     assert _metric(url, "shardline_model_calls_total") == calls_before  # nothing reached a model

@@ -1,0 +1,209 @@
+"""The stack's one HTTP ingress: every served model behind one route prefix, picked by the request's `model`.
+
+The way OpenAI-compatible servers do it: `GET /v1/models` lists every served model with its champion version,
+`POST /v1/completions` and `/v1/score` go to the router of the model the body names (or to `serve.default_model`,
+or to the only model there is). Each model keeps its own application, router, canary, lock, lease and evidence;
+the gateway only forwards the request (headers and body) to that router's handle and relays its reply, streamed
+or whole. Which models exist is observed, not configured: the gateway lists the applications with a shardline
+router in Serve's status (every REFRESH_S, and at once when a request names a model it does not know), so a model
+deployed or removed by any run shows up without touching the gateway.
+The class is plain; endpoint.ensure_gateway wraps it with `serve.deployment`, so importing this needs no Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from deployments import openai_api as oai
+from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
+from deployments.openai_api import ApiError
+from deployments.serve_metrics import RouterMetrics
+
+ROUTER = "router"
+REFRESH_S = 2.0
+GATEWAY_HEADER = "x-shardline-gateway"  # the flow-start check tells shardline's gateway from other servers by it
+
+
+class GatewayConfig(BaseModel):
+    """The gateway's user_config (a lightweight update changes it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default_model: str = ""
+    max_request_bytes: int = 65536
+    token_sha256: str = ""
+
+
+def merge_expositions(texts: list[str]) -> bytes:
+    """One Prometheus exposition from several (each router's): families of the same name are joined."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name in families:
+                families[fam.name].samples.extend(fam.samples)
+            else:
+                families[fam.name] = fam
+
+    class _Merged:
+        def collect(self) -> list[Any]:
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())  # type: ignore[arg-type]  # a duck-typed collector is what the registry takes
+    return generate_latest(registry)
+
+
+class Gateway:
+    """HTTP ingress of every served model: routes by `model`, lists models, merges metrics."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self.cfg = GatewayConfig()
+        self.models: dict[str, dict[str, Any]] = {}  # model name -> {"app", "champion", "created"}
+        self.refreshed_at = 0.0
+        self._lock = asyncio.Lock()
+        self.metrics = RouterMetrics("")  # requests the gateway refuses itself (model "" = none chosen yet)
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        self.cfg = GatewayConfig.model_validate(config)
+
+    def get_config(self) -> dict[str, Any]:
+        return self.cfg.model_dump()
+
+    async def _refresh(self, force: bool = False) -> None:
+        async with self._lock:
+            if not force and time.monotonic() - self.refreshed_at < REFRESH_S:
+                return
+            apps = await asyncio.to_thread(_router_apps, self.app_name)
+            found: dict[str, dict[str, Any]] = {}
+            for app in apps:
+                try:
+                    cfg = (await _router(app).get_state.remote()).get("config")
+                except Exception:  # noqa: BLE001 - a router restarting: keep what it served until it answers
+                    found |= {m: d for m, d in self.models.items() if d["app"] == app}
+                    continue
+                if cfg:
+                    known = self.models.get(cfg["model_name"], {})
+                    found[cfg["model_name"]] = {"app": app, "champion": cfg["champion"],
+                                                "created": known.get("created", time.time())}
+            self.models, self.refreshed_at = found, time.monotonic()
+
+    async def get_models(self) -> dict[str, dict[str, Any]]:
+        """The served models as the gateway sees them now (`shardline status` reads this)."""
+        await self._refresh(force=True)
+        return self.models
+
+    async def __call__(self, request: Any) -> Any:
+        path = request.url.path.rstrip("/")
+        headers = {GATEWAY_HEADER: "1"}
+        try:
+            if request.method == "GET" and path.endswith("/healthz"):
+                return await self._healthz(request.query_params.get("model"), headers)
+            if request.method == "GET" and path.endswith("/metrics"):
+                return await self._metrics()
+            check_token(dict(request.headers), self.cfg.token_sha256)
+            if path.endswith("/v1/models"):
+                if request.method != "GET":
+                    raise ApiError(405, f"{path} takes GET")
+                await self._refresh()
+                return to_response(reply(200, oai.model_list(
+                    [oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()]), headers))
+            if not path.endswith(("/v1/completions", "/v1/score")):
+                raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
+            if request.method != "POST":
+                raise ApiError(405, f"{path} takes POST")
+            body = await read_body(request, self.cfg.max_request_bytes)
+            model, stream = peek(body)
+            app = await self._app_for(model)
+        except ApiError as e:
+            self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
+            return to_response(error_reply(e, headers))
+        args = (request.method, request.url.path, dict(request.headers), body)
+        router = _router(app)
+        if not stream:
+            return to_response(await router.respond.remote(*args))
+        out = router.options(stream=True).respond_stream.remote(*args)
+        head = await out.__anext__()
+        if "body" in head:
+            return to_response(head)
+        return await to_streaming_response(head, _relay(out))
+
+    async def _app_for(self, model: str | None) -> str:
+        """The application serving `model` (or the default one), or ApiError naming what is served."""
+        await self._refresh()
+        if model is not None and model not in self.models:
+            await self._refresh(force=True)  # deployed a moment ago?
+        served = sorted(self.models)
+        if model is None:
+            model = self.cfg.default_model or (served[0] if len(served) == 1 else None)
+        if model is None and not served:
+            raise ApiError(503, "no model is served yet", kind="server_error", code="no_model", retry_after=5)
+        if model is None:
+            raise ApiError(400, f"model: required when several models are served ({', '.join(served)}); "
+                           "serve.default_model names the one to use without it", param="model")
+        if model not in self.models:
+            raise ApiError(404, f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
+                           param="model", code="model_not_found")
+        return str(self.models[model]["app"])
+
+    async def _healthz(self, model: str | None, headers: dict[str, str]) -> Any:
+        """Every served model's champion; with `?model=NAME`, or when a default (or the only) model exists, also
+        that model's router health (champion, challenger, challenger_percent) at the top level."""
+        await self._refresh()
+        summary = {"models": {m: d["champion"] for m, d in self.models.items()}}
+        try:
+            app = await self._app_for(model)
+        except ApiError as e:
+            if model is not None:
+                return to_response(error_reply(e, headers))
+            status = "ok" if self.models else "waiting for a first model"
+            return to_response(reply(200, {"status": status, **summary}, headers))
+        out = await _router(app).respond.remote("GET", "/healthz", {}, b"")
+        if out["status"] == 200:
+            out = reply(200, {**json.loads(out["body"]), **summary}, {**out["headers"], **headers})
+        return to_response(out)
+
+    async def _metrics(self) -> Any:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        await self._refresh()
+        texts = await asyncio.gather(*(_router(d["app"]).metrics_text.remote() for d in self.models.values()),
+                                     return_exceptions=True)
+        own = self.metrics.exposition()[0].decode()
+        merged = merge_expositions([own, *(t for t in texts if isinstance(t, str))])
+        return to_response(reply(200, merged, media_type=CONTENT_TYPE_LATEST))
+
+
+async def _relay(stream: Any) -> Any:
+    """The router's events to the client; a client that goes away cancels the router's stream at once."""
+    done = False
+    try:
+        async for item in stream:
+            yield item
+        done = True
+    finally:
+        if not done:
+            stream.cancel()
+
+
+def _router(app: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle(ROUTER, app)
+
+
+def _router_apps(own: str) -> list[str]:
+    """Applications other than this gateway that have a running shardline router."""
+    from ray import serve
+
+    apps = serve.status().applications
+    # DEPLOYING and UNHEALTHY applications still serve on their running replicas (a canary step redeploys)
+    return sorted(name for name, app in apps.items()
+                  if name != own and ROUTER in app.deployments and app.status not in ("DELETING", "NOT_STARTED"))

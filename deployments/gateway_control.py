@@ -1,0 +1,150 @@
+"""The gateway's control side: its name, deploying it, and who holds the route prefix and the port.
+
+One gateway application per route prefix serves every model's application (which have no route of their own).
+Before anything trains, `check_endpoint_free` asks whoever listens on the endpoint's address over HTTP: nothing,
+Ray Serve with the prefix free or held by shardline, are fine; a prefix held by an application shardline did not
+start, or a port held by a process that is not Ray Serve, is an EndpointConflict (a config error, never retried).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from deployments.config import ServeConfig
+
+log = logging.getLogger(__name__)
+QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per request would flood every log
+MODEL_APP_PREFIX = "shardline-"
+GATEWAY_APP = "shardline-gateway"
+
+
+class EndpointConflict(ValueError):
+    """The endpoint's route prefix or port is held by something shardline did not start (one line; not retried)."""
+
+
+def gateway_name(serve: ServeConfig) -> str:
+    """'shardline-gateway' on the prefix '/', 'shardline-gateway-<prefix>' on another."""
+    prefix = serve.route_prefix.strip("/")
+    return GATEWAY_APP + ("-" + re.sub(r"[^A-Za-z0-9_-]", "-", prefix) if prefix else "")
+
+
+def is_shardline_app(name: str) -> bool:
+    return name.startswith(MODEL_APP_PREFIX)
+
+
+def check_endpoint_free(serve: ServeConfig, timeout_s: float = 3.0) -> None:
+    """EndpointConflict when the endpoint's address cannot host shardline's gateway; nothing when it can.
+
+    Asks over HTTP, so it needs no connection to Ray: Serve's proxy answers GET /-/routes with {prefix: app}.
+    """
+    import httpx
+
+    base = (serve.public_url.rstrip("/").removesuffix(serve.route_prefix.rstrip("/")) if serve.public_url
+            else f"http://{serve.host if serve.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{serve.port}")
+    if serve.port == 0 and not serve.public_url:
+        return
+    try:
+        r = httpx.get(f"{base}/-/routes", timeout=timeout_s)
+    except httpx.HTTPError:
+        return  # nothing answers: Serve's proxy will bind it (or a remote cluster is not up yet)
+    try:
+        routes = r.json()
+    except ValueError:
+        routes = None
+    if r.status_code != 200 or not isinstance(routes, dict):
+        raise EndpointConflict(f"serve.port={serve.port}: {base} is held by another process that is not Ray "
+                               f"Serve (GET /-/routes answered {r.status_code}); set serve.port to a free port")
+    holder = routes.get(serve.route_prefix)
+    if holder is not None and holder != gateway_name(serve) and not is_shardline_app(str(holder)):
+        raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by application {holder!r} on {base}, "
+                               "which shardline did not start; set serve.route_prefix to a free prefix")
+
+
+def prefix_holder(serve: ServeConfig) -> str | None:
+    """The application holding the gateway's route prefix on the connected cluster, None when it is free.
+
+    Raises:
+        EndpointConflict: an application shardline did not start holds it.
+    """
+    from ray import serve as rs
+    from ray.serve.context import _get_global_client
+
+    try:
+        details = _get_global_client().get_serve_details()
+    except rs.exceptions.RayServeException:
+        return None  # Serve is not running yet
+    for name, app in (details.get("applications") or {}).items():
+        if app.get("route_prefix") == serve.route_prefix and name != gateway_name(serve):
+            if not is_shardline_app(name):
+                raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by application {name!r}, "
+                                       "which shardline did not start; set serve.route_prefix to a free prefix")
+            return str(name)
+    return None
+
+
+def ensure_gateway(serve: ServeConfig, token_sha256: str, runtime_env: dict[str, Any] | None,
+                   timeout_s: float = 120.0) -> str:
+    """Deploy (or update by a lightweight config change) the gateway on serve.route_prefix; its app name.
+
+    The route prefix must be free of other applications (endpoint.reconcile moves an older shardline model
+    application off it first).
+    """
+    from ray import serve as rs
+
+    from deployments.gateway import Gateway, GatewayConfig
+
+    name = gateway_name(serve)
+    want = GatewayConfig(default_model=serve.default_model, max_request_bytes=serve.max_request_bytes,
+                         token_sha256=token_sha256).model_dump()
+    if _gateway_config(name) == want:
+        return name
+    deployment = rs.deployment(Gateway).options(
+        name="gateway", num_replicas=serve.gateway_replicas,
+        ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
+        user_config=want, max_ongoing_requests=256, max_queued_requests=serve.max_queued_requests,
+    )
+    deployment._version = _gateway_version()  # fixed, so a config change is a lightweight update (endpoint._pinned)
+    rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False, logging_config=QUIET)
+    deadline = time.monotonic() + timeout_s
+    while _gateway_config(name) != want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gateway {name} did not take its config in {timeout_s} s")
+        time.sleep(0.2)
+    return name
+
+
+def _gateway_version() -> str:
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for rel in ("gateway.py", "http_io.py", "openai_api.py"):
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _gateway_config(name: str) -> dict[str, Any] | None:
+    from ray import serve as rs
+
+    try:
+        if name not in rs.status().applications:
+            return None
+        return rs.get_deployment_handle("gateway", name).get_config.remote().result(timeout_s=30)
+    except Exception as e:  # noqa: BLE001 - a gateway starting or being deleted reads as "not there"
+        log.debug("reading gateway %s: %s", name, e)
+        return None
+
+
+def remove_gateway_if_unused(serve: ServeConfig) -> bool:
+    """Delete the gateway when no shardline model application is left behind it."""
+    from ray import serve as rs
+
+    apps = rs.status().applications
+    name = gateway_name(serve)
+    if name not in apps or any(is_shardline_app(a) and a != name and not a.startswith(GATEWAY_APP) for a in apps):
+        return False
+    rs.delete(name, _blocking=True)
+    return True

@@ -1,0 +1,153 @@
+"""Text generation for a byte-level model: sampling (temperature, top-k, top-p, seed), stop strings, logprobs.
+
+`generate` is a plain generator of events, so one code path serves a whole completion and a stream: it yields
+{"text": piece, "logprobs": ...} as text becomes safe to emit, then one final {"finish_reason", "tokens"}.
+Text that could still turn out to be the start of a stop string is held back until it cannot; the stop string
+itself is never returned (OpenAI's behaviour). The model takes [B, T] byte ids and returns [B, T, 256] logits; the
+context is the last `seq_len` bytes (a longer prompt is truncated on the left, as the README documents).
+"""
+from __future__ import annotations
+
+import codecs
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def token_text(token: int) -> str:
+    """How a byte token reads in `logprobs`: the character when it is one on its own, else `bytes:\\xNN`."""
+    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
+
+def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """The next token from one position's logits: greedy at temperature 0, else sampled from the softmax at
+    `temperature` restricted to the `top_k` likeliest tokens (0 = all) and the smallest set whose mass reaches
+    `top_p`."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        order = torch.argsort(scaled, descending=True)
+        probs = torch.softmax(scaled[order], -1)
+        keep = torch.cumsum(probs, -1) - probs < top_p  # the token that crosses top_p is kept
+        scaled[order[~keep]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
+
+
+def top_entries(logprobs: torch.Tensor, k: int) -> dict[str, float]:
+    if k <= 0:
+        return {}
+    values, ids = torch.topk(logprobs, k)
+    return {token_text(int(i)): float(v) for v, i in zip(values, ids)}
+
+
+def prompt_logprobs(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int,
+                    k: int) -> list[tuple[float | None, dict[str, float] | None]]:
+    """(logprob, top-k) of each prompt byte under the model, None for the first (never predicted); the same
+    windows as bits per byte, so a byte's logprob here is the one it is scored with."""
+    out: list[tuple[float | None, dict[str, float] | None]] = [(None, None)]
+    with torch.no_grad():
+        for start in range(0, max(0, len(prompt) - 1), seq_len):
+            window = torch.tensor(list(prompt[start:start + seq_len + 1]), dtype=torch.long)
+            if len(window) < 2:
+                break
+            lp = torch.log_softmax(model(window[None, :-1])[0].float(), -1)
+            for t, target in enumerate(window[1:].tolist()):
+                out.append((float(lp[t, target]), top_entries(lp[t], k)))
+    return out
+
+
+class _StopScanner:
+    """Finds stop strings in the decoded text and says how much of it is safe to emit."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+
+    def find(self, text: str) -> int:
+        """Index of the earliest stop string in `text`, or -1."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else -1
+
+    def safe(self, text: str) -> int:
+        """Length of the prefix of `text` that no stop string can still begin in."""
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return len(text) - hold
+
+
+def generate(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, max_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stop: list[str] | None = None, logprobs: int | None = None,
+             should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+    """Events of one completion: {"text", "logprobs"} pieces, then {"finish_reason", "tokens"}.
+
+    `logprobs` (0..5 or None) adds each emitted token's logprob and its top alternatives to the pieces.
+    `should_stop` is asked before every decode step (a client that went away ends the generation at once).
+    """
+    gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+    context = torch.tensor(list(prompt[-seq_len:]), dtype=torch.long)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    scanner = _StopScanner(stop or [])
+    text, emitted = "", 0  # decoded completion so far; how much of it has been yielded
+    pending: list[tuple[int, float, dict[str, float]]] = []  # tokens decoded but not yet emitted (logprobs)
+    finish = "length"
+    n = 0
+    with torch.no_grad():
+        while n < max_tokens:
+            if should_stop():
+                finish = "cancelled"
+                break
+            logits = model(context[None, -seq_len:])[0, -1].float()
+            token = pick(logits, temperature, top_k, top_p, gen)
+            n += 1
+            context = torch.cat([context, torch.tensor([token])])
+            if logprobs is not None:
+                lp = torch.log_softmax(logits, -1)
+                pending.append((token, float(lp[token]), top_entries(lp, logprobs)))
+            text += decoder.decode(bytes([token]))
+            cut = scanner.find(text)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            safe = scanner.safe(text)
+            if safe > emitted:
+                yield _piece(text[emitted:safe], pending, logprobs)
+                emitted, pending = safe, []
+    if finish == "length":
+        text += decoder.decode(b"", final=True)
+    if len(text) > emitted:
+        yield _piece(text[emitted:], pending, logprobs)
+    yield {"finish_reason": finish, "tokens": n}
+
+
+def _piece(text: str, pending: list[tuple[int, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:
+    if logprobs is None:
+        return {"text": text, "logprobs": None}
+    return {"text": text, "logprobs": {"tokens": [token_text(t) for t, _, _ in pending],
+                                       "token_logprobs": [lp for _, lp, _ in pending],
+                                       "top_logprobs": [top for _, _, top in pending]}}
+
+
+def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0) -> dict[str, Any]:
+    """One OpenAI `logprobs` object from the pieces' parts, with `text_offset` counted from `offset`."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in pieces:
+        if not part:
+            continue
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            out[key] += part[key]
+    position = offset
+    for token in out["tokens"]:
+        out["text_offset"].append(position)
+        # a character starts at an ASCII byte or a UTF-8 lead byte; continuation bytes add none
+        position += 1 if not token.startswith("bytes:") or int(token[-2:], 16) >= 0xC0 else 0
+    return out

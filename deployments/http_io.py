@@ -1,0 +1,82 @@
+"""HTTP plumbing shared by the gateway and the routers: bounded body reads, replies as plain dicts, auth.
+
+A reply crosses Serve's deployment handles as a dict ({"status", "headers", "media_type", "body"}), so the router
+can answer the gateway and, in a single-model application (KubeRay), its own HTTP requests with one code path.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.openai_api import ApiError
+
+JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
+
+
+def reply(status: int, payload: Any, headers: dict[str, str] | None = None, media_type: str = JSON) -> dict[str, Any]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return {"status": status, "headers": dict(headers or {}), "media_type": media_type, "body": body}
+
+
+def error_reply(e: ApiError, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    extra = dict(headers or {})
+    if e.retry_after is not None:
+        extra["retry-after"] = str(max(1, round(e.retry_after)))
+    return reply(e.status, e.body(), extra)
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The body, or ApiError(413) when it is over `limit`: from Content-Length before reading, else while
+    streaming (a chunked body is never held past the limit)."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"request body over serve.max_request_bytes={limit}", code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_token(headers: dict[str, str], token_sha256: str) -> None:
+    """ApiError(401) unless the bearer token's sha256 is `token_sha256` ("" = no auth)."""
+    if not token_sha256:
+        return
+    given = headers.get("authorization", "")
+    digest = hashlib.sha256(given.removeprefix("Bearer ").encode()).hexdigest()
+    if not given.startswith("Bearer ") or not hmac.compare_digest(digest, token_sha256):
+        raise ApiError(401, "missing or wrong bearer token", kind="authentication_error", code="invalid_api_key")
+
+
+def peek(body: bytes) -> tuple[str | None, bool]:
+    """The request's `model` and `stream` fields if the body is a JSON object that has them (the gateway routes on
+    them; the router validates the body in full)."""
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, RecursionError):
+        return None, False
+    if not isinstance(data, dict):
+        return None, False
+    model = data.get("model")
+    return (model if isinstance(model, str) else None), data.get("stream") is True
+
+
+def to_response(out: dict[str, Any]) -> Any:
+    from starlette.responses import Response
+
+    return Response(out["body"], status_code=out["status"], headers=out["headers"], media_type=out["media_type"])
+
+
+async def to_streaming_response(head: dict[str, Any], rest: AsyncIterator[Any]) -> Any:
+    """A StreamingResponse from a reply head and the body chunks that follow it."""
+    from starlette.responses import StreamingResponse
+
+    return StreamingResponse(rest, status_code=head["status"], headers=head["headers"],
+                             media_type=head["media_type"])

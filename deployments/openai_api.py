@@ -1,0 +1,198 @@
+"""The OpenAI completions protocol as the live endpoint speaks it: request models, response and error objects.
+
+Pure pydantic and dicts, no Ray and no torch, so the router, the gateway and the tests share one definition of the
+wire format. The shapes follow OpenAI's `/v1/completions` and `/v1/models` (and vLLM's extensions `top_k`); what
+the endpoint cannot honour (n > 1, best_of > 1, suffix, logit_bias, penalties, token-id prompts) is a 400 that
+names the parameter, never silently ignored.
+
+Tokens: a byte-level model's token is one byte, so `usage` counts bytes for it. In `logprobs`, a byte that is not
+a whole UTF-8 character on its own is written `bytes:\\xNN` (tiktoken's convention for partial characters).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
+MAX_STOP = 4
+
+# parameters of OpenAI's API that the endpoint refuses unless they have their neutral value
+_NEUTRAL = {"n": 1, "best_of": 1, "suffix": None, "logit_bias": None, "presence_penalty": 0,
+            "frequency_penalty": 0}
+
+
+class ApiError(Exception):
+    """A request the endpoint refuses: HTTP status, a one-line message, OpenAI's error type, param and code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions: OpenAI's parameters the endpoint honours (and the neutral values of the rest)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="vLLM's extension: sample from the k likeliest tokens; 0 = all.")
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # refused unless neutral (see _NEUTRAL)
+    n: int = 1
+    best_of: int = 1
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score: bits per byte of `text` under the model (shardline's own endpoint, not a cross-encoder)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    text: str = Field(min_length=1)
+
+
+def parse_json(body: bytes) -> Any:
+    """The request body as JSON, or ApiError(400) with the parser's position."""
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"body is not JSON: {getattr(e, 'msg', e)} at position {getattr(e, 'pos', 0)}") \
+            from None
+    except RecursionError:
+        raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
+
+
+def validate(endpoint: Literal["completions", "score"], data: Any, max_prompt_bytes: int,
+             max_tokens_cap: int) -> CompletionRequest | ScoreRequest:
+    """A request object, or ApiError(400) naming the first parameter that is wrong or not supported."""
+    model = CompletionRequest if endpoint == "completions" else ScoreRequest
+    if endpoint == "completions" and isinstance(data, dict) and isinstance(data.get("prompt"), list):
+        prompts = data["prompt"]
+        if len(prompts) == 1 and isinstance(prompts[0], str):
+            data = {**data, "prompt": prompts[0]}  # a batch of one prompt is that prompt
+        else:
+            raise ApiError(400, "prompt: only one prompt string per request is supported (no batches or token "
+                                "ids)", param="prompt", code="unsupported_parameter")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") \
+                from None
+        raise ApiError(400, f"{where}: {first['msg']}", param=None if where == "body" else where) from None
+    if isinstance(req, CompletionRequest):
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(req, name)
+            if value is not None and value != neutral and (neutral is not None or value):
+                raise ApiError(400, f"{name}: only {neutral!r} is supported, got {getattr(req, name)!r}",
+                               param=name, code="unsupported_parameter")
+        if len(req.stops()) > MAX_STOP or any(not s for s in req.stops()):
+            raise ApiError(400, f"stop: at most {MAX_STOP} non-empty strings", param="stop")
+        if req.max_tokens > max_tokens_cap:
+            raise ApiError(400, f"max_tokens: {req.max_tokens} > serve.max_tokens_cap={max_tokens_cap}",
+                           param="max_tokens")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
+    text = req.prompt if isinstance(req, CompletionRequest) else req.text
+    size = len(text.encode("utf-8"))
+    field = "prompt" if isinstance(req, CompletionRequest) else "text"
+    if size > max_prompt_bytes:
+        raise ApiError(400, f"{field}: {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}", param=field)
+    if isinstance(req, ScoreRequest) and size < 2:
+        raise ApiError(400, "text: needs at least 2 bytes (the first byte is never predicted)", param="text")
+    return req
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def completion(cid: str, model: str, version: str, text: str, finish_reason: str, prompt_tokens: int,
+               completion_tokens: int, logprobs: dict[str, Any] | None, prompt_bpb: float | None) -> dict[str, Any]:
+    """OpenAI's `text_completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": f"{model}-v{version}",
+            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "usage": usage(prompt_tokens, completion_tokens),
+            "model_version": version, "prompt_bits_per_byte": prompt_bpb}
+
+
+def chunk(cid: str, model: str, version: str, text: str, finish_reason: str | None,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a completion (the same object, `choices[0].text` holding the new text only)."""
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": f"{model}-v{version}",
+            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "model_version": version}
+
+
+def usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": f"{model}-v{version}", "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens), "model_version": version}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+def model_card(model: str, version: str, created: float | None = None) -> dict[str, Any]:
+    """One entry of GET /v1/models: OpenAI's model object, plus the champion version it serves."""
+    return {"id": model, "object": "model", "created": int(created or time.time()), "owned_by": "shardline",
+            "champion_version": version}
+
+
+def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"object": "list", "data": sorted(cards, key=lambda c: c["id"])}

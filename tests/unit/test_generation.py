@@ -1,0 +1,94 @@
+"""Generation for byte-level models: sampling rules, stop strings held back and cut, logprobs, determinism."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deployments.gateway import merge_expositions
+from deployments.generation import generate, merge_logprobs, pick, prompt_logprobs, token_text
+from deployments.http_io import peek
+from deployments.serve_metrics import RouterMetrics
+
+TEXT = b"abcabcabd"  # after 'c' always 'a'; after 'b', 'c' three times in four
+
+
+def _bigram(text: bytes, smoothing: float = 0.01):
+    counts = torch.full((256, 256), smoothing)
+    for a, b in zip(text, text[1:]):
+        counts[a, b] += 1
+    table = torch.log(counts / counts.sum(1, keepdim=True))
+    return lambda idx: table[idx]  # [B, T] -> [B, T, 256] logits, like the served programs
+
+
+def _run(model, prompt: bytes, **kw) -> tuple[str, dict]:
+    events = list(generate(model, prompt, 8, **kw))
+    return "".join(e["text"] for e in events if "text" in e), events[-1]
+
+
+def test_greedy_follows_the_likeliest_byte_and_stops_at_max_tokens():
+    text, end = _run(_bigram(TEXT), b"a", max_tokens=5, temperature=0)
+    assert text == "bcabc" and end == {"finish_reason": "length", "tokens": 5}
+
+
+def test_a_stop_string_ends_generation_and_is_not_returned():
+    model = _bigram(TEXT)
+    text, end = _run(model, b"a", max_tokens=20, temperature=0, stop=["ca"])
+    assert text == "b" and end["finish_reason"] == "stop" and end["tokens"] == 3
+    # held-back text that turned out not to be a stop string is still returned
+    pieces = [e["text"] for e in generate(model, b"a", 8, 4, temperature=0, stop=["cX"]) if "text" in e]
+    assert "".join(pieces) == "bcab" and "c" not in pieces[:1]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature():
+    model = _bigram(TEXT)
+    greedy, _ = _run(model, b"a", max_tokens=12, temperature=0)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        for seed in range(3):
+            assert _run(model, b"a", max_tokens=12, temperature=1.5, seed=seed, **kw)[0] == greedy
+
+
+def test_a_seed_makes_sampling_repeatable():
+    model = _bigram(TEXT, smoothing=0.5)
+    runs = {_run(model, b"a", max_tokens=30, temperature=1.0, seed=7)[0] for _ in range(3)}
+    assert len(runs) == 1
+    assert _run(model, b"a", max_tokens=30, temperature=1.0, seed=8)[0] != runs.pop()
+
+
+def test_pick_never_samples_outside_top_k():
+    logits = torch.tensor([5.0, 4.0, 3.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    assert {pick(logits, 2.0, 2, 1.0, gen) for _ in range(200)} == {0, 1}
+
+
+def test_logprobs_are_the_models_and_offsets_count_characters():
+    model = _bigram(TEXT)
+    events = list(generate(model, b"a", 8, 3, temperature=0, logprobs=2))
+    lp = merge_logprobs([e["logprobs"] for e in events if "text" in e])
+    assert lp["tokens"] == ["b", "c", "a"] and lp["text_offset"] == [0, 1, 2]
+    expected = float(torch.log_softmax(model(torch.tensor([[ord("a")]]))[0, -1], -1)[ord("b")])
+    assert math.isclose(lp["token_logprobs"][0], expected, rel_tol=1e-6)
+    assert list(lp["top_logprobs"][1]) == ["c", "d"]  # after 'b': 'c' (3 of 4), then 'd'
+    scored = prompt_logprobs(model, b"abc", 8, 1)
+    assert scored[0] == (None, None) and len(scored) == 3 and list(scored[2][1]) == ["c"]
+    assert token_text(0xE9) == "bytes:\\xe9" and token_text(ord("x")) == "x"
+
+
+def test_a_cancelled_generation_stops_before_the_next_step():
+    calls = []
+    model = _bigram(TEXT)
+    events = list(generate(model, b"a", 8, 50, temperature=0, should_stop=lambda: len(calls) >= 3 or calls.append(1)))
+    assert events[-1] == {"finish_reason": "cancelled", "tokens": 3}
+
+
+def test_the_gateway_peeks_model_and_stream_and_merges_metrics():
+    assert peek(b'{"model": "a", "stream": true, "prompt": "x"}') == ("a", True)
+    assert peek(b'{"model": 3}') == (None, False) and peek(b"not json") == (None, False)
+    one, two = RouterMetrics("m1"), RouterMetrics("m2")
+    one.request("1", "score", "live", ok=True)
+    two.request("4", "score", "live", ok=True)
+    two.request("4", "score", "probe", ok=True)
+    merged = merge_expositions([one.exposition()[0].decode(), two.exposition()[0].decode()]).decode()
+    lines = [ln for ln in merged.splitlines() if ln.startswith("shardline_requests_total{")]
+    assert len(lines) == 3 and sum('model="m2"' in ln for ln in lines) == 2
+    assert merged.count("# TYPE shardline_requests_total counter") == 1
