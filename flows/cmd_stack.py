@@ -68,10 +68,35 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def models_report(report: dict) -> dict:
+    """What the endpoint serves ({model: champion}) and the registry's champions it does not serve, with why
+    ({model: reason}); {} when the endpoint or MLflow is not up."""
+    import httpx
+
+    endpoint, mlflow = report.get("endpoint") or {}, report.get("mlflow") or {}
+    if not endpoint.get("up"):
+        return {}
+    try:
+        served = httpx.get(f"{endpoint['url']}/healthz", timeout=10).json().get("models", {})
+    except (httpx.HTTPError, ValueError):
+        served = {}
+    not_served = {}
+    if mlflow.get("up"):
+        from deployments.registry import client_for, served_champions
+
+        for model, want in served_champions(client_for(mlflow["url"])).items():
+            if served.get(model) != want["champion"]:
+                not_served[model] = f"v{want['champion']} is champion but not served: " + (
+                    want["error"] or f"no application; `shardline serve --set registry.model_name={model}` serves it")
+    return {"models": served, "not_served": not_served}
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from infra.stack.stack import status
 
     report = status()
+    if report.get("endpoint"):
+        report["endpoint"] |= models_report(report)
     if args.json:
         print(json.dumps(report), flush=True)
     elif not report:
@@ -80,6 +105,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for name, part in report.items():
             pids = ",".join(str(p) for p in part["pids"]) or "-"
             print(f"  {name:<9} {'up' if part['up'] else 'DOWN':<5} {part['url'] or '-':<45} pids {pids}")
+        endpoint = report.get("endpoint") or {}
+        if endpoint.get("up"):
+            models = ", ".join(f"{m} v{v}" for m, v in sorted(endpoint.get("models", {}).items()))
+            print(f"  models    {models or 'waiting for a first model'}")
+            for model, why in sorted(endpoint.get("not_served", {}).items()):
+                print(f"  NOT SERVED {model}: {why}")
         print("\n".join(summary_lines(report)))
     return 0 if all(p["up"] for p in report.values()) else 1
 

@@ -58,9 +58,12 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
         assert "prefect   http://127.0.0.1" in first.stdout and "kept (already running)" in first.stdout
         before = status(env)
         assert before["prefect"]["started_by_us"] is False and before["mlflow"]["started_by_us"] is True
-        # Every part answers; the endpoint has nothing to serve before the first champion.
-        assert all(part["up"] for name, part in before.items() if name != "endpoint"), before
+        # Every part answers; the endpoint's gateway is up and waits for a first model (status exits 0).
+        assert all(part["up"] for part in before.values()), before
         assert before["endpoint"]["champion"] == "none yet" and before["ray"]["started_by_us"] is True
+        assert before["endpoint"]["models"] == {} and before["endpoint"]["not_served"] == {}
+        plain = shardline(["status"], env, timeout=60)
+        assert plain.returncode == 0 and "waiting for a first model" in plain.stdout, plain.stdout
 
         second = shardline(args, env)
         assert second.returncode == 0, second.stdout + second.stderr

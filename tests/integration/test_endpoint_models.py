@@ -1,0 +1,166 @@
+"""Several models on one stack: one gateway, the request's `model` picks the model, each model's canary its own.
+
+Two byte-level models are registered in one registry and served behind one route prefix; both are then released
+into live traffic at the same time, each under load, with zero failed requests for either. The endpoint refuses
+an address it cannot host before anything else happens: a route prefix held by an application shardline did not
+start, or a port held by a process that is not Ray Serve.
+"""
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+
+import httpx
+import openai
+import pytest
+from load import Load
+from serve_support import bigram_logits, corpus, log_model, register
+
+from deployments import endpoint
+from deployments.config import CanaryConfig, ServeConfig
+from deployments.gateway_control import EndpointConflict, check_endpoint_free, prefix_holder
+from deployments.registry import TAG_CANARY_DECISION, client_for, read_aliases
+from deployments.rollout import run_rollout
+from infra.cluster import free_port
+from infra.tracking import setup_tracking
+
+pytestmark = pytest.mark.slow
+MODELS = ("alpha-bytes", "beta-bytes")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import ray
+
+    home = tmp_path_factory.mktemp("home")
+    old_home = os.environ.get("SHARDLINE_HOME")
+    os.environ["SHARDLINE_HOME"] = str(home)
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    exp = setup_tracking(uri, "models-it")
+    client = client_for(uri)
+    fit, heldout = corpus()
+    tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": bigram_logits(fit, smoothing=0.05)}
+    for name in MODELS:
+        assert register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == \
+            "first-champion"
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    serve = ServeConfig(port=free_port())
+    try:
+        yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout, "serve": serve,
+               "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout]}
+    finally:
+        for name in MODELS:
+            endpoint.remove(serve, name)
+        ray.shutdown()
+        if old_home is None:
+            os.environ.pop("SHARDLINE_HOME", None)
+        else:
+            os.environ["SHARDLINE_HOME"] = old_home
+
+
+def test_two_models_answer_by_model_behind_one_route(world):
+    serve = world["serve"]
+    urls = {endpoint.reconcile(serve, name, world["uri"]).url for name in MODELS}
+    assert len(urls) == 1
+    url = urls.pop()
+    with httpx.Client(timeout=60) as http:
+        listed = http.get(f"{url}/v1/models").json()
+        assert [(m["id"], m["champion_version"]) for m in listed["data"]] == [(MODELS[0], "1"), (MODELS[1], "1")]
+        for name in MODELS:
+            r = http.post(f"{url}/v1/completions", json={"model": name, "prompt": "def f():", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["model"] == name
+            s = http.post(f"{url}/v1/score", json={"model": name, "text": "import sys"})
+            assert s.status_code == 200 and s.json()["model"] == name
+        # no model named and two served: a 400 that lists them; an unknown one: OpenAI's model_not_found
+        r = http.post(f"{url}/v1/score", json={"text": "import sys"})
+        assert r.status_code == 400 and MODELS[0] in r.json()["error"]["message"]
+        r = http.post(f"{url}/v1/score", json={"model": "gamma", "text": "import sys"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert http.get(f"{url}/healthz").json()["models"] == {MODELS[0]: "1", MODELS[1]: "1"}
+        assert http.get(f"{url}/healthz", params={"model": MODELS[1]}).json()["champion"] == "1"
+    # the official client, streaming included
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    done = client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0)
+    assert done.model == MODELS[0] and done.usage.completion_tokens == 6
+    assert done.choices[0].finish_reason == "length"
+    pieces = list(client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
+    assert pieces[-1].usage.completion_tokens == 6 and not pieces[-1].choices
+    with pytest.raises(openai.BadRequestError, match="n: only 1 is supported"):
+        client.completions.create(model=MODELS[0], prompt="x", n=2)
+    # a default model takes requests that name none
+    with_default = serve.model_copy(update={"default_model": MODELS[1]})
+    endpoint.reconcile(with_default, MODELS[1], world["uri"])
+    r = httpx.post(f"{url}/v1/score", json={"text": "import sys"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODELS[1]
+
+
+CFG = CanaryConfig(steps=[50, 100], min_requests=6, bake_seconds=2.0, step_timeout_s=120, probe_rps=4.0,
+                   min_paired=5, seed=5, lease_s=20.0, latency_floor_ms=25.0)
+
+
+def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
+    client, serve = world["client"], world["serve"]
+    promoted = {name: register(client, *log_model(world["tables"]["good"], f"{name}-good", world["exp"], client),
+                               name) for name in MODELS}
+    assert {p.version for p in promoted.values()} == {"2"}
+    url = endpoint.reconcile(serve, MODELS[0], world["uri"]).url
+    results: dict[str, object] = {}
+
+    def release(name: str) -> None:
+        results[name] = run_rollout(CFG, serve, name, "1", "2", world["uri"], world["heldout"])
+
+    loads = [Load(url, world["texts"], rps=3.0, max_seconds=400, model=name) for name in MODELS]
+    for load in loads:
+        load.__enter__()
+    try:
+        threads = [threading.Thread(target=release, args=(name,)) for name in MODELS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    finally:
+        for load in loads:
+            load.__exit__(None, None, None)
+    for name, load in zip(MODELS, loads):
+        result = results[name]
+        assert result.decision == "promoted", (name, result.reason)
+        assert read_aliases(client, name)["champion"] == "2"
+        assert client.get_model_version(name, "2").tags[TAG_CANARY_DECISION] == "promoted"
+        assert load.answers and not load.failed, (name, load.failed[:5])
+        assert {a.version for a in load.answers} == {"1", "2"}  # each model's own traffic moved, and only it
+
+
+def test_an_address_shardline_cannot_host_is_refused_in_one_line(world):
+    from ray import serve as rs
+
+    serve = world["serve"]
+    check_endpoint_free(serve)  # shardline's own gateway holds it: fine
+    # a route prefix held by an application shardline did not start
+    foreign = serve.model_copy(update={"route_prefix": "/theirs"})
+
+    @rs.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0.1})
+    class Theirs:
+        async def __call__(self, request):
+            return "not shardline"
+
+    rs.run(Theirs.bind(), name="their-app", route_prefix="/theirs")
+    try:
+        for check in (check_endpoint_free, prefix_holder):
+            with pytest.raises(EndpointConflict) as e:
+                check(foreign)
+            assert "'their-app'" in str(e.value) and "\n" not in str(e.value)
+    finally:
+        rs.delete("their-app", _blocking=True)
+    # a port held by a process that is not Ray Serve
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(EndpointConflict, match=f"serve.port={server.server_port}: .* not Ray Serve"):
+            check_endpoint_free(ServeConfig(port=server.server_port))
+    finally:
+        server.shutdown()
+    check_endpoint_free(ServeConfig(port=free_port()))  # nothing listens: Serve will bind it
