@@ -68,7 +68,7 @@ def router_config(serve: ServeConfig, model_name: str, champion: str, token_sha2
     """The router config serving `champion` alone at 100%, with `changes` applied (challenger, weight, lease)."""
     base = RouterConfig(model_name=model_name, champion=champion, max_request_bytes=serve.max_request_bytes,
                         max_prompt_bytes=serve.max_prompt_bytes, max_tokens_cap=serve.max_tokens_cap,
-                        token_sha256=token_sha256)
+                        token_sha256=token_sha256, gateway=gateway_name(serve))
     return base.model_copy(update=changes)
 
 
@@ -314,8 +314,9 @@ def _move_behind_gateway(app_name: str, serve: ServeConfig, tracking_uri: str,
         raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
                                "not answer; remove it with `shardline serve --down` for its model")
     log.info("moving %s behind the gateway", app_name)
-    apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=served_versions(app_name),
-                  router=RouterConfig.model_validate(state["config"])), serve, runtime_env)
+    router = RouterConfig.model_validate(state["config"]).model_copy(update={"gateway": gateway_name(serve)})
+    apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=served_versions(app_name), router=router),
+          serve, runtime_env)
 
 
 def remove(serve: ServeConfig, model_name: str) -> bool:

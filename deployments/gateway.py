@@ -4,10 +4,10 @@ The way OpenAI-compatible servers do it: `GET /v1/models` lists every served mod
 `POST /v1/completions` and `/v1/score` go to the router of the model the body names (or to `serve.default_model`,
 or to the only model there is). Each model keeps its own application, router, canary, lock, lease and evidence;
 the gateway only forwards the request (headers and body) to that router's handle and relays its reply, streamed
-or whole. Which models exist is observed, not configured: the gateway lists the applications with a shardline
-router in Serve's status (every REFRESH_S, and at once when a request names a model it does not know), so a model
-deployed or removed by any run shows up without touching the gateway.
-The class is plain; endpoint.ensure_gateway wraps it with `serve.deployment`, so importing this needs no Ray.
+or whole. Which models exist is observed, not configured: the gateway lists the applications in Serve's status whose
+shardline router names this gateway (a run chooses it by serve.route_prefix), every REFRESH_S and at once when a
+request names a model it does not know, so a model deployed or removed by any run shows up without touching the
+gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`, so importing this needs no Ray.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class Gateway:
                 except Exception:  # noqa: BLE001 - a router restarting: keep what it served until it answers
                     found |= {m: d for m, d in self.models.items() if d["app"] == app}
                     continue
-                if cfg:
+                if cfg and cfg.get("gateway") == self.app_name:  # models of other route prefixes are not ours
                     known = self.models.get(cfg["model_name"], {})
                     found[cfg["model_name"]] = {"app": app, "champion": cfg["champion"],
                                                 "created": known.get("created", time.time())}

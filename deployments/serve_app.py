@@ -49,6 +49,7 @@ class RouterConfig(BaseModel):
     max_prompt_bytes: int = 4096
     max_tokens_cap: int = 256
     token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
+    gateway: str = ""  # the gateway application (one per route prefix) that serves this model
 
     def effective_percent(self, now: float) -> int:
         """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch)."""
