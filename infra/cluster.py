@@ -1,12 +1,15 @@
 """Ray cluster provisioning: start Ray on this machine (one or several nodes) or connect to a running cluster."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -49,10 +52,56 @@ def ray_cli() -> str:
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
 
-def _run_ray(args: list[str], new_session: bool = False) -> None:
+# Ray (2.60, services.resolve_ip_for_localhost) replaces a loopback node address, given as --node-ip-address,
+# _node_ip_address or the host of a GCS address, by the address of the default route: a head started on 127.0.0.1
+# reports the LAN address for its node, and its drivers and workers dial that. With its multi-node switch off Ray
+# answers 127.0.0.1 instead; the switch off also makes `ray start --address` refuse, so only a single-node head
+# (mode=local) is kept on loopback. local-multinode and remote keep Ray's own choice.
+RAY_MULTI_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach: 127.0.0.0/8, ::1 or localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_node(cfg: ClusterConfig) -> bool:
+    """True when the local head is a single node on a loopback `cfg.host`: Ray must then report that address."""
+    return cfg.mode == "local" and is_loopback(cfg.host)
+
+
+def node_env(cfg: ClusterConfig) -> dict[str, str]:
+    """Environment of the `ray start` that starts the local head, so that Ray reports `cfg.host` for its node."""
+    return {RAY_MULTI_NODE_SWITCH: "0"} if loopback_node(cfg) else {}
+
+
+@contextmanager
+def driver_on_loopback(on: bool) -> Iterator[None]:
+    """While `on`, this process's `ray.init` dials a loopback GCS address as given and takes the node's loopback
+    address, as the head started with node_env does; Ray reads the switch once, at import, so it is set on the
+    imported module for the call and put back after."""
+    from ray._private import ray_constants
+
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    if not on or before is None:  # another Ray without the switch: its own behaviour
+        yield
+        return
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, str] | None = None) -> None:
     # Token authentication on (Ray's default for new local clusters), stated explicitly so that a node joining
     # with `ray start --address` uses the same token file as the head instead of connecting unauthenticated.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
     if new_session:  # a long-lived node outlives this run: it gets none of this run's secrets (infra.credentials)
         from infra.credentials import split_secrets
 
@@ -94,7 +143,8 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
     use_token_auth()
     try:
         runtime_env = {"env_vars": _job_env(), **(code_runtime_env() if cfg.mode == "local-multinode" else {})}
-        ray.init(address=head.gcs_address, log_to_driver=False, runtime_env=runtime_env)
+        with driver_on_loopback(head.loopback):
+            ray.init(address=head.gcs_address, log_to_driver=False, runtime_env=runtime_env)
         _wait_for_nodes(head.nodes)
     except Exception as e:  # noqa: BLE001
         ray.shutdown()

@@ -1,10 +1,11 @@
 """The long-lived local Ray head of the embedded default: started detached once, reused by every later run.
 
-`ensure_head` starts `ray start --head` on 127.0.0.1 (token auth, dashboard on 127.0.0.1) in its own session, so a
-killed `shardline run` does not take the served model down with it, and records the head's address and PIDs in
-`$SHARDLINE_HOME/ray/head.json`. `stop_head` signals exactly those processes (and their descendants), never Ray's
-host-wide stop command, which would stop every Ray on the host; a recorded PID counts only while its start time is
-the recorded one (infra.process), so a PID reused after the head died is left alone.
+`ensure_head` starts `ray start --head` on 127.0.0.1 (token auth, dashboard on 127.0.0.1, and for mode=local the
+node address Ray reports too: infra.cluster.node_env) in its own session, so a killed `shardline run` does not take
+the served model down with it, and records the head's address and PIDs in `$SHARDLINE_HOME/ray/head.json`.
+`stop_head` signals exactly those processes (and their descendants), never Ray's host-wide stop command, which
+would stop every Ray on the host; a recorded PID counts only while its start time is the recorded one
+(infra.process), so a PID reused after the head died is left alone.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from infra import process
-from infra.cluster import ClusterError, _run_ray, free_port
+from infra.cluster import ClusterError, _run_ray, free_port, loopback_node, node_env
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 
@@ -34,6 +35,9 @@ class HeadInfo(BaseModel):
     num_cpus: int
     worker_nodes: int = 0
     started_at: float
+    # Ray reports `host` (loopback) for the node: drivers must dial it so (infra.cluster.driver_on_loopback). False in
+    # records of older versions, whose heads report the LAN address.
+    loopback: bool = False
 
     @property
     def nodes(self) -> int:
@@ -118,7 +122,8 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     ]
     workers = cfg.worker_nodes if cfg.mode == "local-multinode" else 0
     try:
-        _run_ray(args, new_session=True)  # its own session: a SIGKILLed process group of the run spares it
+        # its own session: a SIGKILLed process group of the run spares it
+        _run_ray(args, new_session=True, extra_env=node_env(cfg))
         deadline = time.monotonic() + 60
         while not _answers(gcs):
             if time.monotonic() > deadline:
@@ -136,7 +141,7 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     procs = [p for pid in _node_processes(str(port)) if (p := process.inspect(pid)) is not None]
     info = HeadInfo(gcs_address=gcs, dashboard_url=f"http://{cfg.host}:{dash_port}", pids=[p.pid for p in procs],
                     start_ticks=[p.start_ticks for p in procs], host=cfg.host, num_cpus=cfg.num_cpus,
-                    worker_nodes=workers, started_at=time.time())
+                    worker_nodes=workers, started_at=time.time(), loopback=loopback_node(cfg))
     path = _record()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -39,3 +39,15 @@ def test_unknown_profile_is_rejected_by_config_and_function():
         network_env("ethernet")
     with pytest.raises(ValueError):
         ClusterConfig(network="ethernet")
+
+
+def test_only_a_single_node_loopback_head_turns_rays_multi_node_switch_off():
+    from infra.cluster import RAY_MULTI_NODE_SWITCH, is_loopback, node_env
+
+    assert node_env(ClusterConfig()) == {RAY_MULTI_NODE_SWITCH: "0"}  # the embedded default: Ray reports 127.0.0.1
+    assert node_env(ClusterConfig(host="::1")) == {RAY_MULTI_NODE_SWITCH: "0"}
+    assert node_env(ClusterConfig(mode="local-multinode")) == {}  # `ray start --address` refuses with it off
+    assert node_env(ClusterConfig(host="10.0.0.5")) == {}  # a configured LAN address stays Ray's business
+    assert node_env(ClusterConfig(mode="remote", address="http://head:8265")) == {}
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "localhost", "::1", "0.0.0.0", "head")] == [
+        True, True, True, True, False, False]
