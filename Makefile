@@ -30,12 +30,15 @@ demo: install
 
 # The stack tests start a throwaway PostgreSQL (initdb/pg_ctl) and drive Debian's chromium; install them when
 # missing. No cluster is created or started by the package (createcluster.d), the tests make their own.
+# `shardline up` runs Debian's prometheus (its own config and port, not the package's service on 9090).
 test-system:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 	  mkdir -p /etc/postgresql-common/createcluster.d && \
 	  echo 'create_main_cluster = false' > /etc/postgresql-common/createcluster.d/shardline.conf && \
 	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
 	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+	@command -v prometheus >/dev/null 2>&1 || { apt-get update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; }
 
 test: install test-system
 	$(BIN)/python -m pytest tests

@@ -23,11 +23,18 @@ def summary_lines(status: dict) -> list[str]:
     """Where to look, what to curl and how to stop: the end of `up` and of `make demo`."""
     lines = []
     labels = {"prefect": ("Prefect UI", "ui"), "mlflow": ("MLflow UI", None), "ray": ("Ray dashboard", None),
-              "endpoint": ("model endpoint", None)}
+              "endpoint": ("model endpoint", None), "prometheus": ("Prometheus", None)}
     for name, (label, key) in labels.items():
         part = status.get(name)
         if part:
             lines.append(f"  {label:<15} {part.get(key) if key else part['url']}")
+    if status.get("ray"):  # the dashboard opens on a token prompt: where the token is, never the token itself
+        from infra.stack.ray_token import token_hint
+
+        lines.append(f"  ray dashboard token: {token_hint()}")
+    if status.get("prometheus"):
+        lines.append("  Grafana:        import infra/grafana/shardline.json "
+                     f"(datasource: {status['prometheus']['url']})")
     endpoint = status.get("endpoint")
     if endpoint:
         lines.append(f"  try:            curl -s -X POST {endpoint['url']}/v1/completions "

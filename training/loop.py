@@ -24,6 +24,7 @@ from torch import nn
 
 from training import checkpoint as ckpt
 from training import placement
+from training import prom_metrics
 from training.config import TrainConfig
 from training.config import load_object
 from training.model import flops_per_token
@@ -360,6 +361,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
             }
             if logger is not None:
                 logger.log(metrics, done)
+                prom_metrics.export(metrics, done, config.get("run_id", ""))  # a no-op unless on Ray
             window_t0, window_steps = time.perf_counter(), 0
 
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:

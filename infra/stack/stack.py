@@ -5,7 +5,7 @@ import os
 from collections.abc import Callable
 
 from infra.paths import quiet_telemetry, shardline_home
-from infra.stack import deploy, endpoint, mlflow_server, prefect_server, ray_head, worker
+from infra.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
 from infra.stack.config import StackConfig
 from infra.stack.postgres import ensure_databases, parse_backend
 from infra.stack.procs import StackError
@@ -52,6 +52,13 @@ def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) ->
         record(ray_head.start(pipeline_config.cluster, state.parts.get("ray")))
     if cfg.endpoint:
         record(endpoint.start(pipeline_config, state.parts.get("endpoint")))
+    if cfg.prometheus:  # last: it scrapes the endpoint and the Ray head. An observer only, so never fatal to `up`
+        try:
+            record(prometheus.start(cfg, home, state.parts.get("prometheus"), pipeline_config.serve))
+        except prometheus.Unavailable as e:
+            state.parts.pop("prometheus", None)
+            write_state(state)
+            say(f"  prometheus SKIPPED: {e}")
     if cfg.deploy:
         commit = deploy.deploy_all(prefect.url)
         prefect.detail["deployed_commit"] = commit

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from infra.paths import shardline_home
 from infra.stack.procs import Proc, http_ok, is_ours
 
-PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint")
+PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
 
 
 class PartState(BaseModel):
