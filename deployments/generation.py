@@ -84,49 +84,87 @@ class _StopScanner:
         return len(text) - hold
 
 
+class Completion:
+    """One completion's decoding state: picks each next token from the model's logits and turns the tokens into
+    events. The model is driven from outside (the recompute loop below, or deployments.engine's batched KV-cache
+    steps), so sampling, stop strings and logprobs have one implementation whatever runs the model.
+    """
+
+    def __init__(self, max_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, stop: list[str] | None = None, logprobs: int | None = None) -> None:
+        self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
+        self.logprobs = logprobs
+        self.gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.scanner = _StopScanner(stop or [])
+        self.text, self.emitted = "", 0  # decoded completion so far; how much of it has been yielded
+        self.pending: list[tuple[int, float, dict[str, float]]] = []  # decoded, not yet emitted (logprobs)
+        self.tokens = 0
+        self.finish: str | None = None if max_tokens > 0 else "length"
+
+    @property
+    def done(self) -> bool:
+        """True once no further token is wanted (max_tokens reached, a stop string, or cancelled)."""
+        return self.finish is not None
+
+    def step(self, logits: torch.Tensor) -> tuple[int, list[dict[str, Any]]]:
+        """The next token picked from `logits` (one position's [256]) and the pieces now safe to emit."""
+        logits = logits.float()
+        token = pick(logits, self.temperature, self.top_k, self.top_p, self.gen)
+        self.tokens += 1
+        if self.logprobs is not None:
+            lp = torch.log_softmax(logits, -1)
+            self.pending.append((token, float(lp[token]), top_entries(lp, self.logprobs)))
+        self.text += self.decoder.decode(bytes([token]))
+        out: list[dict[str, Any]] = []
+        cut = self.scanner.find(self.text)
+        if cut >= 0:
+            self.text, self.finish = self.text[:cut], "stop"
+            return token, out
+        safe = self.scanner.safe(self.text)
+        if safe > self.emitted:
+            out.append(_piece(self.text[self.emitted:safe], self.pending, self.logprobs))
+            self.emitted, self.pending = safe, []
+        if self.tokens >= self.max_tokens:
+            self.finish = "length"
+        return token, out
+
+    def cancel(self) -> None:
+        """End the completion before its next token (the client went away): finish_reason "cancelled"."""
+        self.finish = self.finish or "cancelled"
+
+    def close(self) -> list[dict[str, Any]]:
+        """The last events: the held-back text, then {"finish_reason", "tokens"}."""
+        self.finish = self.finish or "length"
+        if self.finish == "length":
+            self.text += self.decoder.decode(b"", final=True)
+        out = [_piece(self.text[self.emitted:], self.pending, self.logprobs)] if len(self.text) > self.emitted else []
+        self.emitted = len(self.text)
+        return out + [{"finish_reason": self.finish, "tokens": self.tokens}]
+
+
 def generate(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, max_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop: list[str] | None = None, logprobs: int | None = None,
              should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
     """Events of one completion: {"text", "logprobs"} pieces, then {"finish_reason", "tokens"}.
 
-    `logprobs` (0..5 or None) adds each emitted token's logprob and its top alternatives to the pieces.
-    `should_stop` is asked before every decode step (a client that went away ends the generation at once).
+    Recomputes the whole context window for every new byte (any [B, T] model; deployments.engine decodes the
+    built-in GPT incrementally instead). `logprobs` (0..5 or None) adds each emitted token's logprob and its top
+    alternatives to the pieces. `should_stop` is asked before every decode step (a client that went away ends the
+    generation at once).
     """
-    gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+    completion = Completion(max_tokens, temperature, top_k, top_p, seed, stop, logprobs)
     context = torch.tensor(list(prompt[-seq_len:]), dtype=torch.long)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    scanner = _StopScanner(stop or [])
-    text, emitted = "", 0  # decoded completion so far; how much of it has been yielded
-    pending: list[tuple[int, float, dict[str, float]]] = []  # tokens decoded but not yet emitted (logprobs)
-    finish = "length"
-    n = 0
     with torch.no_grad():
-        while n < max_tokens:
+        while not completion.done:
             if should_stop():
-                finish = "cancelled"
+                completion.cancel()
                 break
-            logits = model(context[None, -seq_len:])[0, -1].float()
-            token = pick(logits, temperature, top_k, top_p, gen)
-            n += 1
+            token, events = completion.step(model(context[None, -seq_len:])[0, -1])
+            yield from events
             context = torch.cat([context, torch.tensor([token])])
-            if logprobs is not None:
-                lp = torch.log_softmax(logits, -1)
-                pending.append((token, float(lp[token]), top_entries(lp, logprobs)))
-            text += decoder.decode(bytes([token]))
-            cut = scanner.find(text)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                break
-            safe = scanner.safe(text)
-            if safe > emitted:
-                yield _piece(text[emitted:safe], pending, logprobs)
-                emitted, pending = safe, []
-    if finish == "length":
-        text += decoder.decode(b"", final=True)
-    if len(text) > emitted:
-        yield _piece(text[emitted:], pending, logprobs)
-    yield {"finish_reason": finish, "tokens": n}
+    yield from completion.close()
 
 
 def _piece(text: str, pending: list[tuple[int, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:

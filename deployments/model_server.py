@@ -1,16 +1,24 @@
 """One served model version as a Ray Serve deployment: scores texts and generates completions.
 
 A plain class (endpoint.build_app wraps it with `serve.deployment`), loaded from the MLflow registry. `score` is
-bits per byte of a text; `complete_stream` yields one completion's events (generation.generate) after a first
-event with the prompt's own bits, which the canary uses as evidence; `complete` gathers them into one answer.
+bits per byte of a text, concurrent calls batched into one forward (`serve.batch`); `complete_stream` yields one
+completion's events after a first event with the prompt's own bits, which the canary uses as evidence; `complete`
+gathers them into one answer. Completions run on deployments.engine (continuous batching): the built-in GPT with
+a KV cache when validation logged its eager weights, any other model by recomputing its window (load_backend).
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
+
+SCORE_BATCH = 16  # texts scored in one batched forward at most
+SCORE_WAIT_S = 0.002  # how long the first text of a batch waits for others
+SLOTS = 8  # completions decoded together (endpoint.build_app admits 8 requests at a time per replica)
 
 
 def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
@@ -20,10 +28,61 @@ def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
     return scored
 
 
+def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
+    """The engine backend of a logged model: a KV-cached GPT when its metadata names eager weights
+    (training.evaluate.log_servable_model does so for the built-in GPT), else the pt2 program, recomputed."""
+    import mlflow
+
+    from deployments.engine import Recompute
+    from deployments.registry import seq_len_of
+    from training.model import EAGER_METADATA
+
+    seq_len = seq_len_of(model_uri)
+    eager = (mlflow.models.get_model_info(model_uri).metadata or {}).get(EAGER_METADATA)
+    if not eager:
+        return Recompute(mlflow.pytorch.load_model(model_uri, map_location="cpu"), seq_len, slots)
+    from deployments.kv_cache import CachedGPT
+    from training.model import load_gpt
+
+    path = mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri.rstrip('/')}/{eager['weights']}")
+    model = load_gpt(eager["config"], path)
+    if model.seq_len != seq_len:
+        raise ValueError(f"{model_uri}: eager GPT seq_len {model.seq_len} != logged seq_len {seq_len}")
+    return CachedGPT(model, slots)
+
+
+def score_many(model: Callable[[Any], Any], texts: list[bytes], seq_len: int,
+               batch_size: int = SCORE_BATCH) -> list[tuple[float, int]]:
+    """(bits, predicted bytes) of each text over training.bpb's windows; windows of equal length, from any of the
+    texts, run as one batch (per-row sums, so each text gets its own bits)."""
+    import torch
+    import torch.nn.functional as F
+
+    from training.bpb import LN2, windows
+
+    groups: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+    for i, text in enumerate(texts):
+        for window in windows(text, seq_len):
+            groups[len(window)].append((i, window))
+    bits, counts = [0.0] * len(texts), [0] * len(texts)
+    with torch.no_grad():
+        for length, items in groups.items():
+            for start in range(0, len(items), batch_size):
+                chunk = items[start:start + batch_size]
+                seqs = torch.stack([w for _, w in chunk])
+                logits = model(seqs[:, :-1]).float()
+                nats = F.cross_entropy(logits.transpose(1, 2), seqs[:, 1:], reduction="none").sum(1)
+                for (i, _), n in zip(chunk, nats.tolist()):
+                    bits[i] += n / LN2
+                    counts[i] += length - 1
+    return list(zip(bits, counts))
+
+
 class ModelServer:
     """One registered model version: `score(text)`, `complete(prompt, params)` and `complete_stream`."""
 
-    def __init__(self, model_name: str, version: str, tracking_uri: str, threads: int = 1):
+    def __init__(self, model_name: str, version: str, tracking_uri: str, threads: int = 1, slots: int = SLOTS,
+                 score_batch: int = SCORE_BATCH):
         from infra.credentials import adopt_worker_secrets
         from infra.paths import quiet_telemetry
 
@@ -32,17 +91,28 @@ class ModelServer:
         import mlflow
         import torch
 
-        from deployments.registry import seq_len_of
+        from deployments.engine import Engine
+        from deployments.kv_cache import CachedGPT
 
         torch.set_num_threads(threads)
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
-        uri = f"models:/{model_name}/{version}"
         self.version = version
-        self.seq_len = seq_len_of(uri)
-        self.model = mlflow.pytorch.load_model(uri, map_location="cpu")
-        self.score(bytes(i % 256 for i in range(2 * self.seq_len + 3)))  # the first calls are slow: not on a request
-        self.complete(b"warm", {"max_tokens": 2, "temperature": 0.0})
+        self.backend = load_backend(f"models:/{model_name}/{version}", slots)
+        self.model, self.seq_len = self.backend.model, self.backend.seq_len
+        self.kv_cache = isinstance(self.backend, CachedGPT)  # False: a pt2 program, recomputed each step
+        self.engine = Engine(self.backend)
+        self.score_batch = score_batch
+        if score_batch > 1:
+            from ray import serve
+
+            self._score = serve.batch(max_batch_size=score_batch, batch_wait_timeout_s=SCORE_WAIT_S)(self._score_texts)
+        else:
+            self._score = self._score_one
+        # the first calls are slow: not on a request
+        score_many(self.model, [bytes(i % 256 for i in range(2 * self.seq_len + 3))], self.seq_len)
+        self.backend.prefill(0, list(b"warm"))
+        self.backend.decode([0], [32])
 
     def describe(self) -> dict[str, Any]:
         """The replica's version and process id (tests check that a weight change restarts no replica)."""
@@ -55,47 +125,57 @@ class ModelServer:
         with torch.no_grad():
             self.model(torch.zeros(1, 1, dtype=torch.long))
 
-    def score(self, text: bytes) -> dict[str, Any]:
-        from training.bpb import text_bits
+    async def _score_texts(self, texts: list[bytes]) -> list[tuple[float, int]]:
+        return await self.engine.run(score_many, self.model, texts, self.seq_len, self.score_batch)
 
+    async def _score_one(self, text: bytes) -> tuple[float, int]:
+        return (await self._score_texts([text]))[0]
+
+    async def score(self, text: bytes) -> dict[str, Any]:
         t0 = time.perf_counter()
-        bits, n = _finite(text_bits(self.model, text, self.seq_len), self.version)
+        bits, n = _finite(await self._score(text), self.version)
         return {"version": self.version, "bits": bits, "bytes": n, "bpb": bits / n if n else None,
                 "latency_ms": (time.perf_counter() - t0) * 1000.0}
 
-    def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    async def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Events of one completion: {"version", "bits", "bytes", "bpb", "prompt_logprobs"} first (the prompt
-        scored with its own bytes as labels), then generation.generate's pieces, then {"finish_reason", "tokens",
-        "latency_ms"}.
+        scored with its own bytes as labels), then generation's pieces {"text", "logprobs"}, then
+        {"finish_reason", "tokens", "latency_ms"}. Closing the stream (a client went away) frees its slot at once.
 
         params: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, echo (OpenAI's meanings).
         """
-        from deployments.generation import generate, prompt_logprobs
-        from training.bpb import text_bits
+        from deployments.generation import Completion, prompt_logprobs
 
         t0 = time.perf_counter()
-        bits, n = _finite(text_bits(self.model, prompt, self.seq_len), self.version)
         k = params.get("logprobs")
-        head: dict[str, Any] = {"version": self.version, "bits": bits, "bytes": n, "bpb": bits / n if n else None}
-        if params.get("echo") and k is not None:
-            head["prompt_logprobs"] = prompt_logprobs(self.model, prompt, self.seq_len, k)
-        yield head
-        for event in generate(self.model, prompt, self.seq_len, int(params.get("max_tokens", 16)),
-                              float(params.get("temperature", 1.0)), int(params.get("top_k", 0)),
-                              float(params.get("top_p", 1.0)), params.get("seed"), params.get("stop") or [], k):
-            if "finish_reason" in event:
-                event["latency_ms"] = (time.perf_counter() - t0) * 1000.0
-            yield event
+        completion = Completion(int(params.get("max_tokens", 16)), float(params.get("temperature", 1.0)),
+                                int(params.get("top_k", 0)), float(params.get("top_p", 1.0)), params.get("seed"),
+                                params.get("stop") or [], k)
+        async with aclosing(self.engine.stream(prompt, completion)) as events:
+            async for event in events:
+                if "bits" in event:
+                    bits, n = _finite((event["bits"], event["bytes"]), self.version)
+                    head: dict[str, Any] = {"version": self.version, "bits": bits, "bytes": n,
+                                            "bpb": bits / n if n else None}
+                    if params.get("echo") and k is not None:
+                        head["prompt_logprobs"] = await self.engine.run(prompt_logprobs, self.model, prompt,
+                                                                        self.seq_len, k)
+                    yield head
+                    continue
+                if "finish_reason" in event:
+                    event = {**event, "latency_ms": (time.perf_counter() - t0) * 1000.0}
+                yield event
 
-    def complete(self, prompt: bytes, params: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, prompt: bytes, params: dict[str, Any]) -> dict[str, Any]:
         """The whole completion in one answer: the first event's fields, "text", "pieces" (their logprobs),
         "finish_reason", "tokens" and "latency_ms"."""
         out: dict[str, Any] = {}
         texts, pieces = [], []
-        for event in self.complete_stream(prompt, params):
-            if "text" in event:
-                texts.append(event["text"])
-                pieces.append(event["logprobs"])
-            else:
-                out |= event
+        async with aclosing(self.complete_stream(prompt, params)) as events:
+            async for event in events:
+                if "text" in event:
+                    texts.append(event["text"])
+                    pieces.append(event["logprobs"])
+                else:
+                    out |= event
         return out | {"text": "".join(texts), "pieces": pieces}

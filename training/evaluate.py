@@ -109,8 +109,14 @@ def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> s
 
     Saved as "pt2" (torch.export; loading it unpickles nothing) with batch and time dimensions dynamic:
     input int64 [B, T] byte values with T <= seq_len, output float32 logits [B, T, 256]. The logged model's
-    metadata records seq_len.
+    metadata records seq_len. The built-in GPT also gets its weights as an extra file (tensors only, see
+    training.model.save_weights) and metadata[EAGER_METADATA] = {"config", "weights"}: an exported program cannot
+    carry a KV cache, so serving rebuilds the eager GPT from them and decodes incrementally. A plugged-in model
+    factory's model is served from the pt2 program alone.
     """
+    import tempfile
+    from pathlib import Path
+
     import mlflow
     import numpy as np
     from mlflow.models import ModelSignature
@@ -123,11 +129,21 @@ def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> s
     # B and T > 1 in the example, so torch.export keeps both dimensions dynamic.
     example = np.frombuffer(b"def main():\n    return 0\n"[: min(16, seq_len)] * 2, dtype=np.uint8)
     example = example.astype(np.int64).reshape(2, -1)
-    info = mlflow.pytorch.log_model(
-        model.eval(), name=name, serialization_format="pt2", signature=signature, input_example=example,
-        metadata={"seq_len": seq_len},
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"],
-    )
+    from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
+
+    metadata: dict = {"seq_len": seq_len}
+    with tempfile.TemporaryDirectory() as tmp:
+        extra_files = None
+        if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
+            save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
+            extra_files = [str(Path(tmp) / EAGER_WEIGHTS_FILE)]
+            # mlflow copies extra files to extra_files/<name> inside the logged model
+            metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
+        info = mlflow.pytorch.log_model(
+            model.eval(), name=name, serialization_format="pt2", signature=signature, input_example=example,
+            metadata=metadata, extra_files=extra_files,
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"],
+        )
     return info.model_uri
 
 

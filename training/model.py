@@ -10,6 +10,9 @@ from torch import nn
 from training.config import TrainConfig
 
 VOCAB = 256  # bytes
+# The logged model's metadata key naming the GPT's constructor config and its weights file (serving's KV cache).
+EAGER_METADATA = "eager_gpt"
+EAGER_WEIGHTS_FILE = "gpt_state_dict.pt"
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,6 +91,11 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def config(self) -> dict[str, int]:
+        """The constructor arguments that rebuild this model's shapes (dropout aside: serving runs in eval)."""
+        return {"seq_len": self.seq_len, "n_layer": len(self.blocks), "n_head": self.blocks[0].attn.n_head,
+                "d_model": self.wte.embedding_dim}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
@@ -100,6 +108,23 @@ class GPT(nn.Module):
 def build_gpt(cfg: TrainConfig) -> GPT:
     """The default `train.model_factory`: a GPT sized by `cfg` (seq_len, n_layer, n_head, d_model, dropout)."""
     return GPT(cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout)
+
+
+def save_weights(model: GPT, path: str) -> None:
+    """The state dict as plain tensors (torch.save of a dict of tensors; `load_gpt` reads it with
+    weights_only=True, so loading unpickles no objects)."""
+    torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path)
+
+
+def load_gpt(config: dict[str, int], path: str) -> GPT:
+    """A GPT built from `config` (GPT.config()) with the weights `save_weights` wrote, in eval mode.
+
+    Raises:
+        RuntimeError: the weights do not fit the config (missing, unexpected or differently shaped tensors).
+    """
+    model = GPT(**{k: int(config[k]) for k in ("seq_len", "n_layer", "n_head", "d_model")})
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return model.eval()
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:

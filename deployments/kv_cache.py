@@ -1,0 +1,127 @@
+"""Incremental decoding of the built-in GPT (training.model.GPT) with a key/value cache, for serving.
+
+Reuses the GPT's own submodules (embeddings, each block's layer norms, attention projections and MLP, the head);
+training's `GPT.forward` is not touched. The cache is a pool of `slots`, one per in-flight request: per layer a
+key and a value tensor [slots, n_head, seq_len, head_dim], and each slot's length. `prefill` runs one request's
+context at once (causal attention, as training does) and fills its slot; `decode` feeds one new token for each
+of several slots in ONE batched forward: every row attends to its own slot's first `length + 1` positions
+(a boolean mask over the longest row's keys pads the shorter ones), at its own position embedding.
+
+Positions are learned (`wpe` has seq_len rows), so a slot holds at most seq_len tokens; `CachedGPT` slides a
+full one by re-prefilling the last seq_len // 2 bytes of its context (see there).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from training.model import GPT
+
+
+class KVCache:
+    """Keys and values of `slots` sequences of up to model.seq_len tokens, and each slot's length."""
+
+    def __init__(self, model: GPT, slots: int) -> None:
+        attn = model.blocks[0].attn
+        d_model = model.wte.embedding_dim
+        shape = (len(model.blocks), slots, attn.n_head, model.seq_len, d_model // attn.n_head)
+        dtype = model.wte.weight.dtype
+        self.k = torch.zeros(shape, dtype=dtype, device=model.wte.weight.device)
+        self.v = torch.zeros_like(self.k)
+        self.lengths = [0] * slots
+
+
+def _qkv(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's q, k, v for x [B, T, C], each [B, H, T, C/H] (the split CausalSelfAttention.forward makes)."""
+    b, t, c = x.shape
+    h = block.attn.n_head
+    q, k, v = block.attn.c_attn(block.ln_1(x)).split(c, dim=2)
+    return tuple(z.view(b, t, h, c // h).transpose(1, 2) for z in (q, k, v))  # type: ignore[return-value]
+
+
+def _finish_block(block: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The rest of Block.forward once attention gave y [B, H, T, C/H]: projection, residuals, MLP."""
+    b, t, c = x.shape
+    x = x + block.attn.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+    return x + block.mlp(block.ln_2(x))
+
+
+@torch.no_grad()
+def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [T, 256] at every position of `tokens` (int64 [T], 1 <= T <= seq_len), whose keys and values
+    become `slot`'s whole cache."""
+    t = tokens.numel()
+    if not 1 <= t <= model.seq_len:
+        raise ValueError(f"prefill of {t} tokens: the model takes 1..{model.seq_len}")
+    x = model.wte(tokens[None]) + model.wpe(torch.arange(t, device=tokens.device))
+    for i, block in enumerate(model.blocks):
+        q, k, v = _qkv(block, x)
+        cache.k[i, slot, :, :t] = k[0]
+        cache.v[i, slot, :, :t] = v[0]
+        x = _finish_block(block, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    cache.lengths[slot] = t
+    return model.lm_head(model.ln_f(x))[0]
+
+
+@torch.no_grad()
+def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits [B, 256] after appending tokens[b] to slot slots[b], for every b in one forward.
+
+    Raises:
+        ValueError: a slot is already full (seq_len tokens): slide it first.
+    """
+    device = model.wte.weight.device
+    pos = torch.tensor([cache.lengths[s] for s in slots], device=device)
+    if int(pos.max()) >= model.seq_len:
+        raise ValueError(f"decode: a slot already holds seq_len={model.seq_len} tokens")
+    rows = torch.tensor(slots, device=device)
+    span = int(pos.max()) + 1  # keys beyond the longest row are never read
+    mask = (torch.arange(span, device=device)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, span]
+    x = (model.wte(torch.tensor(tokens, device=device)) + model.wpe(pos))[:, None, :]  # [B, 1, C]
+    for i, block in enumerate(model.blocks):
+        q, k, v = _qkv(block, x)
+        cache.k[i, rows, :, pos] = k[:, :, 0]
+        cache.v[i, rows, :, pos] = v[:, :, 0]
+        keys, values = cache.k[i, rows, :, :span], cache.v[i, rows, :, :span]
+        x = _finish_block(block, x, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
+    for s in slots:
+        cache.lengths[s] += 1
+    return model.lm_head(model.ln_f(x))[:, 0]
+
+
+class CachedGPT:
+    """A GPT served with a KV cache: deployments.engine's backend for the built-in model.
+
+    Sliding: a slot that holds seq_len tokens when its next token arrives is rebuilt from the last
+    `seq_len // 2` bytes of its context (that token included) in one prefill, after which decoding goes on
+    incrementally. A byte is therefore always predicted from at least half a window of context, at the cost of
+    one prefill per seq_len // 2 generated bytes; recompute (generation.generate) instead predicts every byte
+    from the last seq_len bytes. The two agree exactly while prompt + completion stay within seq_len bytes.
+    """
+
+    def __init__(self, model: GPT, slots: int) -> None:
+        self.model = model.eval()
+        self.seq_len = model.seq_len
+        self.slots = slots
+        self.cache = KVCache(model, slots)
+        self.context: list[list[int]] = [[] for _ in range(slots)]  # each slot's last seq_len tokens
+
+    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Logits [T, 256] at every position of the last seq_len `tokens`; `slot` now holds them."""
+        window = tokens[-self.seq_len:]
+        self.context[slot] = list(window)
+        return prefill(self.model, self.cache, slot, torch.tensor(window, dtype=torch.long))
+
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """Next-token logits [B, 256] once tokens[b] is appended to slots[b] (full slots slide first)."""
+        out = torch.empty(len(slots), self.model.lm_head.out_features)
+        full = [b for b, s in enumerate(slots) if self.cache.lengths[s] >= self.seq_len]
+        for b in full:
+            window = (self.context[slots[b]] + [tokens[b]])[-(self.seq_len // 2 or 1):]
+            out[b] = self.prefill(slots[b], window)[-1]
+        rest = [b for b in range(len(slots)) if b not in set(full)]
+        if rest:
+            out[rest] = decode(self.model, self.cache, [slots[b] for b in rest], [tokens[b] for b in rest]).float()
+            for b in rest:
+                self.context[slots[b]] = (self.context[slots[b]] + [tokens[b]])[-self.seq_len:]
+        return out
