@@ -1,6 +1,7 @@
 """PipelineConfig: the six stage configs in one model; the TOML file, the flow parameter and the UI form."""
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.gateway_control import EndpointConflict, check_endpoint_free
 from infra.config import ClusterConfig
+from infra.paths import shardline_home
+from infra.remote import RemoteConfigError, check_remote_config
 from infra.stack.config import StackConfig
 from training.config import TrainConfig, ValidationConfig
 from training.data.config import DataConfig
@@ -168,11 +171,21 @@ def check_serving(config: PipelineConfig, origin: str = "config") -> None:
 
 
 def check_remote_storage(config: PipelineConfig, origin: str = "config", tracking_uri: str = "") -> None:
-    """ConfigError when a remote cluster's nodes could not reach the run's checkpoints, shards or MLflow store."""
-    from infra.remote import RemoteConfigError, check_pipeline
+    """ConfigError when a remote cluster's nodes could not reach the run's checkpoints, shards or MLflow store, or
+    cannot run its data engine or canary (infra.remote.check_remote_config on the pipeline's settings).
 
+    `tracking_uri` is the resolved one (the flow knows it); else registry.tracking_uri, else $MLFLOW_TRACKING_URI.
+    """
+    home = shardline_home()
+    tracking = tracking_uri or config.registry.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    settings = {
+        "train.storage_path": (config.train.storage_path, str(home / "checkpoints")),
+        "data.output": (config.data.output, str(home / "shards")),
+        "registry.tracking_uri": (tracking, f"sqlite:///{home / 'mlflow.db'}"),
+    }
     try:
-        check_pipeline(config, tracking_uri)
+        check_remote_config(config.cluster, settings, data_engine=config.data.engine,
+                            canary_enabled=config.canary.enabled)
     except RemoteConfigError as e:
         raise ConfigError(f"{origin}: {e}") from None
 

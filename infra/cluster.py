@@ -1,25 +1,17 @@
 """Ray cluster provisioning: start Ray on this machine (one or several nodes) or connect to a running cluster."""
 from __future__ import annotations
 
-import ipaddress
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
 from infra.config import ClusterConfig
 from infra.paths import quiet_telemetry
-
-
-class ClusterError(RuntimeError):
-    """Ray could not be started or reached; the message says which address and why."""
+from infra.ray_env import (  # noqa: F401 - re-exported: the names callers have always imported from here
+    RAY_MULTI_NODE_SWITCH, ClusterError, _run_ray, driver_on_loopback, forwarded_env, free_port, is_loopback,
+    loopback_node, node_env, ray_cli, use_token_auth,
+)
 
 
 class ClusterInfo(BaseModel):
@@ -38,82 +30,6 @@ class ClusterInfo(BaseModel):
     network_env: dict[str, str] = {}
     # mode=remote with a job-server address: training is submitted as a Ray Job with these settings (infra.jobs)
     config: ClusterConfig = Field(default_factory=ClusterConfig)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def ray_cli() -> str:
-    exe = Path(sys.executable).with_name("ray")
-    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
-
-
-# Ray (2.60, services.resolve_ip_for_localhost) replaces a loopback node address, given as --node-ip-address,
-# _node_ip_address or the host of a GCS address, by the address of the default route: a head started on 127.0.0.1
-# reports the LAN address for its node, and its drivers and workers dial that. With its multi-node switch off Ray
-# answers 127.0.0.1 instead; the switch off also makes `ray start --address` refuse, so only a single-node head
-# (mode=local) is kept on loopback. local-multinode and remote keep Ray's own choice.
-RAY_MULTI_NODE_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def is_loopback(host: str) -> bool:
-    """True for an address only this machine can reach: 127.0.0.0/8, ::1 or localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def loopback_node(cfg: ClusterConfig) -> bool:
-    """True when the local head is a single node on a loopback `cfg.host`: Ray must then report that address."""
-    return cfg.mode == "local" and is_loopback(cfg.host)
-
-
-def node_env(cfg: ClusterConfig) -> dict[str, str]:
-    """Environment of the `ray start` that starts the local head, so that Ray reports `cfg.host` for its node."""
-    return {RAY_MULTI_NODE_SWITCH: "0"} if loopback_node(cfg) else {}
-
-
-@contextmanager
-def driver_on_loopback(on: bool) -> Iterator[None]:
-    """While `on`, this process's `ray.init` dials a loopback GCS address as given and takes the node's loopback
-    address, as the head started with node_env does; Ray reads the switch once, at import, so it is set on the
-    imported module for the call and put back after."""
-    from ray._private import ray_constants
-
-    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    if not on or before is None:  # another Ray without the switch: its own behaviour
-        yield
-        return
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = before
-
-
-def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, str] | None = None) -> None:
-    # Token authentication on (Ray's default for new local clusters), stated explicitly so that a node joining
-    # with `ray start --address` uses the same token file as the head instead of connecting unauthenticated.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
-    if new_session:  # a long-lived node outlives this run: it gets none of this run's secrets (infra.credentials)
-        from infra.credentials import split_secrets
-
-        plain, secret = split_secrets(env)
-        env = {**plain, **{k: v for k, v in secret.items() if k.startswith("RAY_")}}  # Ray's own auth stays
-    env.setdefault("RAY_AUTH_MODE", "token")
-    proc = subprocess.run([ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180,
-                          start_new_session=new_session, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        # stderr only: stdout of `ray get-auth-token` is the token itself
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        raise ClusterError(f"`ray {' '.join(args[:2])}` failed: {tail[0]}")
 
 
 def provision(cfg: ClusterConfig) -> ClusterInfo:
@@ -176,12 +92,6 @@ def _job_server(cfg: ClusterConfig) -> ClusterInfo:
                        dashboard_url=cfg.address, config=cfg)
 
 
-# What a run's job on the long-lived local head needs from the driver's environment: the head's own processes were
-# started by an earlier run and have that run's environment, not this one's.
-_FORWARDED = ("AWS_", "AZURE_", "SHARDLINE_", "MLFLOW_", "PREFECT_API_", "PYTHONPATH", "OMP_NUM_THREADS",
-              "NCCL_", "GLOO_", "TORCH_")
-
-
 PACKAGES = ("flows", "tasks", "training", "deployments", "infra")
 
 
@@ -191,15 +101,6 @@ def code_runtime_env() -> dict:
     upload's hash, and so every Serve replica's options, from run to run."""
     root = Path(__file__).resolve().parent.parent
     return {"py_modules": [str(root / p) for p in PACKAGES], "excludes": ["__pycache__", "*.pyc"]}
-
-
-def forwarded_env() -> dict[str, str]:
-    """The driver's storage, tracking and framework settings (credentials included) for its Ray job's workers.
-
-    Plain settings travel in the job's runtime env, secrets in a 0600 file (infra.credentials), on this machine's
-    own head; a remote cluster gets none of them (its nodes have their own identity).
-    """
-    return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
 
 
 _secrets_file = ""  # this driver's worker-secrets file (infra.credentials), removed by teardown
@@ -215,23 +116,6 @@ def _job_env() -> dict[str, str]:
         _secrets_file = write_worker_secrets(secret)
         plain[WORKER_SECRETS_ENV] = _secrets_file
     return plain
-
-
-def use_token_auth() -> None:
-    """Authenticate this driver with the token file the nodes were started with.
-
-    ray.init(address=...) with an explicit address does not turn token auth on by itself (Ray 2.60), and setting
-    RAY_AUTH_MODE after `import ray` is not seen by Ray's cached config; Ray's own helper sets both.
-    """
-    if os.environ.get("RAY_AUTH_MODE"):
-        return
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # another Ray version: no token auth, or it handles this itself
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _wait_for_nodes(expected: int, timeout_s: float = 60.0) -> None:

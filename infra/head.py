@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from infra import process
-from infra.cluster import ClusterError, _run_ray, free_port, loopback_node, node_env
+from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 

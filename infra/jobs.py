@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import ClusterConfig
+from infra.names import TAG_JOB_TRAIN_RUN_ID, TAG_RAY_JOB_ID, TAG_TRAIN_KEY  # noqa: F401 - re-exported
 
-TAG_RAY_JOB_ID = "shardline.ray_job_id"
-TAG_JOB_TRAIN_RUN_ID = "shardline.ray_job_train_run_id"  # the MLflow run the job's rank 0 logs its metrics to
 ENTRY_MODULE = "training.job_entry"
 ROOT = Path(__file__).resolve().parent.parent
 # Shipped: the project's packages and top-level files. Left behind: state, data, environments, tests, VCS.
@@ -43,7 +42,7 @@ def job_client(address: str) -> Any:
     Raises:
         ClusterError: the job server does not answer.
     """
-    from infra.cluster import ClusterError, use_token_auth
+    from infra.ray_env import ClusterError, use_token_auth
     from infra.paths import quiet_telemetry
 
     quiet_telemetry()
@@ -62,7 +61,7 @@ def job_runtime_env(cfg: ClusterConfig) -> dict[str, Any]:
     pip requirements are added only when configured: installing torch and ray into every job's env would take
     minutes and pull a second copy of what the cluster's image already has.
     """
-    from infra.cluster import forwarded_env
+    from infra.ray_env import forwarded_env
     from infra.credentials import NO_SECRETS, WORKER_SECRETS_ENV, split_secrets
 
     plain, _secrets = split_secrets(forwarded_env())  # the secrets stay here: Ray writes runtime envs to its logs
@@ -132,7 +131,6 @@ def recorded_job_ids(tracking_uri: str, experiment: str, train_key: str, address
     from mlflow import MlflowClient
 
     from infra.tracking import TAG_CLUSTER_ADDRESS
-    from training.resume import TAG_TRAIN_KEY
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)

@@ -7,14 +7,9 @@ or a path under one of `cluster.shared_paths` (a mount every node has at the sam
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from infra.config import ClusterConfig
-
-if TYPE_CHECKING:
-    from flows.config import PipelineConfig
 
 SHARED_SCHEMES = ("s3", "az")  # what infra.storage and Ray Train (infra.credentials) both read and write
 SERVER_SCHEMES = ("http", "https", "postgresql", "mysql", "mssql", "databricks")
@@ -76,21 +71,3 @@ def check_remote_config(cluster: ClusterConfig, settings: dict[str, tuple[str, s
     if cluster.job_server and canary_enabled:
         raise RemoteConfigError(f"{where}: the canary needs a Ray driver on the cluster (Ray Serve); set "
                                 "canary.enabled=false with a job-server address, or use the GCS address 'head:6379'")
-
-
-def check_pipeline(config: "PipelineConfig", tracking_uri: str = "") -> None:
-    """check_remote_config for a whole pipeline: checkpoints, shards, a file-based MLflow store, data engine, canary.
-
-    `tracking_uri` is the resolved one (the flow knows it); else registry.tracking_uri, else $MLFLOW_TRACKING_URI.
-    """
-    from infra.paths import shardline_home
-
-    home = shardline_home()
-    tracking = tracking_uri or config.registry.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-    settings = {
-        "train.storage_path": (config.train.storage_path, str(home / "checkpoints")),
-        "data.output": (config.data.output, str(home / "shards")),
-        "registry.tracking_uri": (tracking, f"sqlite:///{home / 'mlflow.db'}"),
-    }
-    check_remote_config(config.cluster, settings, data_engine=config.data.engine,
-                        canary_enabled=config.canary.enabled)

@@ -16,11 +16,8 @@ import socket
 from typing import Any
 
 from infra import process
+from infra.names import TAG_ENDED_BY, TAG_OWNER, TAG_PARENT, TAG_STAGE  # noqa: F401 - TAG_OWNER re-exported
 
-TAG_OWNER = "shardline.owner"
-TAG_ENDED_BY = "shardline.ended_by"
-TAG_STAGE = "shardline.stage"  # = infra.tracking.TAG_STAGE (that module imports this one)
-TAG_PARENT = "mlflow.parentRunId"
 SCAN_LIMIT = 200  # RUNNING parent runs looked at per call: a bound on the cost of opening a run
 
 

@@ -9,24 +9,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from infra.names import (  # noqa: F401 - the lineage tags, re-exported for the stages that log them
+    TAG_CHECKPOINT_URI, TAG_CLUSTER_ADDRESS, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_GIT_COMMIT,
+    TAG_MANIFEST_URI, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_PARENT, TAG_STAGE, TAG_TRAIN_RUN_ID,
+    TAG_VALIDATION_RUN_ID,
+)
 from infra.paths import quiet_telemetry, shardline_home
 from infra.redact import redact
 from infra.run_owner import TAG_OWNER, current_owner, end_orphaned_runs
 
-# Lineage tags. Every stage tags what it produced with the ids of what it consumed, under these names.
-TAG_STAGE = "shardline.stage"
-TAG_FLOW_RUN_ID = "shardline.prefect_flow_run_id"
-TAG_PARENT = "mlflow.parentRunId"
-TAG_DATASET_DIGEST = "shardline.dataset_digest"
-TAG_MANIFEST_URI = "shardline.manifest_uri"
-TAG_DATA_RUN_ID = "shardline.data_run_id"
-TAG_TRAIN_RUN_ID = "shardline.train_run_id"
-TAG_CHECKPOINT_URI = "shardline.checkpoint_uri"
-TAG_VALIDATION_RUN_ID = "shardline.validation_run_id"
-TAG_MODEL_URI = "shardline.model_uri"
-TAG_MODEL_VERSION = "shardline.model_version"
-TAG_GIT_COMMIT = "shardline.git_commit"
-TAG_CLUSTER_ADDRESS = "shardline.ray_address"
 
 class Lineage(BaseModel):
     """What every stage receives to log under the flow run's MLflow run tree."""
@@ -38,6 +29,14 @@ class Lineage(BaseModel):
 
 
 STAGES = ("shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoint", "promote_model", "canary_deploy")
+
+
+def registry_client(tracking_uri: str) -> Any:
+    """An MlflowClient whose tracking and registry are both `tracking_uri`."""
+    quiet_telemetry()
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
 def resolve_tracking_uri(configured: str = "") -> str:

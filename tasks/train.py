@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo
+from infra.names import TAG_NETWORK
 from infra.tracking import (
     TAG_CHECKPOINT_URI, TAG_CLUSTER_ADDRESS, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage,
     flat_params, safe_tags, stage_run,
@@ -27,7 +28,6 @@ from training.data import ShardSet
 from training.trainer import PlacementTimeout, TrainResult, logged_step, loss_curve_png, run_training
 
 POLL_S = 2.0
-TAG_NETWORK = "shardline.network"
 
 
 @task(name="train_fsdp", timeout_seconds=TIMEOUT_S["train_fsdp"],

@@ -10,7 +10,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-TAG_TRAIN_NODE_IDS = "shardline.train_node_ids"
+from infra.names import TAG_TRAIN_NODE_IDS
+
 NODE_NAME_BYTES = 256  # a Ray node id is 56 hex characters; a host name is at most 255 bytes
 MAX_TAG_CHARS = 5000  # well inside MLflow's tag value limit
 

@@ -13,6 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from infra.names import (  # noqa: F401 - TAG_* re-exported for the stages that log them
+    CHAMPION, TAG_CHECKPOINT_URI, TAG_INIT_CHECKPOINT, TAG_INIT_VERSION, TAG_PARENT, TAG_RESUMED_FROM_STEP,
+    TAG_REUSED_FROM, TAG_TRAIN_KEY, TAG_TRAIN_REQUEST,
+)
+
 if TYPE_CHECKING:
     from training.config import TrainConfig
     from training.trainer import TrainResult
@@ -21,12 +26,6 @@ if TYPE_CHECKING:
 OPERATIONAL_FIELDS = frozenset({"max_failures", "keep_checkpoints", "checkpoint_threads", "checkpoint_every",
                                 "log_every", "storage_path", "peak_tflops", "resources_per_worker",
                                 "placement_timeout_s"})
-TAG_TRAIN_REQUEST = "shardline.train_request"  # dataset + config, init_from as written (e.g. "champion")
-TAG_TRAIN_KEY = "shardline.train_key"  # ... with init_from resolved: names the Ray Train run
-TAG_INIT_CHECKPOINT = "shardline.init_from_checkpoint"
-TAG_INIT_VERSION = "shardline.init_from_version"
-TAG_REUSED_FROM = "shardline.reused_train_run_id"
-TAG_RESUMED_FROM_STEP = "shardline.resumed_from_step"
 
 
 class InitSource(BaseModel):
@@ -67,10 +66,9 @@ def resolve_init_from(spec: str, model_name: str, tracking_uri: str) -> InitSour
         return InitSource(checkpoint_uri=spec, label=f"checkpoint {spec}")
     from mlflow.exceptions import MlflowException
 
-    from deployments.registry import CHAMPION, client_for
-    from infra.tracking import TAG_CHECKPOINT_URI
+    from infra.tracking import registry_client
 
-    client = client_for(tracking_uri)
+    client = registry_client(tracking_uri)
     name, ref = (model_name, f"@{CHAMPION}") if spec == "champion" else _split_models_uri(spec)
     try:
         mv = client.get_model_version_by_alias(name, ref[1:]) if ref.startswith("@") else client.get_model_version(name, ref)
@@ -126,7 +124,6 @@ def find_completed(tracking_uri: str, experiment: str, request: str, init: InitS
     """
     from mlflow import MlflowClient
 
-    from infra.tracking import TAG_CHECKPOINT_URI, TAG_PARENT
     from training.checkpoint import CheckpointError, local_copy, verify_checkpoint
     from training.trainer import TrainResult
 

@@ -25,17 +25,26 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import training.data.listing_index as listing_index
+import training.data.quality as quality
 from infra import storage
 from infra.paths import shardline_home
-from training.data import listing_index, quality
 from training.data.config import DataConfig
 from training.data.corpus import Tally, no_usable_records
 from training.data.engine import LocalPool, local_workers, ray_workers, run_chunks
 from training.data.plan import plan_chunks
 from training.data.readers import Source
+from training.data.shards import (
+    MANIFEST_NAME,
+    SPLITS,
+    VALIDATION_NAME,
+    Manifest,
+    ShardEntry,
+    SplitEntry,
+    dataset_digest,
+    manifest_of,
+)
 from training.data.shardset import DataError, ShardSet
-from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, ShardEntry, SplitEntry
-from training.data.shards import dataset_digest, manifest_of
 from training.data.worker import ChunkJob, ChunkResult
 
 STAGING = "_staging"

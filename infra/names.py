@@ -1,0 +1,41 @@
+"""Names that cross process boundaries, in one bottom-floor module (Ray Train v2's `_internal/constants.py` shape).
+
+MLflow tags that drive resume, re-attach, lineage and serving are written by one process and read by another (a
+rerun, a `shardline serve`, a stack status, a remote job's follower): a typo in one copy would silently break
+recovery. Every module imports them from here; the modules that used to define them re-export them unchanged.
+"""
+from __future__ import annotations
+
+# ----- the MLflow run tree and lineage: every stage tags what it produced with the ids of what it consumed
+TAG_STAGE = "shardline.stage"
+TAG_FLOW_RUN_ID = "shardline.prefect_flow_run_id"
+TAG_PARENT = "mlflow.parentRunId"  # MLflow's own name for the parent of a nested run
+TAG_DATASET_DIGEST = "shardline.dataset_digest"
+TAG_MANIFEST_URI = "shardline.manifest_uri"
+TAG_DATA_RUN_ID = "shardline.data_run_id"
+TAG_TRAIN_RUN_ID = "shardline.train_run_id"
+TAG_CHECKPOINT_URI = "shardline.checkpoint_uri"
+TAG_VALIDATION_RUN_ID = "shardline.validation_run_id"
+TAG_MODEL_URI = "shardline.model_uri"
+TAG_MODEL_VERSION = "shardline.model_version"
+TAG_GIT_COMMIT = "shardline.git_commit"
+TAG_CLUSTER_ADDRESS = "shardline.ray_address"
+TAG_NETWORK = "shardline.network"
+
+# ----- run ownership: which process a RUNNING parent run belongs to, and who ended it when it died
+TAG_OWNER = "shardline.owner"
+TAG_ENDED_BY = "shardline.ended_by"
+
+# ----- training resume and re-attach
+TAG_TRAIN_REQUEST = "shardline.train_request"  # dataset + config, init_from as written (e.g. "champion")
+TAG_TRAIN_KEY = "shardline.train_key"  # ... with init_from resolved: names the Ray Train run
+TAG_INIT_CHECKPOINT = "shardline.init_from_checkpoint"
+TAG_INIT_VERSION = "shardline.init_from_version"
+TAG_REUSED_FROM = "shardline.reused_train_run_id"
+TAG_RESUMED_FROM_STEP = "shardline.resumed_from_step"
+TAG_TRAIN_NODE_IDS = "shardline.train_node_ids"
+TAG_RAY_JOB_ID = "shardline.ray_job_id"
+TAG_JOB_TRAIN_RUN_ID = "shardline.ray_job_train_run_id"  # the MLflow run a remote job's rank 0 logs its metrics to
+
+# ----- the registry
+CHAMPION = "champion"  # the alias that says what serves: the endpoint's desired state
