@@ -9,6 +9,7 @@ would stop every Ray on the host; a recorded PID counts only while its start tim
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -18,9 +19,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from infra import process
-from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
+from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env
 
 
 class HeadInfo(BaseModel):
@@ -114,6 +115,7 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     port, dash_port = free_port(cfg.host), free_port(cfg.host)
     gcs = f"{cfg.host}:{port}"
     _run_ray(["get-auth-token", "--generate"])  # a fresh machine has no token file yet; output is dropped
+    _owner_only(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
     args = [
         "start", "--head", f"--node-ip-address={cfg.host}", f"--port={port}", f"--num-cpus={cfg.num_cpus}",
         f"--num-gpus={cfg.num_gpus}", "--include-dashboard=true", f"--dashboard-host={cfg.host}",
@@ -178,3 +180,11 @@ def head_status() -> dict:
     if info is None:
         return {"up": False, "gcs_address": "", "dashboard_url": "", "pids": []}
     return {"up": True, **json.loads(info.model_dump_json(include={"gcs_address", "dashboard_url", "pids"}))}
+
+
+def _owner_only(token_file: Path) -> None:
+    """Ray writes its token file with the default umask (0644 here): anyone on the host could then read the
+    credential of the cluster's gRPC and dashboard. Its owner only, as for shardline's own secrets."""
+    with contextlib.suppress(OSError):
+        if token_file.exists():
+            token_file.chmod(0o600)

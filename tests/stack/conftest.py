@@ -22,7 +22,7 @@ def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int =
     return ["up", "--config", str(REPO / "configs" / "debug.toml"), "--prefect-port", str(prefect_port or free_port()),
             "--mlflow-port", str(free_port()), "--set", f"registry.model_name={model_name}",
             "--set", f"serve.port={serve_port or free_port()}",
-            "--set", "stack.mlflow_workers=1",
+            "--set", "stack.mlflow_workers=1", "--set", f"stack.prometheus_port={free_port()}",
             *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]), *(extra or [])]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,13 @@ class QualityGate:
             if not self.specs[i]["type"].startswith(ROW_WISE):
                 raise ValueError(f"{SUITE_PATH.name}: {self.specs[i]['type']} is neither row-wise nor one of "
                                  f"{AGGREGATES}, so it cannot be checked batch by batch")
-        self._gx: tuple[Any, Any] | None = None  # (batch definition, suite), made with the first batch
+        self._gx: tuple[Any, Any] | None = None  # (batch definition, suite)
+        # Importing GX and making its context take ~2-3 s: done on a thread from here on, while the listing is
+        # planned and the first chunks are written (the workers are other processes), not when the first batch
+        # of rows is waiting for it. The first batch joins the thread.
+        self._gx_error: BaseException | None = None
+        self._gx_thread = threading.Thread(target=self._prepare_gx, name="shardline-gx-import", daemon=True)
+        self._gx_thread.start()
         self._db = sqlite3.connect(workdir / "gate.sqlite")
         for pragma in ("journal_mode=OFF", "synchronous=OFF", "temp_store=FILE", "cache_size=-8192"):
             self._db.execute(f"PRAGMA {pragma}")
@@ -78,8 +85,20 @@ class QualityGate:
         self._pending: list[dict[str, Any]] = []
         self.batch_records, self.records, self.batches = cfg.gate_batch_records, 0, 0
 
+    def _prepare_gx(self) -> None:
+        try:
+            self._make_gx()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the first batch, on the stage's own thread
+            self._gx_error = e
+
     def _validator(self) -> tuple[Any, Any]:
-        """GX's batch definition and the row-wise suite; imported late (~3 s), while the first chunks are written."""
+        """GX's batch definition and the row-wise suite, once the import thread has made them."""
+        self._gx_thread.join()
+        if self._gx_error is not None:
+            raise self._gx_error
+        return self._make_gx()
+
+    def _make_gx(self) -> tuple[Any, Any]:
         if self._gx is None:
             os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
             import great_expectations as gx
