@@ -1,4 +1,4 @@
-"""`shardline up`, `shardline down`, `shardline status`: the local service stack (infra/stack)."""
+"""`shardline up`, `shardline down`, `shardline status`: the local service stack (flows/stack)."""
 from __future__ import annotations
 
 import argparse
@@ -29,7 +29,7 @@ def summary_lines(status: dict) -> list[str]:
         if part:
             lines.append(f"  {label:<15} {part.get(key) if key else part['url']}")
     if status.get("ray"):  # the dashboard opens on a token prompt: where the token is, never the token itself
-        from infra.stack.ray_token import token_hint
+        from flows.stack.ray_token import token_hint
 
         lines.append(f"  ray dashboard token: {token_hint()}")
     if status.get("prometheus"):
@@ -44,8 +44,8 @@ def summary_lines(status: dict) -> list[str]:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from infra.stack.procs import StackError
-    from infra.stack.stack import status, up
+    from flows.stack.procs import StackError
+    from flows.stack.stack import status, up
 
     try:
         stack_cfg, pipeline_cfg = _configs(args)
@@ -63,7 +63,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from infra.stack.stack import down
+    from flows.stack.stack import down
 
     try:
         _, pipeline_cfg = _configs(args)
@@ -99,7 +99,7 @@ def models_report(report: dict) -> dict:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from infra.stack.stack import status
+    from flows.stack.stack import status
 
     report = status()
     if report.get("endpoint"):

@@ -13,7 +13,7 @@ from deployments.gateway_control import EndpointConflict, check_endpoint_free
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 from infra.remote import RemoteConfigError, check_remote_config
-from infra.stack.config import StackConfig
+from flows.stack.config import StackConfig
 from training.config import TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 

@@ -2,7 +2,7 @@
 
 Under Ray Train, `ray.util.metrics` gauges go to the node's metrics agent, which exports them on the node's
 metrics port with Ray's `ray_` prefix; the stack's Prometheus finds that port through Ray's service-discovery file
-(infra/stack/prometheus.py). Under torchrun there is no agent, and `export` does nothing.
+(flows/stack/prometheus.py). Under torchrun there is no agent, and `export` does nothing.
 """
 from __future__ import annotations
 

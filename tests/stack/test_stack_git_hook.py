@@ -60,6 +60,6 @@ def test_push_redeploys_and_the_worker_runs_the_pushed_commit(stack, tmp_path):
                    if r.data.tags.get("shardline.stage") == "pipeline"}
         assert commits == {pushed}
     finally:  # the other stack tests expect the deployments of this checkout
-        from infra.stack.deploy import deploy_all
+        from flows.stack.deploy import deploy_all
 
         deploy_all(stack["api"])

@@ -13,7 +13,7 @@ from conftest import up_args
 from stack_support import shardline, stack_env, status
 
 from infra.cluster import free_port
-from infra.stack.procs import http_ok, port_open
+from flows.stack.procs import http_ok, port_open
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -23,10 +23,10 @@ import pytest
 from deployments.config import ServeConfig
 from deployments.serve_metrics import RouterMetrics
 from infra.cluster import free_port
-from infra.stack import prometheus
-from infra.stack.config import StackConfig
-from infra.stack.procs import is_ours
-from infra.stack.service import stop_part
+from flows.stack import prometheus
+from flows.stack.config import StackConfig
+from flows.stack.procs import is_ours
+from flows.stack.service import stop_part
 from training import prom_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ from deployments.config import ServeConfig
 from deployments.serve_metrics import RouterMetrics
 from flows.cmd_stack import summary_lines
 from flows.config import load_stack_config
-from infra.stack import prometheus
-from infra.stack.ray_token import token_hint
+from flows.stack import prometheus
+from flows.stack.ray_token import token_hint
 from training import prom_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 from infra import process
 from infra.head import HeadInfo, _recorded_alive, stop_head
 from infra.run_owner import owner_alive
-from infra.stack.procs import Proc, is_ours, stop
+from flows.stack.procs import Proc, is_ours, stop
 
 
 def _kernel_ticks(pid: int) -> int:

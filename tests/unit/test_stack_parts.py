@@ -10,9 +10,9 @@ import yaml
 
 from flows.cmd_notify import dataset_resource, resolve_source
 from flows.config import ConfigError, load_config, load_stack_config
-from infra.stack.code_env import unmet_requirements
-from infra.stack.postgres import parse_backend
-from infra.stack.procs import Proc, StackError, _start_ticks, is_ours, stop
+from flows.stack.code_env import unmet_requirements
+from flows.stack.postgres import parse_backend
+from flows.stack.procs import Proc, StackError, _start_ticks, is_ours, stop
 
 REPO = Path(__file__).resolve().parents[2]
 
