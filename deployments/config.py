@@ -1,7 +1,9 @@
 """Configuration of model registration and of the canary rollout."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class RegistryConfig(BaseModel):
@@ -15,6 +17,24 @@ class RegistryConfig(BaseModel):
         description="MLflow tracking server; empty uses $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME.",
     )
     experiment: str = Field("shardline", min_length=1, description="MLflow experiment holding the run tree.")
+
+
+class Autoscaling(BaseModel):
+    """Ray Serve autoscaling of one kind of deployment: replicas follow the requests in flight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle deployment scale to zero).")
+    max_replicas: int = Field(4, ge=1, description="Most replicas.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Requests in flight per replica that autoscaling aims for.",
+    )
+
+    def serve_options(self) -> dict:
+        if self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(f"autoscaling: max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                                       "target_ongoing_requests": self.target_ongoing_requests}}
 
 
 class ServeConfig(BaseModel):
@@ -51,10 +71,23 @@ class ServeConfig(BaseModel):
     max_request_bytes: int = Field(
         65536, ge=256, description="Largest request body accepted; bigger ones get 413 before the body is read."
     )
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="A request body not received whole within this gets 408 (a trickling client).",
+    )
     max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
     max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
     replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per replica (router and models).")
-    model_replicas: int = Field(1, ge=1, description="Replicas per served model version.")
+    model_replicas: int = Field(1, ge=1, description="Replicas per served model version (without autoscaling).")
+    router_replicas: int = Field(
+        1, ge=1, description="Replicas of each model's router (without router_autoscaling); every replica adds to "
+        "the same canary evidence.",
+    )
+    autoscaling: Autoscaling | None = Field(
+        None, description="Autoscale each served version's deployment (replaces model_replicas).",
+    )
+    router_autoscaling: Autoscaling | None = Field(
+        None, description="Autoscale each model's router (replaces router_replicas).",
+    )
     model_threads: int = Field(1, ge=1, description="torch intra-op threads per model replica.")
     auth_token_env: str = Field(
         "SHARDLINE_SERVE_TOKEN",
@@ -135,6 +168,28 @@ class CanaryConfig(BaseModel):
     lock_timeout_s: float = Field(
         3600.0, gt=0, description="How long a run waits for the model's release lock (another run's canary)."
     )
+    mode: Literal["canary", "shadow"] = Field(
+        "canary", description="canary: each step's share of requests is answered by the challenger. shadow: that "
+        "share is mirrored to the challenger, whose answers are scored as evidence but never returned (the "
+        "champion answers every client).",
+    )
+    approval: Literal["auto", "manual"] = Field(
+        "auto", description="auto: promote once every step passed. manual: hold the last step below 100% in state "
+        "'awaiting-approval' until `shardline canary promote` (or abort); needs a step below 100.",
+    )
+    approval_timeout_s: float = Field(
+        3600.0, gt=0, description="How long a manual approval is awaited; then the canary rolls back (verdict "
+        "'aborted').",
+    )
+    on_inconclusive: Literal["rollback", "extend"] = Field(
+        "rollback", description="A step with too little evidence is inconclusive, not failed. rollback: the canary "
+        "ends 'inconclusive' (the champion stays; the version is not marked rejected). extend: the step runs again, "
+        "up to canary.max_extensions more times.",
+    )
+    max_extensions: int = Field(2, ge=0, description="Re-runs of an inconclusive step when on_inconclusive='extend'.")
+    control_poll_s: float = Field(
+        1.0, gt=0, description="How often the driver reads operator commands (pause, resume, promote, abort).",
+    )
 
     @field_validator("steps")
     @classmethod
@@ -142,3 +197,10 @@ class CanaryConfig(BaseModel):
         if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(steps):
             raise ValueError(f"canary.steps must be ascending percentages in (0, 100], got {steps}")
         return steps
+
+    @model_validator(mode="after")
+    def _manual_needs_a_step_to_hold(self) -> CanaryConfig:
+        if self.approval == "manual" and not any(s < 100 for s in self.steps):
+            raise ValueError(f"canary.approval='manual' holds the last step below 100% until approved, but "
+                             f"canary.steps={self.steps} has none")
+        return self

@@ -22,7 +22,8 @@ from pydantic import BaseModel
 
 from deployments.config import ServeConfig
 from deployments.gateway_control import (
-    GATEWAY_APP, QUIET, EndpointConflict, ensure_gateway, gateway_name, prefix_holder, remove_gateway_if_unused,
+    GATEWAY_APP, PICKLE_RACE, QUIET, SERVE_RUN_LOCK, EndpointConflict, ensure_gateway, gateway_name, prefix_holder,
+    remove_gateway_if_unused,
 )
 from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
 from deployments.serve_app import RouterConfig
@@ -30,7 +31,8 @@ from deployments.serve_app import RouterConfig
 log = logging.getLogger(__name__)
 ROUTER = "router"
 _CODE_FILES = ("deployments/serve_app.py", "deployments/serve_metrics.py", "deployments/model_server.py",
-               "deployments/generation.py", "deployments/openai_api.py", "deployments/http_io.py", "training/bpb.py")
+               "deployments/generation.py", "deployments/openai_api.py", "deployments/http_io.py",
+               "deployments/evidence.py", "training/bpb.py")
 
 
 class EndpointError(RuntimeError):
@@ -53,13 +55,18 @@ def app_name_for(serve: ServeConfig, model_name: str) -> str:
 
 def code_version(tracking_uri: str, serve: ServeConfig) -> str:
     """Serve `version` of the deployments: changes when the replicas' code or their fixed settings change."""
+    return hashlib.sha256(f"{settings_version(serve)}:{tracking_uri}".encode()).hexdigest()[:12]
+
+
+def settings_version(serve: ServeConfig) -> str:
+    """The replicas' code and the serve settings fixed at deploy time (replicas, autoscaling, CPUs), hashed: part of
+    the router's config, so that reconcile redeploys an application whose settings changed."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for rel in _CODE_FILES:
         h.update((root / rel).read_bytes())
-    h.update(tracking_uri.encode())
-    h.update(serve.model_dump_json(include={"replica_cpus", "model_replicas", "model_threads", "drain_timeout_s"})
-             .encode())
+    h.update(serve.model_dump_json(include={"replica_cpus", "model_replicas", "model_threads", "drain_timeout_s",
+                                            "router_replicas", "autoscaling", "router_autoscaling"}).encode())
     return h.hexdigest()[:12]
 
 
@@ -68,7 +75,8 @@ def router_config(serve: ServeConfig, model_name: str, champion: str, token_sha2
     """The router config serving `champion` alone at 100%, with `changes` applied (challenger, weight, lease)."""
     base = RouterConfig(model_name=model_name, champion=champion, max_request_bytes=serve.max_request_bytes,
                         max_prompt_bytes=serve.max_prompt_bytes, max_tokens_cap=serve.max_tokens_cap,
-                        token_sha256=token_sha256, gateway=gateway_name(serve))
+                        token_sha256=token_sha256, gateway=gateway_name(serve),
+                        settings=settings_version(serve))
     return base.model_copy(update=changes)
 
 
@@ -76,6 +84,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     """The Serve application of a spec: one ModelServer deployment `v<version>` per version, one router."""
     from ray import serve as rs
 
+    from deployments.evidence import Evidence
     from deployments.model_server import ModelServer
     from deployments.serve_app import Router
 
@@ -86,19 +95,26 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     env["env_vars"] = {**env.get("env_vars", {}), **_tracking_env(spec.app_name)}
     options: dict[str, Any] = {"num_cpus": serve.replica_cpus, "runtime_env": env}
     server = rs.deployment(ModelServer)
+    scaling = serve.autoscaling.serve_options() if serve.autoscaling else {"num_replicas": serve.model_replicas}
     models = {
         v: _pinned(server.options(
-            name=f"v{v}", num_replicas=serve.model_replicas, ray_actor_options=options,
+            name=f"v{v}", ray_actor_options=options, **scaling,
             graceful_shutdown_timeout_s=serve.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
             health_check_period_s=5.0, max_ongoing_requests=8,
         ), f"{version}-v{v}").bind(spec.router.model_name, v, spec.tracking_uri, serve.model_threads)
         for v in spec.versions
     }
+    evidence = _pinned(rs.deployment(Evidence).options(
+        name="evidence", num_replicas=1, ray_actor_options={**options, "num_cpus": min(0.05, serve.replica_cpus)},
+        max_ongoing_requests=256,
+    ), version).bind()
+    router_scaling = serve.router_autoscaling.serve_options() if serve.router_autoscaling else {
+        "num_replicas": serve.router_replicas}
     router = _pinned(rs.deployment(Router).options(
-        name=ROUTER, num_replicas=1, ray_actor_options=options, user_config=spec.router.model_dump(),
-        max_ongoing_requests=64,
+        name=ROUTER, ray_actor_options=options, user_config=spec.router.model_dump(), max_ongoing_requests=64,
+        **router_scaling,
     ), version)
-    return router.bind(spec.app_name, models, spec.router.model_name)
+    return router.bind(spec.app_name, models, spec.router.model_name, evidence)
 
 
 def _tracking_env(app_name: str) -> dict[str, str]:
@@ -183,14 +199,20 @@ def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None 
     from ray import serve as rs
 
     start_proxy(serve)
-    try:
-        # no route: the gateway forwards this model's requests to its router's handle
-        rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=None,
-               blocking=False, logging_config=QUIET)
-    except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
-        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-        raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
-                            f"{_deployment_causes(spec.app_name)}") from None
+    for attempt in range(3):
+        try:
+            # no route: the gateway forwards this model's requests to its router's handle
+            with SERVE_RUN_LOCK:
+                rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=None,
+                       blocking=False, logging_config=QUIET)
+            break
+        except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
+            if PICKLE_RACE in str(e) and attempt < 2:  # a client-side race, not the application's failure
+                log.warning("deploying %s raced with another thread's pickling; deploying again", spec.app_name)
+                continue
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+            raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
+                                f"{_deployment_causes(spec.app_name)}") from None
     deadline = time.monotonic() + timeout_s
     want = spec.router.model_dump()
     while True:

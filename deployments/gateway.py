@@ -35,6 +35,7 @@ class GatewayConfig(BaseModel):
 
     default_model: str = ""
     max_request_bytes: int = 65536
+    body_timeout_s: float = 10.0
     token_sha256: str = ""
 
 
@@ -119,7 +120,7 @@ class Gateway:
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
                 raise ApiError(405, f"{path} takes POST")
-            body = await read_body(request, self.cfg.max_request_bytes)
+            body = await read_body(request, self.cfg.max_request_bytes, self.cfg.body_timeout_s)
             model, stream = peek(body)
             app = await self._app_for(model)
         except ApiError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from typing import Any
 
@@ -16,6 +17,10 @@ from deployments.config import ServeConfig
 
 log = logging.getLogger(__name__)
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per request would flood every log
+# serve.run is not thread-safe within one driver (two threads deploying at once race in cloudpickle's
+# pickle-by-value registry: "module ... is not registered for pickle by value"); deploys of one process take turns
+SERVE_RUN_LOCK = threading.Lock()
+PICKLE_RACE = "is not registered for pickle by value"  # the same race with a thread of Ray's own: deploy again
 MODEL_APP_PREFIX = "shardline-"
 GATEWAY_APP = "shardline-gateway"
 
@@ -97,16 +102,20 @@ def ensure_gateway(serve: ServeConfig, token_sha256: str, runtime_env: dict[str,
 
     name = gateway_name(serve)
     want = GatewayConfig(default_model=serve.default_model, max_request_bytes=serve.max_request_bytes,
-                         token_sha256=token_sha256).model_dump()
+                         body_timeout_s=serve.body_timeout_s, token_sha256=token_sha256).model_dump()
     if _gateway_config(name) == want:
         return name
-    deployment = rs.deployment(Gateway).options(
-        name="gateway", num_replicas=serve.gateway_replicas,
-        ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
-        user_config=want, max_ongoing_requests=256, max_queued_requests=serve.max_queued_requests,
-    )
-    deployment._version = _gateway_version()  # fixed, so a config change is a lightweight update (endpoint._pinned)
-    rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False, logging_config=QUIET)
+    with SERVE_RUN_LOCK:  # building a deployment's options registers modules with cloudpickle too
+        deployment = rs.deployment(Gateway).options(
+            name="gateway", num_replicas=serve.gateway_replicas,
+            ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
+            user_config=want, max_ongoing_requests=256, max_queued_requests=serve.max_queued_requests,
+            # over the queue: a fast 503 that tells the client when to come back
+            backpressure_config={"status_code": 503, "retry_after_s": 1},
+        )
+        deployment._version = _gateway_version()  # fixed: a config change is a lightweight update (endpoint._pinned)
+        rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False,
+               logging_config=QUIET)
     deadline = time.monotonic() + timeout_s
     while _gateway_config(name) != want:
         if time.monotonic() > deadline:

@@ -5,6 +5,7 @@ can answer the gateway and, in a single-model application (KubeRay), its own HTT
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -29,19 +30,30 @@ def error_reply(e: ApiError, headers: dict[str, str] | None = None) -> dict[str,
     return reply(e.status, e.body(), extra)
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The body, or ApiError(413) when it is over `limit`: from Content-Length before reading, else while
-    streaming (a chunked body is never held past the limit)."""
+async def read_body(request: Any, limit: int, timeout_s: float | None = None) -> bytes:
+    """The body, or ApiError(413) when it is over `limit` (from Content-Length before reading, else while
+    streaming: a chunked body is never held past the limit), or ApiError(408) when it has not arrived whole within
+    `timeout_s` (a client trickling its body holds no connection for long)."""
     declared = request.headers.get("content-length")
     too_large = ApiError(413, f"request body over serve.max_request_bytes={limit}", code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            await receive()
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within serve.body_timeout_s={timeout_s}",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 

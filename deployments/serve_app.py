@@ -10,13 +10,15 @@ The classes are plain; endpoint.build_app wraps them with `serve.deployment`, so
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,8 +28,10 @@ from deployments.http_io import EVENT_STREAM, check_token, error_reply, read_bod
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
 from deployments.serve_metrics import RouterMetrics
 
+log = logging.getLogger(__name__)
 VERSION_HEADER = "x-shardline-model-version"
 PROBE_HEADER = "x-shardline-probe"
+BODY_TIMEOUT_S = 10.0  # a body sent to a router directly (an application with its own route) must arrive by then
 VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence
 
 
@@ -41,6 +45,7 @@ class RouterConfig(BaseModel):
     challenger: str | None = None
     challenger_percent: int = Field(0, ge=0, le=100)
     shadow_share: float = Field(1.0, ge=0, le=1)
+    mode: Literal["canary", "shadow"] = "canary"  # shadow: the challenger's share is mirrored, never answered by it
     lease_expires_at: float | None = None  # epoch seconds; None with no challenger
     canary_id: str = ""  # one per canary; observations are tagged with it and the step
     epoch: int = 0  # the canary step
@@ -50,6 +55,7 @@ class RouterConfig(BaseModel):
     max_tokens_cap: int = 256
     token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
     gateway: str = ""  # the gateway application (one per route prefix) that serves this model
+    settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with
 
     def effective_percent(self, now: float) -> int:
         """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch)."""
@@ -84,17 +90,20 @@ class Job:
 class Router:
     """A model's requests: validates, routes each to champion or challenger, shadow-scores, records."""
 
-    def __init__(self, app_name: str, models: dict[str, Any], model_name: str = ""):
+    def __init__(self, app_name: str, models: dict[str, Any], model_name: str = "", evidence: Any = None):
         self.app_name = app_name
         self.handles: dict[str, Any] = dict(models)  # bound at deploy time; later versions resolved by name
+        self.evidence = evidence  # the application's Evidence deployment (every router replica adds to it)
         self.cfg: RouterConfig | None = None
         self.replica_id = uuid.uuid4().hex
         self.metrics = RouterMetrics(model_name or app_name)
-        self.observations: deque[dict[str, Any]] = deque(maxlen=20000)
+        self.observations: deque[dict[str, Any]] = deque(maxlen=20000)  # without an Evidence deployment only
+        self._pushes: set[Any] = set()  # evidence sends in flight (a task nobody holds may be collected)
         self.seq = 0
         self.inflight: Counter[str] = Counter()
         self.rng = random.Random(0)
         self.shadow_rng = random.Random(1)
+        self._mirrors: set[Any] = set()  # shadow-mode copies in flight (a task nobody holds may be collected)
 
     # ----- configuration (Serve calls reconfigure with user_config at start and on every lightweight update)
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -115,8 +124,11 @@ class Router:
         return {"config": cfg, "replica_id": self.replica_id, "inflight": dict(self.inflight),
                 "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0, "now": now}
 
-    def get_observations(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
-        """Requests recorded at step `epoch` of canary `canary_id` with sequence number >= since."""
+    async def get_observations(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
+        """Requests recorded at step `epoch` of canary `canary_id` with sequence number >= since: every router
+        replica's, from the application's Evidence deployment (this replica's own when there is none)."""
+        if self.evidence is not None:
+            return await self.evidence.get.remote(canary_id, epoch, since)
         items = [o for o in self.observations
                  if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
         return {"replica_id": self.replica_id, "next": self.seq, "items": items}
@@ -147,7 +159,7 @@ class Router:
     async def __call__(self, request: Any) -> Any:
         limit = self.cfg.max_request_bytes if self.cfg else 65536
         try:
-            body = await read_body(request, limit) if request.method == "POST" else b""
+            body = await read_body(request, limit, BODY_TIMEOUT_S) if request.method == "POST" else b""
         except ApiError as e:
             self.metrics.rejected("none", e.status)
             return to_response(error_reply(e))
@@ -226,6 +238,8 @@ class Router:
         cfg = job.cfg
         if job.variant:
             return job.variant == "challenger", False
+        if cfg.mode == "shadow" and isinstance(job.req, CompletionRequest) and job.req.stream:
+            return False, False  # a stream is not mirrored in shadow mode: the champion answers it, as every request
         percent = cfg.effective_percent(time.time())
         to_challenger = cfg.challenger is not None and self.rng.random() * 100 < percent
         return to_challenger, to_challenger and self.shadow_rng.random() < cfg.shadow_share
@@ -236,7 +250,14 @@ class Router:
         t0 = time.perf_counter()
         to_challenger, paired = self._choose(job)
         shadow = failed = None
-        if to_challenger:
+        if to_challenger and cfg.mode == "shadow" and not job.variant:
+            # shadow mode: the champion answers the client; a copy goes to the challenger afterwards, its answer
+            # recorded as evidence (paired with the champion's own call on the same text) and never returned
+            served = await self._call(cfg.champion, op, "served", *args)
+            task = asyncio.ensure_future(self._mirror(job, served, op, args, t0))
+            self._mirrors.add(task)
+            task.add_done_callback(self._mirrors.discard)
+        elif to_challenger:
             # sequential, alternating order: concurrent scoring on a small machine would compare contention
             if paired and self.seq % 2:
                 shadow = await self._call(cfg.champion, "score", "shadow", text)
@@ -250,7 +271,7 @@ class Router:
                     shadow and shadow["ok"]) else shadow
         else:
             served = await self._call(cfg.champion, op, "served", *args)
-        if not job.variant:
+        if not job.variant and not (to_challenger and cfg.mode == "shadow"):
             self._record(cfg, job.endpoint, job.probe, to_challenger, served, shadow, failed,
                          (time.perf_counter() - t0) * 1000.0)
         version = served["version"]
@@ -266,6 +287,12 @@ class Router:
         else:
             payload = self._completion(job, served)
         return reply(200, payload, {VERSION_HEADER: version})
+
+    async def _mirror(self, job: Job, served: dict[str, Any], op: str, args: tuple[Any, ...], t0: float) -> None:
+        """Shadow mode: the challenger's answer to a copy of a request the champion already answered."""
+        mirrored = await self._call(str(job.cfg.challenger), op, "mirror", *args)
+        self._record(job.cfg, job.endpoint, job.probe, True, served, served, None,
+                     (time.perf_counter() - t0) * 1000.0, mirror=mirrored)
 
     @staticmethod
     def _source(job: Job) -> str:
@@ -373,11 +400,13 @@ class Router:
                          (time.perf_counter() - t0) * 1000.0)
 
     def _record(self, cfg: RouterConfig, endpoint: str, probe: bool, to_challenger: bool, served: dict,
-                shadow: dict | None, failed: dict | None, total_ms: float) -> None:
+                shadow: dict | None, failed: dict | None, total_ms: float, mirror: dict | None = None) -> None:
         """One observation per request: the challenger's call (also when it failed and the champion answered),
         the champion's served call, and the champion's shadow score of the same text."""
         fallback = failed is not None
         challenger_call = failed if fallback else (served if to_challenger else None)
+        if mirror is not None:  # shadow mode: the challenger's copy; the champion's served call is its pair
+            challenger_call = mirror
         champion_call = served if (not to_challenger or fallback) and served is not shadow else None
 
         def slim(call: dict | None) -> dict | None:
@@ -385,11 +414,25 @@ class Router:
                 return None
             return {k: call.get(k) for k in ("version", "ok", "bits", "bytes", "latency_ms", "error")}
 
-        self.observations.append({
-            "seq": self.seq, "canary_id": cfg.canary_id, "epoch": cfg.epoch, "t": time.time(), "endpoint": endpoint, "probe": probe,
+        observation = {
+            "seq": self.seq, "canary_id": cfg.canary_id, "epoch": cfg.epoch, "t": time.time(), "endpoint": endpoint,
+            "probe": probe, "router_replica": self.replica_id,
             "op": "complete" if endpoint == "completions" else "score",
             "role": "challenger" if to_challenger else "champion",
             "challenger": slim(challenger_call), "champion": slim(champion_call),
             "shadow": slim(shadow), "fallback": fallback, "client_ok": bool(served.get("ok")), "total_ms": total_ms,
-        })
+        }
         self.seq += 1
+        if self.evidence is None:
+            self.observations.append(observation)
+        elif cfg.canary_id:  # only a canary needs evidence; sent without holding up the client's answer
+            task = asyncio.ensure_future(self._push(observation))
+            self._pushes.add(task)
+            task.add_done_callback(self._pushes.discard)
+
+    async def _push(self, observation: dict[str, Any]) -> None:
+        try:
+            await self.evidence.add.remote(observation)
+        except Exception as e:  # noqa: BLE001 - a lost observation is less evidence, never a failed request
+            self.metrics.rejected("evidence", 500)
+            log.warning("evidence not recorded: %s: %s", type(e).__name__, e)

@@ -109,8 +109,11 @@ def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
     url = endpoint.reconcile(serve, MODELS[0], world["uri"]).url
     results: dict[str, object] = {}
 
-    def release(name: str) -> None:
-        results[name] = run_rollout(CFG, serve, name, "1", "2", world["uri"], world["heldout"])
+    def release(name: str) -> None:  # each release's driver is its own flow process in use; threads here
+        try:
+            results[name] = run_rollout(CFG, serve, name, "1", "2", world["uri"], world["heldout"])
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results[name] = e
 
     loads = [Load(url, world["texts"], rps=3.0, max_seconds=400, model=name) for name in MODELS]
     for load in loads:
@@ -126,6 +129,7 @@ def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
             load.__exit__(None, None, None)
     for name, load in zip(MODELS, loads):
         result = results[name]
+        assert not isinstance(result, Exception), (name, result)
         assert result.decision == "promoted", (name, result.reason)
         assert read_aliases(client, name)["champion"] == "2"
         assert client.get_model_version(name, "2").tags[TAG_CANARY_DECISION] == "promoted"
@@ -164,3 +168,75 @@ def test_an_address_shardline_cannot_host_is_refused_in_one_line(world):
     finally:
         server.shutdown()
     check_endpoint_free(ServeConfig(port=free_port()))  # nothing listens: Serve will bind it
+
+
+def test_a_canary_with_two_autoscaled_router_replicas_counts_the_evidence_of_both(world):
+    from ray import serve as rs
+
+    from deployments.config import Autoscaling
+
+    client = world["client"]
+    serve = world["serve"].model_copy(update={"router_autoscaling": Autoscaling(min_replicas=2, max_replicas=2)})
+    name = MODELS[0]
+    champion = read_aliases(client, name)["champion"]
+    promoted = register(client, *log_model(world["tables"]["good"], f"{name}-again", world["exp"], client), name)
+    url = endpoint.reconcile(serve, name, world["uri"]).url
+    app = endpoint.app_name_for(serve, name)
+    assert rs.status().applications[app].deployments["router"].replica_states.get("RUNNING") == 2
+    with Load(url, world["texts"], rps=6.0, max_seconds=300, model=name) as load:
+        result = run_rollout(CFG.model_copy(update={"steps": [100]}), serve, name, champion, promoted.version,
+                             world["uri"], world["heldout"])
+    assert result.decision == "promoted", result.reason
+    assert load.answers and not load.failed, load.failed[:5]
+    # both router replicas routed requests of the canary, and the driver judged the evidence of both
+    routers = rs.get_deployment_handle("evidence", app).routers.remote().result(timeout_s=30)
+    assert len(routers) == 2, routers
+    assert result.steps[0]["requests"] >= CFG.min_requests
+
+
+def test_overload_gets_fast_503s_with_retry_after_and_a_trickled_body_times_out(world):
+    import asyncio
+    import socket
+    import time
+
+    serve = world["serve"].model_copy(update={"max_queued_requests": 40, "body_timeout_s": 2.0})
+    url = endpoint.reconcile(serve, MODELS[1], world["uri"]).url
+    body = {"model": MODELS[1], "text": world["texts"][0][:300]}
+
+    async def flood(n: int) -> list[httpx.Response | Exception]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(http.post(f"{url}/v1/score", json=body) for _ in range(n)),
+                                        return_exceptions=True)
+
+    answers = asyncio.run(flood(1000))  # 1,000 concurrent connections to 127.0.0.1, once
+    statuses = [a.status_code if isinstance(a, httpx.Response) else type(a).__name__ for a in answers]
+    assert set(statuses) <= {200, 503}, sorted(set(map(str, statuses)))
+    refused = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 503]
+    assert statuses.count(200) >= 40 and refused, (statuses.count(200), len(refused))
+    assert all(a.headers.get("retry-after") for a in refused), \
+        {(a.text[:200], tuple(a.headers)) for a in refused if not a.headers.get("retry-after")}
+    assert httpx.post(f"{url}/v1/score", json=body, timeout=60).status_code == 200  # and it still serves
+
+    # a body sent one byte a second gets 408 once serve.body_timeout_s has passed, not a held connection
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        payload = b'{"text": "abcdefghijklmnopqrstuvwxyz"}'
+        sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload))
+        start = time.monotonic()
+        reply = b""
+        for byte in payload:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            sock.settimeout(1.0)
+            try:
+                reply += sock.recv(4096)
+            except TimeoutError:
+                continue
+            if reply:
+                break
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert time.monotonic() - start < 10

@@ -1,0 +1,39 @@
+"""A model's canary evidence, kept where every router replica adds to it and a restarted router loses nothing.
+
+One small Serve deployment (`evidence`, one replica) per model application: each router replica sends it the
+observation of every request it routes during a canary (deployments/serve_app.Router._record), and the rollout
+driver reads a step's observations back through any router replica. The class is plain (no Ray at import).
+"""
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from typing import Any
+
+MAX_ITEMS = 50000  # far above any step's min_requests; bounds memory if nobody reads
+
+
+class Evidence:
+    """Observations of the current canary, numbered in arrival order across router replicas."""
+
+    def __init__(self) -> None:
+        self.replica_id = uuid.uuid4().hex
+        self.items: deque[dict[str, Any]] = deque(maxlen=MAX_ITEMS)
+        self.canary_id = ""
+        self.seq = 0
+
+    def add(self, observation: dict[str, Any]) -> None:
+        if observation["canary_id"] != self.canary_id:  # another canary: the last one's is not evidence for it
+            self.items.clear()
+            self.canary_id = observation["canary_id"]
+        self.items.append({**observation, "seq": self.seq})
+        self.seq += 1
+
+    def get(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
+        """Observations of step `epoch` of canary `canary_id` numbered >= since, and the next number."""
+        items = [o for o in self.items if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
+        return {"replica_id": self.replica_id, "next": self.seq, "items": items}
+
+    def routers(self) -> list[str]:
+        """The router replicas that sent observations of the current canary."""
+        return sorted({o["router_replica"] for o in self.items if "router_replica" in o})
