@@ -12,6 +12,12 @@ TAG_CANARY_DECISION = "shardline.canary_decision"
 # on the registered model: the gateway (app name) that serves its champion, and why serving it last failed
 TAG_SERVED_BY = "shardline.served_by"
 TAG_SERVE_ERROR = "shardline.serve_error"
+# a running canary, on the challenger version (deployments/canary_control.py): the driver's state (JSON, renewed with
+# the lease) and the last operator command (JSON); on the canary stage's MLflow run: the canary's id
+TAG_CANARY_REASON = "shardline.canary_reason"
+TAG_CANARY_STATE = "shardline.canary_state"
+TAG_CANARY_COMMAND = "shardline.canary_command"
+TAG_CANARY_ID = "shardline.canary_id"
 _MAX_TAG_VALUE = 5000  # MLflow caps model version tag values (8000 in recent servers); stay well below
 
 
@@ -256,3 +262,33 @@ def served_champions(client: Any, gateway: str | None = None) -> dict[str, dict[
         if champion is not None:
             out[model.name] = {"champion": str(champion), "error": (model.tags or {}).get(TAG_SERVE_ERROR, "")}
     return out
+
+
+def clear_challenger(client: Any, name: str, version: str) -> bool:
+    """Remove the `challenger` alias if it points at `version` (decided: champion now, or not to be); True if it did."""
+    if read_aliases(client, name).get(CHALLENGER) != version:
+        return False
+    client.delete_registered_model_alias(name, CHALLENGER)
+    return True
+
+
+def version_description(tags: dict[str, str], run_id: str, outcome: str) -> str:
+    """A model version's description: what it was trained on (dataset digest, manifest, train and validation runs,
+    from its lineage tags) and `outcome`, how it was decided (verdict, reason, numbers)."""
+    from infra import tracking as t
+
+    made = [f"dataset {tags[t.TAG_DATASET_DIGEST]}" if tags.get(t.TAG_DATASET_DIGEST) else "dataset unknown"]
+    for label, key in (("manifest", t.TAG_MANIFEST_URI), ("validation run", t.TAG_VALIDATION_RUN_ID),
+                       ("commit", t.TAG_GIT_COMMIT)):
+        if tags.get(key):
+            made.append(f"{label} {tags[key]}")
+    train = tags.get(t.TAG_TRAIN_RUN_ID) or run_id or "unknown"
+    return f"Trained on {', '.join(made)} by train run {train}.\n{outcome}"[:_MAX_TAG_VALUE]
+
+
+def describe_version(client: Any, name: str, version: str, outcome: str) -> str:
+    """Set the model version's description (version_description); returns it."""
+    mv = client.get_model_version(name, version)
+    text = version_description(dict(mv.tags or {}), mv.run_id or "", outcome)
+    client.update_model_version(name, version, description=text)
+    return text

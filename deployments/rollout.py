@@ -4,8 +4,17 @@ Per step: a lightweight router update sets the weight and renews the canary's le
 requests (topped up by labelled probe traffic when asked) until it has `min_requests` challenger requests and
 `bake_seconds` passed, or fails at `step_timeout_s`; rollout_policy judges it. The registry is the desired state:
 a promotion moves `champion` first (compare-and-set) and then reconciles the application to it; a rollback puts
-all traffic on the champion at once, tags the version rejected and removes it. If this process dies, the lease
-runs out and the router goes back to the champion by itself; the next reconcile removes the orphan.
+all traffic on the champion at once, tags the version (rejected, inconclusive or aborted) and removes it. Either
+way the `challenger` alias goes and the version's description says what it was trained on and how it was decided.
+If this process dies, the lease runs out and the router goes back to the champion by itself; the next reconcile
+removes the orphan.
+
+An operator steers a running canary through deployments/canary_control (MLflow model-version tags): the driver
+publishes its state with every lease renewal and polls for commands while a step bakes or an approval is awaited.
+pause: the step is not judged (its timeout clock stops) but the lease is renewed, so the router keeps the weight;
+resume: the step goes on; promote: the remaining steps are skipped and the version promoted now; abort: rolled
+back now. With canary.approval='manual' the ramp holds its last step below 100% in state awaiting-approval until
+an operator promotes or aborts, or canary.approval_timeout_s passes (then it rolls back).
 """
 from __future__ import annotations
 
@@ -15,15 +24,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from deployments import canary_control
 from deployments.config import CanaryConfig, ServeConfig
-from deployments.endpoint import AppSpec, EndpointError, apply, app_name_for, reconcile, read_state, router_config, router_handle
+from deployments.endpoint import (
+    AppSpec, EndpointError, app_name_for, apply, read_state, reconcile, router_config, router_handle,
+)
 from deployments.registry import (
-    CHAMPION, TAG_CANARY_DECISION, TAG_REJECTED, AliasChanged, client_for, move_alias, read_aliases, tag_rejected,
+    CHALLENGER, CHAMPION, TAG_CANARY_DECISION, TAG_CANARY_ID, TAG_CANARY_REASON, TAG_REJECTED, AliasChanged,
+    clear_challenger, client_for, describe_version, move_alias, read_aliases, tag_rejected,
 )
 from deployments.rollout_policy import (
-    CanaryDecision, CanaryResult, StepMetrics, decide_canary, result_of, summarize_step,
+    CanaryDecision, CanaryResult, OperatorCommand, StepMetrics, decide_canary, hold_percent, next_move, ramp_steps,
+    result_of, summarize_step,
 )
 from deployments.serve_app import PROBE_HEADER
 
@@ -93,43 +107,69 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
     return ""
 
 
+class Collected(NamedTuple):
+    """What one step's collection ended with: its observations and seconds, the evidence shortfall ("" when it had
+    enough) and the operator's promote or abort that ended it early (None when the evidence did)."""
+
+    observations: list[dict[str, Any]]
+    seconds: float
+    shortfall: str
+    command: OperatorCommand | None
+
+
 class _Ramp:
     """The application's state during one canary: both versions deployed, the router's weight, epoch and lease."""
 
     def __init__(self, cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion: str, challenger: str,
-                 tracking_uri: str, token_sha256: str, runtime_env: dict[str, Any] | None):
+                 tracking_uri: str, token_sha256: str, runtime_env: dict[str, Any] | None,
+                 control: canary_control.DriverControl | None = None):
         self.cfg, self.serve, self.runtime_env = cfg, serve, runtime_env
         self.app = app_name_for(serve, model_name)
         self.tracking_uri = tracking_uri
         self.versions = [champion, challenger]
-        self.canary_id = uuid.uuid4().hex
+        self.canary_id = control.canary_id if control is not None else uuid.uuid4().hex
+        self.control = control
         self.base = router_config(serve, model_name, champion, token_sha256, seed=cfg.seed,
-                                  shadow_share=cfg.shadow_share)
+                                  shadow_share=cfg.shadow_share, mode=cfg.mode)
         self.challenger = challenger
-        self.percent, self.epoch = 0, 0
+        self.percent, self.epoch, self.attempt = 0, 0, 0
 
     def set(self, percent: int, epoch: int) -> None:
         """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
         self.percent, self.epoch = percent, epoch
+        lease = time.time() + self.cfg.lease_s
         router = self.base.model_copy(update={"challenger": self.challenger, "challenger_percent": percent,
                                               "canary_id": self.canary_id,
-                                              "epoch": epoch, "lease_expires_at": time.time() + self.cfg.lease_s})
+                                              "epoch": epoch, "lease_expires_at": lease})
         apply(AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=router),
               self.serve, self.runtime_env)
+        if self.control is not None:
+            self.control.publish(percent, lease, self.attempt)
 
     def champion_only(self) -> None:
         """All traffic back on the champion at once; the challenger stays deployed until reconcile removes it."""
         apply(AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=self.base),
               self.serve, self.runtime_env)
 
-    def collect(self) -> tuple[list[dict[str, Any]], float, str]:
-        """Observations of the current step once it has enough evidence, the seconds it took, and the reason
-        it failed for lack of evidence ("" when it did not). Renews the lease while it waits."""
+    def _poll(self) -> OperatorCommand | None:
+        """A command that changes what the driver does; pause and resume republish the state at once."""
+        if self.control is None:
+            return None
+        command = self.control.poll(self.percent)
+        if command is not None:
+            self.set(self.percent, self.epoch)  # state and ack published with a fresh lease
+        return command
+
+    def collect(self) -> Collected:
+        """Observations of the current step once it has enough evidence (or its timeout passed, or an operator
+        promoted or aborted). Renews the lease while it waits; while paused, the step is not judged and its clock
+        stands still."""
         cfg = self.cfg
         start = time.monotonic()
         renew_at = start + cfg.lease_s / 3
         seen: dict[tuple[str, int], dict[str, Any]] = {}
         cursor, replica = 0, ""
+        paused_at: float | None = None
         while True:
             try:
                 got = router_handle(self.app).get_observations.remote(self.canary_id, self.epoch, cursor).result(timeout_s=30)
@@ -140,28 +180,57 @@ class _Ramp:
                 cursor = got["next"]
             except Exception as e:  # noqa: BLE001 - a router restarting mid-step; its user_config survives
                 log.warning("reading the router's observations: %s: %s", type(e).__name__, e)
+            command = self._poll()
+            if command is not None and command.action in ("promote", "abort"):
+                return Collected(list(seen.values()), time.monotonic() - start, "", command)
+            if command is not None and command.action == "pause":
+                paused_at = time.monotonic()
+            elif command is not None and command.action == "resume" and paused_at is not None:
+                start += time.monotonic() - paused_at  # the pause does not count against the step
+                paused_at = None
             n = sum(1 for ob in seen.values() if ob.get("challenger") is not None)
             elapsed = time.monotonic() - start
-            if n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
-                return list(seen.values()), elapsed, ""
-            if elapsed >= cfg.step_timeout_s:
-                return list(seen.values()), elapsed, (
+            if paused_at is None and n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
+                return Collected(list(seen.values()), elapsed, "", None)
+            if paused_at is None and elapsed >= cfg.step_timeout_s:
+                return Collected(list(seen.values()), elapsed, (
                     f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
-                    f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s})")
+                    f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"), None)
             if time.monotonic() >= renew_at:
                 self.set(self.percent, self.epoch)
                 renew_at = time.monotonic() + cfg.lease_s / 3
             time.sleep(0.25)
+
+    def await_approval(self) -> OperatorCommand | None:
+        """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),
+        or canary.approval_timeout_s passes (None). Renews the lease while it waits."""
+        assert self.control is not None
+        self.control.state = "awaiting-approval"
+        self.control.approval_deadline = time.time() + self.cfg.approval_timeout_s
+        deadline = time.monotonic() + self.cfg.approval_timeout_s
+        self.set(self.percent, self.epoch)
+        renew_at = time.monotonic() + self.cfg.lease_s / 3
+        while time.monotonic() < deadline:
+            command = self._poll()
+            if command is not None and command.action in ("promote", "abort"):
+                return command
+            if time.monotonic() >= renew_at:
+                self.set(self.percent, self.epoch)
+                renew_at = time.monotonic() + self.cfg.lease_s / 3
+            time.sleep(0.25)
+        return None
 
 
 def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion: str, challenger: str,
                 tracking_uri: str, probe_texts: list[bytes], token: str = "", token_sha256: str = "",
                 runtime_env: dict[str, Any] | None = None,
                 on_step: Callable[[int, StepMetrics], None] | None = None,
-                log_decision: Callable[[CanaryDecision], None] | None = None) -> CanaryResult:
+                log_decision: Callable[[CanaryDecision], None] | None = None, run_id: str = "") -> CanaryResult:
     """Ramp `challenger` against `champion` on the live endpoint, decide, apply; the endpoint keeps serving.
 
     Ray must be initialised. `log_decision` receives the decision once it was applied (or applying it failed).
+    `run_id`: the canary stage's MLflow run; it is tagged with the canary's id, so operator commands are logged on
+    it (deployments/canary_control).
 
     Raises:
         CanaryDecided: a decision was taken but applying it failed (do not re-run the canary for it).
@@ -172,7 +241,13 @@ def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion
     tag_abandoned(client, model_name, [v for v in found.removed if v != challenger])  # a rerun may retry it
     if found.champion != champion:
         raise AliasChanged(f"{model_name}: the registry's champion is {found.champion}, the canary expected {champion}")
-    ramp = _Ramp(cfg, serve, model_name, champion, challenger, tracking_uri, token_sha256, runtime_env)
+    control = canary_control.DriverControl(client, cfg, model_name, challenger, uuid.uuid4().hex)
+    ramp = _Ramp(cfg, serve, model_name, champion, challenger, tracking_uri, token_sha256, runtime_env, control)
+    # the registry says which version is under canary (the promotion stage set it too; a canary of an older
+    # version, flows/canary_version.py, did not), and the stage's run says which canary it ran
+    client.set_registered_model_alias(model_name, CHALLENGER, challenger)
+    if run_id:
+        client.set_tag(run_id, TAG_CANARY_ID, control.canary_id)
     decision: CanaryDecision | None = None
     steps: list[StepMetrics] = []
     try:
@@ -187,26 +262,52 @@ def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion
             if cfg.probe_rps > 0 else None
         if prober is not None:
             prober.__enter__()
+        ended_by: OperatorCommand | None = None
+        timed_out = False
         try:
-            for i, percent in enumerate(cfg.steps):
-                ramp.set(percent, i + 1)
-                observations, seconds, no_evidence = ramp.collect()
-                step = summarize_step(percent, observations, champion, challenger, cfg, steps, seconds, no_evidence,
-                                      cfg.seed)
-                steps.append(step)
-                if on_step is not None:
-                    on_step(i, step)
-                if step.failures:
-                    ramp.champion_only()  # no more traffic on a failing challenger while we decide
-                    break
+            ended_by, stopped = _ramp_up(ramp, cfg, champion, challenger, steps, on_step)
+            if stopped:
+                ramp.champion_only()  # no more traffic on a failing (or unjudgeable) challenger while we decide
+            elif ended_by is None and hold_percent(cfg) is not None:
+                ended_by = ramp.await_approval()
+                timed_out = ended_by is None
         finally:
             if prober is not None:
                 prober.__exit__(None, None, None)
-        decision = decide_canary(model_name, challenger, champion, steps, cfg)
+        decision = decide_canary(model_name, challenger, champion, steps, cfg, ended_by, timed_out, control.applied)
     except BaseException:
         _best_effort(ramp.champion_only)  # undecided: the champion serves everything; the registry is untouched
         raise
     return _finish(client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision, found.url)
+
+
+def _ramp_up(ramp: _Ramp, cfg: CanaryConfig, champion: str, challenger: str, steps: list[StepMetrics],
+             on_step: Callable[[int, StepMetrics], None] | None) -> tuple[OperatorCommand | None, bool]:
+    """Each weight of the ramp in turn, an inconclusive step again while canary.on_inconclusive allows; appends the
+    judged steps. Returns (the operator's promote or abort that ended it, whether a step stopped it)."""
+    epoch = 0
+    for percent in ramp_steps(cfg):
+        ramp.attempt = 0
+        while True:
+            epoch += 1
+            ramp.set(percent, epoch)
+            got = ramp.collect()
+            step = summarize_step(percent, got.observations, champion, challenger, cfg, steps, got.seconds,
+                                  got.shortfall, cfg.seed).model_copy(update={"attempt": ramp.attempt})
+            steps.append(step)
+            if on_step is not None:
+                on_step(len(steps) - 1, step)
+            if got.command is not None:
+                return got.command, False
+            move = next_move(step, cfg)
+            if move == "stop":
+                return None, True
+            if move == "next":
+                break
+            ramp.attempt += 1
+            log.info("step %d%% inconclusive (%s); running it again (%d of canary.max_extensions=%d)", percent,
+                     "; ".join(step.inconclusive), ramp.attempt, cfg.max_extensions)
+    return None, False
 
 
 def _finish(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: ServeConfig, tracking_uri: str,
@@ -220,9 +321,19 @@ def _finish(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: ServeConf
     finally:  # the decision is recorded also when applying it failed
         if log_decision is not None:
             log_decision(decision)
+        if ramp.control is not None:  # status reads `none` with the verdict; a waiting `canary promote` returns
+            ramp.control.publish(ramp.percent, 0.0, ramp.attempt, state="none", verdict=decision.verdict,
+                                 reason=decision.reason[:2000])
     state = read_state(ramp.app)
     percent = state["effective_percent"] if state else None
     return result_of(decision, percent, champion=final, endpoint_url=url)
+
+
+def outcome_text(decision: CanaryDecision) -> str:
+    """How a version was decided, for its registry description: verdict, by whom, when, the reason with its numbers."""
+    when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+    against = f" against champion v{decision.baseline}" if decision.baseline else ""
+    return f"Canary{against}: {decision.verdict} ({decision.decided_by}, {when}): {decision.reason}"
 
 
 def apply_decision(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: ServeConfig, tracking_uri: str,
@@ -230,8 +341,10 @@ def apply_decision(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: Se
     """Registry first (the desired state), then the application follows it; returns the champion afterwards.
 
     promoted: `champion` moves to the candidate (compare-and-set: AliasChanged if it moved), then reconcile serves
-    it at 100% and drains and removes the old champion. rejected: champion-only routing at once, the candidate
-    tagged rejected with the reason, then reconcile removes it.
+    it at 100% and drains and removes the old champion. Otherwise: champion-only routing at once; a rejected
+    candidate is tagged rejected with the reason (a rerun skips it), an inconclusive or aborted one only records
+    its verdict (it may be canaried again); then reconcile removes it. Either way the `challenger` alias goes and
+    the candidate's description says how it was decided.
     """
     name = decision.model_name
     if decision.verdict == "promoted":
@@ -243,8 +356,23 @@ def apply_decision(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: Se
         client.set_model_version_tag(name, decision.candidate, TAG_CANARY_DECISION, "promoted")
     else:
         ramp.champion_only()
-        tag_rejected(client, name, decision.candidate, decision.reason)
+        if decision.verdict == "rejected":
+            tag_rejected(client, name, decision.candidate, decision.reason)
+        else:
+            client.set_model_version_tag(name, decision.candidate, TAG_CANARY_DECISION, decision.verdict)
+    client.set_model_version_tag(name, decision.candidate, TAG_CANARY_REASON, decision.reason[:5000])
+    clear_challenger(client, name, decision.candidate)
+    describe_version(client, name, decision.candidate, outcome_text(decision))
     return str(reconcile(serve, name, tracking_uri, token_sha256, runtime_env).champion)
+
+
+def describe_skipped(client: Any, name: str, version: str, why: str) -> None:
+    """A version that got no canary: once it is the champion (the first one) it is no challenger any more, and its
+    description says so; one waiting as challenger (canary.enabled false) keeps the alias."""
+    if read_aliases(client, name).get(CHAMPION) == version:
+        clear_challenger(client, name, version)
+        if TAG_CANARY_DECISION not in (client.get_model_version(name, version).tags or {}):  # not decided before
+            describe_version(client, name, version, f"Champion without a canary: {why}.")
 
 
 def tag_abandoned(client: Any, name: str, versions: list[str]) -> None:
@@ -252,7 +380,7 @@ def tag_abandoned(client: Any, name: str, versions: list[str]) -> None:
     for version in versions:
         if TAG_CANARY_DECISION not in client.get_model_version(name, version).tags:
             client.set_model_version_tag(name, version, TAG_CANARY_DECISION, "abandoned")
-            client.set_model_version_tag(name, version, "shardline.canary_reason",
+            client.set_model_version_tag(name, version, TAG_CANARY_REASON,
                                          "its canary ended without a decision (the driver died); the lease returned "
                                          "all traffic to the champion and the deployment was removed")
 
@@ -282,4 +410,5 @@ def log_decision(decision: CanaryDecision) -> None:
             values |= {f"{role}.n": v.n, f"{role}.error_rate": v.error_rate, f"{role}.p95_ms": v.p95_ms,
                        f"{role}.bpb": v.bpb}
         mlflow.log_metrics({f"step{s.percent}.{k}": float(x) for k, x in values.items() if x is not None}, step=i)
-    mlflow.set_tags({"shardline.canary_verdict": decision.verdict, "shardline.canary_reason": decision.reason[:5000]})
+    mlflow.set_tags({"shardline.canary_verdict": decision.verdict, "shardline.canary_decided_by": decision.decided_by,
+                     TAG_CANARY_REASON: decision.reason[:5000]})

@@ -5,6 +5,12 @@ logged and tested. An observation is one request as the router recorded it (depl
 the challenger's call (when routed to it), the champion's served call, and the champion's shadow score of the same
 text. Quality is judged on paired requests (both versions scored the same text) with a paired bootstrap bound;
 latency on the paired score calls, pooled with the earlier steps'; errors on every call either version made.
+
+A step ends in one of three outcomes: pass, fail (a gate was breached) or inconclusive (too little evidence to
+judge: a shortfall is not a failure). The canary's verdict: promoted, rejected (a gate failed), inconclusive (the
+evidence never sufficed; canary.on_inconclusive='extend' re-runs a step up to canary.max_extensions times first),
+aborted (an operator's abort, or no manual approval within canary.approval_timeout_s) or skipped. An operator's
+promote or abort (OperatorCommand) ends the canary whatever the steps say; the decision records who and why.
 """
 from __future__ import annotations
 
@@ -16,7 +22,11 @@ from pydantic import BaseModel, Field
 
 from deployments.config import CanaryConfig
 
-Verdict = Literal["promoted", "rejected", "skipped"]
+Verdict = Literal["promoted", "rejected", "inconclusive", "aborted", "skipped"]
+StepOutcome = Literal["pass", "fail", "inconclusive"]
+Action = Literal["pause", "resume", "promote", "abort"]
+CanaryState = Literal["running", "paused", "awaiting-approval", "none"]
+ACTIONS: tuple[str, ...] = ("pause", "resume", "promote", "abort")
 BOOTSTRAP_RESAMPLES = 2000
 # A tail percentile over fewer samples is its maximum, i.e. one scheduling hiccup: p99 is judged from this many
 # pooled paired calls on (p95 from canary.min_paired, as every step that passes has that many).
@@ -58,7 +68,27 @@ class StepMetrics(BaseModel):
     bpb_regression: float | None = Field(None, description="Challenger minus champion bits/byte, paired.")
     bpb_regression_upper: float | None = Field(None, description="Its one-sided bootstrap upper bound.")
     confidence: float = 0.95
-    failures: list[str] = []
+    failures: list[str] = Field([], description="Gates this step breached (the step failed).")
+    inconclusive: list[str] = Field([], description="Why the evidence did not suffice to judge (no failure).")
+    attempt: int = Field(0, description="0 for the step's first run, n for its n-th re-run (on_inconclusive).")
+
+    @property
+    def outcome(self) -> StepOutcome:
+        return "fail" if self.failures else "inconclusive" if self.inconclusive else "pass"
+
+
+class OperatorCommand(BaseModel):
+    """An operator's command to a running canary, as written by `shardline canary ACTION` and read by the driver."""
+
+    id: str
+    canary_id: str = Field(description="The canary it was given to; a driver ignores commands to another canary.")
+    action: Action
+    user: str
+    reason: str = ""
+    at: float = Field(description="When it was given (epoch seconds).")
+    applied_at: float | None = Field(None, description="When the driver acted on it; None until then.")
+    percent: int | None = Field(None, description="The weight the canary was at when the driver acted on it.")
+    state: CanaryState | None = Field(None, description="The canary's state when the driver acted on it.")
 
 
 class CanaryDecision(BaseModel):
@@ -69,8 +99,10 @@ class CanaryDecision(BaseModel):
     baseline: str | None
     verdict: Verdict
     reason: str
+    decided_by: Literal["policy", "operator", "timeout"] = "policy"
     metrics: list[StepMetrics] = []
-    gates: dict[str, float] = {}
+    gates: dict[str, float | str] = {}
+    commands: list[OperatorCommand] = Field([], description="Operator commands the driver acted on, in order.")
 
 
 class CanaryResult(BaseModel):
@@ -159,7 +191,8 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
     """Fill in the gate values and the failures of a step (a new object; the input is not changed)."""
     ch, base = step.challenger, step.champion
     pooled = [*earlier, step]
-    failures: list[str] = [evidence_failure] if evidence_failure else []
+    failures: list[str] = []
+    inconclusive: list[str] = [evidence_failure] if evidence_failure else []
     increase = ch.error_rate - base.error_rate
     if increase > cfg.max_error_rate_increase:
         failures.append(f"error rate {ch.error_rate:.3f} (n={ch.n}) exceeds champion's {base.error_rate:.3f} "
@@ -179,7 +212,7 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
                             f"same {len(ch_lat)} requests > {limit}x")
     point = upper = None
     if len(step.paired_deltas) < cfg.min_paired:
-        failures.append(f"only {len(step.paired_deltas)} paired requests < canary.min_paired={cfg.min_paired}: too little "
+        inconclusive.append(f"only {len(step.paired_deltas)} paired requests < canary.min_paired={cfg.min_paired}: too little "
                         "evidence to judge quality")
     else:
         point, upper = paired_upper_bound(step.paired_deltas, cfg.confidence, seed + step.percent)
@@ -192,33 +225,106 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
     return step.model_copy(update={
         "challenger_paired_p95_ms": percentile(ch_lat, 0.95), "champion_paired_p95_ms": percentile(base_lat, 0.95),
         "error_rate_increase": increase, "p95_ratio": ratios[0.95], "p99_ratio": ratios[0.99],
-        "bpb_regression": point, "bpb_regression_upper": upper, "failures": failures,
+        "bpb_regression": point, "bpb_regression_upper": upper, "failures": failures, "inconclusive": inconclusive,
     })
 
 
-def decide_canary(model_name: str, candidate: str, baseline: str, steps: list[StepMetrics],
-                  cfg: CanaryConfig) -> CanaryDecision:
-    """Promote when every step of the ramp ran and passed its gates; reject at the first failing step."""
-    gates = {
+def next_move(step: StepMetrics, cfg: CanaryConfig) -> Literal["next", "extend", "stop"]:
+    """After a judged step: go on to the next weight, run this step again (inconclusive, extend, re-runs left),
+    or stop the ramp (a failure, or inconclusive with no re-run left)."""
+    if step.outcome == "pass":
+        return "next"
+    if step.outcome == "inconclusive" and cfg.on_inconclusive == "extend" and step.attempt < cfg.max_extensions:
+        return "extend"
+    return "stop"
+
+
+def hold_percent(cfg: CanaryConfig) -> int | None:
+    """The weight a manual approval is awaited at (the last step below 100%); None with approval='auto'."""
+    if cfg.approval == "auto":
+        return None
+    return max(s for s in cfg.steps if s < 100)
+
+
+def ramp_steps(cfg: CanaryConfig) -> list[int]:
+    """The weights the driver ramps through on its own: all of canary.steps, or with manual approval those up to
+    the held one (the rest is the operator's promote)."""
+    hold = hold_percent(cfg)
+    return list(cfg.steps) if hold is None else [s for s in cfg.steps if s <= hold]
+
+
+def command_error(state: CanaryState, action: str, model_name: str) -> str:
+    """Why `action` cannot be given to a canary in `state` ("" when it can): the CLI's one-line refusal."""
+    if action not in ACTIONS:
+        return f"unknown action {action!r}: expected one of {', '.join(ACTIONS)}"
+    if state == "none":
+        return f"no canary of {model_name} is running; nothing to {action}"
+    if action == "pause" and state != "running":
+        return f"the canary of {model_name} is {state}; only a running canary can be paused"
+    if action == "resume" and state != "paused":
+        return f"the canary of {model_name} is {state}, not paused; nothing to resume"
+    return ""
+
+
+def _evidence(steps: list[StepMetrics], cfg: CanaryConfig) -> str:
+    """The numbers behind a verdict, in one phrase."""
+    if not steps:
+        return "no step was judged"
+    last = steps[-1]
+    paired = sum(s.paired for s in steps)
+    bpb = (f": bits/byte {last.challenger.bpb:.4f} vs {last.champion.bpb:.4f}"
+           if last.challenger.bpb is not None and last.champion.bpb is not None else "")
+    bound = (f" ({cfg.confidence:.0%} upper bound of the difference {last.bpb_regression_upper:+.4f})"
+             if last.bpb_regression_upper is not None else "")
+    return f"{len(steps)} steps up to {last.percent}% on {paired} paired requests{bpb}{bound}"
+
+
+def decide_canary(model_name: str, candidate: str, baseline: str, steps: list[StepMetrics], cfg: CanaryConfig,
+                  ended_by: OperatorCommand | None = None, approval_timed_out: bool = False,
+                  commands: list[OperatorCommand] | None = None) -> CanaryDecision:
+    """The verdict, in this order: an operator's promote or abort (`ended_by`) decides whatever the steps say; no
+    manual approval within the timeout aborts; the first failing step rejects; a last step that stayed
+    inconclusive is inconclusive; a ramp that stopped early is rejected; otherwise every step passed: promoted
+    (with approval='manual' only by an operator's promote)."""
+    gates: dict[str, float | str] = {
         "max_error_rate_increase": cfg.max_error_rate_increase, "max_p95_latency_ratio": cfg.max_p95_latency_ratio,
         "max_p99_latency_ratio": cfg.max_p99_latency_ratio, "max_bpb_regression": cfg.max_bpb_regression,
         "confidence": cfg.confidence, "min_requests": cfg.min_requests, "min_paired": cfg.min_paired,
-        "bake_seconds": cfg.bake_seconds, "latency_floor_ms": cfg.latency_floor_ms,
+        "bake_seconds": cfg.bake_seconds, "latency_floor_ms": cfg.latency_floor_ms, "mode": cfg.mode,
+        "approval": cfg.approval, "on_inconclusive": cfg.on_inconclusive, "max_extensions": cfg.max_extensions,
     }
-    common = dict(model_name=model_name, candidate=candidate, baseline=baseline, metrics=steps, gates=gates)
+    common = dict(model_name=model_name, candidate=candidate, baseline=baseline, metrics=steps, gates=gates,
+                  commands=list(commands or []))
+    evidence = _evidence(steps, cfg)
+    if ended_by is not None and ended_by.action in ("promote", "abort"):
+        where = f"at {ended_by.percent}% ({ended_by.state})" if ended_by.percent is not None else ""
+        why = f": {ended_by.reason}" if ended_by.reason else ""
+        if ended_by.action == "promote":
+            return CanaryDecision(verdict="promoted", decided_by="operator", **common,
+                                  reason=f"promoted by {ended_by.user} {where}{why}; evidence so far: {evidence}")
+        return CanaryDecision(verdict="aborted", decided_by="operator", **common,
+                              reason=f"aborted by {ended_by.user} {where}{why}; rolled back; evidence: {evidence}")
+    if approval_timed_out:
+        return CanaryDecision(verdict="aborted", decided_by="timeout", **common, reason=(
+            f"no approval within canary.approval_timeout_s={cfg.approval_timeout_s:g} s at "
+            f"{steps[-1].percent if steps else 0}%; rolled back; evidence: {evidence}"))
     for step in steps:
         if step.failures:
             return CanaryDecision(verdict="rejected", reason=f"step {step.percent}%: " + "; ".join(step.failures),
                                   **common)
-    if not steps or steps[-1].percent != cfg.steps[-1]:
-        last = steps[-1].percent if steps else 0
-        return CanaryDecision(verdict="rejected", reason=f"ramp stopped at {last}% before {cfg.steps[-1]}%", **common)
-    last = steps[-1]
-    paired = sum(s.paired for s in steps)
-    reason = (f"version {candidate} passed {len(steps)} steps up to {last.percent}% on {paired} paired requests: "
-              f"bits/byte {last.challenger.bpb:.4f} vs {last.champion.bpb:.4f} "
-              f"({cfg.confidence:.0%} upper bound of the difference {last.bpb_regression_upper:+.4f})")
-    return CanaryDecision(verdict="promoted", reason=reason, **common)
+    if steps and steps[-1].outcome == "inconclusive":
+        last = steps[-1]
+        runs = f" after {last.attempt + 1} runs" if last.attempt else ""
+        return CanaryDecision(verdict="inconclusive", **common, reason=(
+            f"step {last.percent}% inconclusive{runs}: " + "; ".join(last.inconclusive)
+            + f" (canary.on_inconclusive={cfg.on_inconclusive}); the champion stays"))
+    target = cfg.steps[-1]
+    if not steps or steps[-1].percent != target or cfg.approval == "manual":
+        last_percent = steps[-1].percent if steps else 0
+        return CanaryDecision(verdict="rejected", reason=f"ramp stopped at {last_percent}% before {target}%"
+                              + (" (approval='manual' and no operator promoted)" if cfg.approval == "manual" else ""),
+                              **common)
+    return CanaryDecision(verdict="promoted", reason=f"version {candidate} passed {evidence}", **common)
 
 
 def skipped(model_name: str, candidate: str, baseline: str | None, reason: str) -> CanaryDecision:
@@ -242,7 +348,8 @@ def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str,
             f"v{s.challenger.version} p95 ms": fmt(s.challenger_paired_p95_ms, 1),
             f"v{s.champion.version} p95 ms": fmt(s.champion_paired_p95_ms, 1),
             "error rate (ch/base)": f"{s.challenger.error_rate:.3f}/{s.champion.error_rate:.3f}",
-            "verdict": "; ".join(s.failures) or "pass",
+            "verdict": "; ".join(s.failures) or ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive
+                                                  else "pass"),
         }
         for s in steps
     ]

@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
 
-    from flows import cmd_cluster, cmd_serve, cmd_shard
+    from flows import cmd_canary, cmd_cluster, cmd_serve, cmd_shard
 
     cmd_serve.add_parser(sub)
+    cmd_canary.add_parser(sub)
     cmd_shard.add_parser(sub)
     cmd_cluster.add_parser(sub)
     add_stack_commands(sub)

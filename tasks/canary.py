@@ -13,7 +13,7 @@ from prefect.tasks import exponential_backoff
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.endpoint import reconcile
 from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
-from deployments.rollout import CanaryDecided, log_decision, run_rollout, skip_reason
+from deployments.rollout import CanaryDecided, describe_skipped, log_decision, run_rollout, skip_reason
 from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_table
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
@@ -52,6 +52,8 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
                          TAG_CLUSTER_ADDRESS: cluster.address, "shardline.champion_version": str(champion)})
         mlflow.log_params(flat_params("canary", cfg) | flat_params("serve", serve))
         why_not = skip_reason(client, cfg, name, champion, challenger)
+        if why_not:
+            describe_skipped(client, name, challenger, why_not)  # a first champion: no challenger alias; described
         if why_not and not serve.enabled:  # the config check made sure the canary is off too
             decision = skipped(name, challenger, champion, f"{why_not}; serve.enabled is false: no endpoint")
             log_decision(decision)
@@ -66,9 +68,11 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
             return result_of(decision, 0, champion=served.champion, endpoint_url=served.url)
         texts = [text for _, text in islice(iter_texts(shards.val_shards), HELD_OUT_TEXTS)]
         result = run_rollout(cfg, serve, name, str(champion), challenger, lineage.tracking_uri, texts, token,
-                             token_digest(token), env, log_decision=log_decision, on_step=lambda i, s: logger.info(
+                             token_digest(token), env, log_decision=log_decision, run_id=mlflow.active_run().info.run_id,
+                             on_step=lambda i, s: logger.info(
                                  "step %d%%: %d requests (%d probe), %d paired in %.1f s: %s", s.percent, s.requests,
-                                 s.probe_requests, s.paired, s.seconds, "; ".join(s.failures) or "passed"))
+                                 s.probe_requests, s.paired, s.seconds, "; ".join(s.failures) or
+                                 ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive else "passed")))
         logger.info("canary %s: %s; endpoint %s serves v%s", result.decision, result.reason, result.endpoint_url,
                     result.champion_version)
         if TaskRunContext.get() is not None:  # an artifact needs a task run (not so under task.fn() in tests)

@@ -1,12 +1,13 @@
-"""Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict."""
+"""Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict,
+what follows an inconclusive step, manual approval and operator commands."""
 from __future__ import annotations
 
 import pytest
 
 from deployments.config import CanaryConfig
 from deployments.rollout_policy import (
-    MIN_SAMPLES_P99, StepMetrics, VersionStats, decide_canary, gate_step, p95, paired_upper_bound, result_of,
-    skipped, steps_table, summarize_step,
+    MIN_SAMPLES_P99, OperatorCommand, StepMetrics, VersionStats, command_error, decide_canary, gate_step, hold_percent,
+    next_move, p95, paired_upper_bound, ramp_steps, result_of, skipped, steps_table, summarize_step,
 )
 
 CFG = CanaryConfig(min_paired=4, max_error_rate_increase=0.0, max_p95_latency_ratio=3.0, max_p99_latency_ratio=5.0,
@@ -122,18 +123,31 @@ def test_a_large_consistent_improvement_passes():
     assert step.bpb_regression_upper < -0.45 and step.failures == []
 
 
-def test_too_few_paired_requests_fail_the_step():
-    # excellent numbers, but 3 pairs < min_paired=4: too little evidence is a failure, never a pass
+def test_too_few_paired_requests_make_the_step_inconclusive_not_failed():
+    # excellent numbers, but 3 pairs < min_paired=4: too little evidence is never a pass, and no failure either
     step = _step(10, [to_challenger(1.0, 2.0)] * 3 + [to_challenger(1.0, shadow=False)] * 10)
     assert step.paired == 3 and step.bpb_regression is None and step.bpb_regression_upper is None
-    assert step.failures == ["only 3 paired requests < canary.min_paired=4: too little evidence to judge quality"]
+    assert step.failures == [] and step.outcome == "inconclusive"
+    assert step.inconclusive == ["only 3 paired requests < canary.min_paired=4: too little evidence to judge quality"]
+    decision = decide_canary("m", "2", "1", [step], CFG)
+    assert decision.verdict == "inconclusive"
+    assert decision.reason == ("step 10% inconclusive: only 3 paired requests < canary.min_paired=4: too little "
+                               "evidence to judge quality (canary.on_inconclusive=rollback); the champion stays")
+    assert result_of(decision, 0).champion_version == "1"
 
 
-def test_an_evidence_failure_fails_the_step_first():
+def test_an_evidence_shortfall_makes_the_step_inconclusive():
     why = "too little evidence: 3 of canary.min_requests=20 challenger requests in 120 s"
     step = _step(10, _noisy(12, 2.0, 2.0), evidence_failure=why)
-    assert step.failures == [why]
-    assert decide_canary("m", "2", "1", [step], CFG).reason == f"step 10%: {why}"
+    assert step.failures == [] and step.inconclusive == [why] and step.outcome == "inconclusive"
+    assert decide_canary("m", "2", "1", [step], CFG).reason.startswith(f"step 10% inconclusive: {why}")
+
+
+def test_a_breached_gate_outweighs_a_shortfall_in_the_same_step():
+    # a regression measured on the pairs there are is a failure even if the request count fell short
+    step = _step(10, _noisy(20, 2.10, 2.00), evidence_failure="too little evidence: 5 of 20")
+    assert step.outcome == "fail" and step.inconclusive == ["too little evidence: 5 of 20"]
+    assert decide_canary("m", "2", "1", [step], CFG).verdict == "rejected"
 
 
 def test_error_rate_increase_rejects():
@@ -242,3 +256,92 @@ def test_a_skipped_canary_keeps_the_champion():
     result = result_of(skipped("m", "2", "1", "canary.enabled is false"), 0)
     assert (result.decision, result.champion_version, result.reason) == ("skipped", "1", "canary.enabled is false")
     assert result_of(skipped("m", "1", None, "first run"), 0).champion_version == "1"
+
+
+EXTEND = CFG.model_copy(update={"on_inconclusive": "extend", "max_extensions": 2})
+
+
+def test_on_inconclusive_decides_between_rolling_back_and_running_the_step_again():
+    thin = _step(50, _noisy(3, 2.0, 2.0))  # 3 pairs < 4
+    assert thin.outcome == "inconclusive"
+    assert next_move(thin, CFG) == "stop"  # on_inconclusive=rollback
+    assert next_move(thin, EXTEND) == "extend"
+    assert next_move(thin.model_copy(update={"attempt": 1}), EXTEND) == "extend"
+    assert next_move(thin.model_copy(update={"attempt": 2}), EXTEND) == "stop"  # 2 re-runs used
+    assert next_move(_step(50, _noisy(20, 2.10, 2.00)), EXTEND) == "stop"  # a failure is never re-run
+    assert next_move(_step(50, _noisy(8, 2.0, 2.0)), EXTEND) == "next"
+
+
+def test_an_extended_step_that_gets_its_evidence_is_promoted_and_one_that_never_does_is_inconclusive():
+    first = _step(10, _noisy(8, 2.0, 2.02))
+    thin = _step(50, _noisy(3, 2.0, 2.02), earlier=[first])
+    rerun = _step(50, _noisy(8, 2.0, 2.02), earlier=[first, thin]).model_copy(update={"attempt": 1})
+    last = _step(100, _noisy(8, 2.0, 2.02), earlier=[first, thin, rerun])
+    decision = decide_canary("m", "2", "1", [first, thin, rerun, last], EXTEND)
+    assert decision.verdict == "promoted" and "4 steps up to 100% on 27 paired requests" in decision.reason
+    assert decision.gates["on_inconclusive"] == "extend" and decision.gates["max_extensions"] == 2
+    still_thin = [thin.model_copy(update={"attempt": a}) for a in (0, 1, 2)]
+    decision = decide_canary("m", "2", "1", [first, *still_thin], EXTEND)
+    assert decision.verdict == "inconclusive" and decision.decided_by == "policy"
+    assert decision.reason.startswith("step 50% inconclusive after 3 runs: only 3 paired requests")
+    assert result_of(decision, 0).champion_version == "1"
+
+
+MANUAL = CFG.model_copy(update={"approval": "manual", "approval_timeout_s": 60.0})
+
+
+def _command(action, percent=50, state="awaiting-approval", reason="looks good on the dashboards"):
+    return OperatorCommand(id="c1", canary_id="k", action=action, user="ana", reason=reason, at=1.0,
+                           applied_at=2.0, percent=percent, state=state)
+
+
+def test_manual_approval_holds_the_last_step_below_100_and_only_an_operator_promotes():
+    assert hold_percent(CFG) is None and ramp_steps(CFG) == [10, 50, 100]
+    assert hold_percent(MANUAL) == 50 and ramp_steps(MANUAL) == [10, 50]
+    assert ramp_steps(MANUAL.model_copy(update={"steps": [5, 20, 60]})) == [5, 20, 60]
+    steps = [_step(10, _noisy(8, 2.0, 2.02)), _step(50, _noisy(8, 2.0, 2.02))]
+    assert decide_canary("m", "2", "1", steps, MANUAL).verdict == "rejected"  # passing alone never promotes
+    approved = decide_canary("m", "2", "1", steps, MANUAL, ended_by=_command("promote"), commands=[_command("promote")])
+    assert approved.verdict == "promoted" and approved.decided_by == "operator"
+    assert approved.reason.startswith("promoted by ana at 50% (awaiting-approval): looks good on the dashboards; "
+                                      "evidence so far: 2 steps up to 50% on 16 paired requests")
+    assert [c.action for c in approved.commands] == ["promote"]
+    timed_out = decide_canary("m", "2", "1", steps, MANUAL, approval_timed_out=True)
+    assert timed_out.verdict == "aborted" and timed_out.decided_by == "timeout"
+    assert timed_out.reason.startswith("no approval within canary.approval_timeout_s=60 s at 50%; rolled back")
+
+
+def test_manual_approval_needs_a_step_below_100():
+    with pytest.raises(ValueError, match=r"canary.steps=\[100\] has none"):
+        CanaryConfig(approval="manual", steps=[100])
+
+
+def test_an_operator_abort_or_early_promote_decides_whatever_the_steps_say():
+    failing = [_step(10, _noisy(20, 2.10, 2.00))]
+    promoted = decide_canary("m", "2", "1", failing, CFG, ended_by=_command("promote", 10, "running", ""))
+    assert promoted.verdict == "promoted" and promoted.reason.startswith("promoted by ana at 10% (running); ")
+    good = [_step(10, _noisy(8, 2.0, 2.02))]
+    aborted = decide_canary("m", "2", "1", good, CFG, ended_by=_command("abort", 10, "paused", "incident"))
+    assert aborted.verdict == "aborted" and aborted.decided_by == "operator"
+    assert aborted.reason.startswith("aborted by ana at 10% (paused): incident; rolled back; evidence: 1 steps")
+    assert result_of(aborted, 0).champion_version == "1" and result_of(promoted, 100).champion_version == "2"
+
+
+@pytest.mark.parametrize("state, action, error", [
+    ("running", "pause", ""), ("running", "promote", ""), ("running", "abort", ""),
+    ("paused", "resume", ""), ("paused", "promote", ""), ("paused", "abort", ""),
+    ("awaiting-approval", "promote", ""), ("awaiting-approval", "abort", ""),
+    ("running", "resume", "the canary of m is running, not paused; nothing to resume"),
+    ("paused", "pause", "the canary of m is paused; only a running canary can be paused"),
+    ("awaiting-approval", "pause", "the canary of m is awaiting-approval; only a running canary can be paused"),
+    ("none", "pause", "no canary of m is running; nothing to pause"),
+    ("none", "abort", "no canary of m is running; nothing to abort"),
+    ("running", "stop", "unknown action 'stop': expected one of pause, resume, promote, abort"),
+])
+def test_which_commands_a_canary_accepts_in_each_state(state, action, error):
+    assert command_error(state, action, "m") == error
+
+
+def test_an_inconclusive_step_reads_as_such_in_the_table():
+    rows = steps_table([_step(10, _noisy(3, 2.0, 2.0))])
+    assert rows[0]["verdict"].startswith("inconclusive: only 3 paired requests")

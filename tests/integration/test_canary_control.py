@@ -1,0 +1,210 @@
+"""Operator control of a live canary, for real: Ray Serve over HTTP under loopback load, MLflow on SQLite, the
+`shardline canary` command called in-process while the rollout driver runs in a thread (as it would in a worker).
+
+In file order: a canary is paused (its weight holds across more than a step's bake and several lease renewals,
+and no step is judged), resumed, then promoted early; a shadow-mode canary with manual approval waits in
+awaiting-approval, the challenger answering no client, until an operator promotes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+from load import Load
+from serve_support import NAME, bigram_logits, corpus, log_model, register
+
+from deployments import endpoint
+from deployments.canary_control import read_status
+from deployments.config import CanaryConfig, ServeConfig
+from deployments.registry import CHALLENGER, TAG_CANARY_DECISION, TAG_CANARY_ID, client_for, read_aliases
+from deployments.rollout import run_rollout
+from flows import cli
+from infra.cluster import free_port
+from infra.tracking import setup_tracking
+
+pytestmark = pytest.mark.slow
+
+CFG = CanaryConfig(steps=[10, 50, 100], min_requests=6, bake_seconds=4.0, step_timeout_s=90, probe_rps=6.0,
+                   min_paired=5, seed=5, lease_s=6.0, latency_floor_ms=25.0, control_poll_s=0.3)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import ray
+
+    home = tmp_path_factory.mktemp("home")
+    saved = dict(os.environ)
+    os.environ["SHARDLINE_HOME"] = str(home)
+    os.environ["PREFECT_HOME"] = str(home / "prefect")  # `shardline canary` prepares its environment in-process
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    exp = setup_tracking(uri, "canary-control-it")
+    client = client_for(uri)
+    fit, heldout = corpus()
+    tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": bigram_logits(fit, smoothing=0.05),
+              "good2": bigram_logits(fit, smoothing=0.04)}
+    assert register(client, *log_model(tables["weak"], "weak", exp, client)).decision == "first-champion"
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    serve = ServeConfig(port=free_port())
+    try:
+        url = endpoint.reconcile(serve, NAME, uri).url
+        yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout, "serve": serve,
+               "url": url, "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout]}
+    finally:
+        endpoint.remove(serve, NAME)
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def shardline_canary(capsys, world, *args: str) -> tuple[int, dict | None, str]:
+    """`shardline canary ARGS --json` in this process: (exit code, the JSON it printed, stderr)."""
+    capsys.readouterr()
+    code = cli.main(["canary", *args, "--model", NAME, "--json", "--set", f"registry.tracking_uri={world['uri']}"])
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if line.startswith("{")]
+    return code, json.loads(lines[-1]) if lines else None, out.err
+
+
+class Driver(threading.Thread):
+    """run_rollout in a thread, as the canary stage would run it, logging to a canary-stage MLflow run."""
+
+    def __init__(self, world, cfg: CanaryConfig, champion: str, challenger: str):
+        super().__init__(daemon=True)
+        client = world["client"]
+        self.run_id = client.create_run(world["exp"], run_name=f"canary-v{challenger}",
+                                        tags={"shardline.stage": "canary_deploy"}).info.run_id
+        self.args = (cfg, world["serve"], NAME, champion, challenger, world["uri"], world["heldout"])
+        self.client, self.steps, self.result, self.error = client, [], None, None
+
+    def log_decision(self, decision) -> None:
+        self.client.log_dict(self.run_id, decision.model_dump(mode="json"), "canary_decision.json")
+
+    def run(self) -> None:
+        try:
+            self.result = run_rollout(*self.args, run_id=self.run_id, log_decision=self.log_decision,
+                                      on_step=lambda i, s: self.steps.append(s))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def wait_for(predicate, timeout: float, what: str, driver: Driver):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and driver.is_alive():
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"gave up waiting for {what}: driver error {driver.error!r}, result "
+                         f"{driver.result.reason if driver.result else None}, steps "
+                         f"{[(s.percent, s.failures, s.inconclusive) for s in driver.steps]}")
+
+
+def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, capsys, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_USER", "ana")
+    client, uri = world["client"], world["uri"]
+    assert register(client, *log_model(world["tables"]["good"], "good", world["exp"], client)).version == "2"
+    code, status, err = shardline_canary(capsys, world, "pause", "--reason", "nothing runs")
+    assert code == 1 and status is None and err.strip() == (
+        f"shardline: canary pause: no canary of {NAME} is running; nothing to pause")
+    app = endpoint.app_name_for(world["serve"], NAME)
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = Driver(world, CFG, "1", "2")
+        driver.start()
+        wait_for(lambda: read_status(client, NAME).state == "running" and read_status(client, NAME).percent > 0,
+                 120, "the canary to run", driver)
+        code, out, err = shardline_canary(capsys, world, "pause", "--reason", "checking the dashboards")
+        assert code == 0, err
+        assert out["status"]["state"] == "paused" and out["command"]["user"] == "ana"
+        held, judged = out["status"]["percent"], len(driver.steps)
+        assert held in (10, 50)
+        # held across more than a step's bake and several lease renewals: the weight stays, nothing is judged
+        samples = []
+        for _ in range(16):
+            samples.append((endpoint.read_state(app)["effective_percent"], read_status(client, NAME).state))
+            time.sleep(0.5)
+        assert samples == [(held, "paused")] * 16 and len(driver.steps) == judged
+        code, status, _ = shardline_canary(capsys, world, "status")
+        assert code == 0 and {k: status[k] for k in ("model", "state", "champion_version", "challenger_version",
+                                                      "percent")} == {
+            "model": NAME, "state": "paused", "champion_version": "1", "challenger_version": "2", "percent": held}
+        assert status["step"] == CFG.steps.index(held) + 1 and status["steps"] == 3
+        code, _, err = shardline_canary(capsys, world, "pause")
+        assert code == 1 and "is paused; only a running canary can be paused" in err
+        code, out, err = shardline_canary(capsys, world, "resume", "--reason", "dashboards fine")
+        assert code == 0 and out["status"]["state"] == "running", err
+        wait_for(lambda: read_status(client, NAME).percent == 50 or read_status(client, NAME).state == "none",
+                 120, "the 50% step", driver)
+        code, out, err = shardline_canary(capsys, world, "promote", "--reason", "ship it before the freeze")
+        assert code == 0, err
+        driver.join(timeout=120)
+        time.sleep(1.0)  # a few requests after the promotion
+    assert driver.error is None, driver.error
+    result = driver.result
+    assert result.decision == "promoted" and result.reason.startswith(
+        "promoted by ana at 50% (running): ship it before the freeze; evidence so far: "), result.reason
+    assert [s["percent"] for s in result.steps][-1] == 50  # 100% was skipped: the operator promoted early
+    assert out["status"]["state"] == "none" and out["status"]["champion_version"] == "2"
+    assert not load.failed and load.answers, load.failed[:5]
+    versions = [a.version for a in load.answers]
+    assert versions[0] == "1" and versions[-1] == "2"
+    # the registry tells the truth
+    aliases = read_aliases(client, NAME)
+    assert aliases["champion"] == "2" and CHALLENGER not in aliases
+    mv = client.get_model_version(NAME, "2")
+    assert mv.tags[TAG_CANARY_DECISION] == "promoted"
+    assert mv.description.startswith(f"Trained on dataset unknown by train run {mv.run_id}.\n")
+    assert "Canary against champion v1: promoted (operator, " in mv.description and "ship it" in mv.description
+    # every command is on the canary stage's run (found by its tag) and in the decision artifact
+    run = client.get_run(driver.run_id)
+    assert run.data.tags[TAG_CANARY_ID] == out["command"]["canary_id"]
+    recorded = sorted(a.path for a in client.list_artifacts(driver.run_id, "canary_commands"))
+    assert [p.rsplit("-", 2)[1] for p in recorded] == ["pause", "resume", "promote"]
+    decision = json.loads(open(client.download_artifacts(driver.run_id, "canary_decision.json")).read())
+    assert [(c["action"], c["user"], c["reason"]) for c in decision["commands"]] == [
+        ("pause", "ana", "checking the dashboards"), ("resume", "ana", "dashboards fine"),
+        ("promote", "ana", "ship it before the freeze")]
+    assert decision["decided_by"] == "operator" and all(c["applied_at"] >= c["at"] for c in decision["commands"])
+    code, status, _ = shardline_canary(capsys, world, "status")
+    assert code == 0 and (status["state"], status["champion_version"], status["challenger_version"]) == (
+        "none", "2", None)
+
+
+def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(world, capsys, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_USER", "bo")
+    client = world["client"]
+    assert register(client, *log_model(world["tables"]["good2"], "good2", world["exp"], client)).version == "3"
+    cfg = CFG.model_copy(update={"steps": [20, 50, 100], "approval": "manual", "approval_timeout_s": 120.0,
+                                 "mode": "shadow", "bake_seconds": 2.0})
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = Driver(world, cfg, "2", "3")
+        driver.start()
+        wait_for(lambda: read_status(client, NAME).state == "awaiting-approval", 150, "awaiting-approval", driver)
+        code, status, _ = shardline_canary(capsys, world, "status")
+        assert (status["state"], status["percent"], status["challenger_version"]) == ("awaiting-approval", 50, "3")
+        assert status["approval_deadline"] > time.time() + 60
+        time.sleep(3.0)  # longer than a step's bake: still waiting, nothing more judged
+        assert read_status(client, NAME).state == "awaiting-approval" and len(driver.steps) == 2
+        assert endpoint.read_state(endpoint.app_name_for(world["serve"], NAME))["effective_percent"] == 50
+        code, _, err = shardline_canary(capsys, world, "pause")
+        assert code == 1 and "is awaiting-approval; only a running canary can be paused" in err
+        before_promote = time.time()
+        code, out, err = shardline_canary(capsys, world, "promote", "--reason", "approved")
+        assert code == 0, err
+        driver.join(timeout=120)
+        time.sleep(1.0)
+    assert driver.error is None, driver.error
+    result = driver.result
+    assert result.decision == "promoted" and result.reason.startswith("promoted by bo at 50% (awaiting-approval): "
+                                                                      "approved"), result.reason
+    assert [s["percent"] for s in result.steps] == [20, 50]
+    # shadow: the challenger's answers were evidence, never a client's answer
+    for step in result.steps:
+        assert step["challenger"]["n"] >= cfg.min_requests and step["paired"] >= cfg.min_paired
+    assert not load.failed, load.failed[:5]
+    assert {a.version for a in load.answers if a.t < before_promote} == {"2"}
+    assert load.answers[-1].version == "3"
+    aliases = read_aliases(client, NAME)
+    assert aliases["champion"] == "3" and CHALLENGER not in aliases
