@@ -116,7 +116,7 @@ class Gateway:
                 await self._refresh()
                 return to_response(reply(200, oai.model_list(
                     [oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()]), headers))
-            if not path.endswith(("/v1/completions", "/v1/score")):
+            if not path.endswith(("/v1/completions", "/v1/score", "/v1/chat/completions")):
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
                 raise ApiError(405, f"{path} takes POST")

@@ -196,6 +196,10 @@ class Router:
             if method == "GET" and path.endswith("/metrics"):
                 body_, content_type = self.metrics.exposition()
                 return reply(200, body_, media_type=content_type)
+            if path.endswith("/v1/chat/completions"):
+                raise ApiError(400, f"{self.cfg.model_name if self.cfg else 'this model'} has no chat template (a "
+                               "byte-level model's tokenizer has none): use /v1/completions",
+                               code="no_chat_template")
             endpoint = "completions" if path.endswith("/v1/completions") else \
                 "score" if path.endswith("/v1/score") else "models" if path.endswith("/v1/models") else ""
             if not endpoint:

@@ -90,6 +90,8 @@ def test_two_models_answer_by_model_behind_one_route(world):
     assert pieces[-1].usage.completion_tokens == 6 and not pieces[-1].choices
     with pytest.raises(openai.BadRequestError, match="n: only 1 is supported"):
         client.completions.create(model=MODELS[0], prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="has no chat template"):
+        client.chat.completions.create(model=MODELS[0], messages=[{"role": "user", "content": "hi"}])
     # a default model takes requests that name none
     with_default = serve.model_copy(update={"default_model": MODELS[1]})
     endpoint.reconcile(with_default, MODELS[1], world["uri"])
