@@ -9,18 +9,28 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install demo test test-system bench clean
+.PHONY: install install-test demo test test-fast test-system bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml tests/services/package.json
+TEST_STAMP := $(VENV)/.shardline-test-installed
+
+# What the demo needs: the package and its dependencies.
+$(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
-	npm install --prefix tests/services --no-audit --no-fund --loglevel=error
+	$(BIN)/python -m pip install -q -e .
 	touch $(STAMP)
 
+# What the tests need on top: the test extras and npm's Azurite (the Azure Blob API server).
+$(TEST_STAMP): $(STAMP) pyproject.toml tests/services/package.json
+	$(BIN)/python -m pip install -q -e '.[test]'
+	npm install --prefix tests/services --no-audit --no-fund --loglevel=error
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 # Brings the stack up (kept if already up), runs the demo through it, ends with the URLs, a curl and how to stop.
 demo: install
@@ -40,8 +50,12 @@ test-system:
 	@command -v prometheus >/dev/null 2>&1 || { apt-get update && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; }
 
-test: install test-system
+test: install-test test-system
 	$(BIN)/python -m pytest tests
+
+# The unit tier alone (pure logic: no server, no Ray, no subprocess), in a few minutes.
+test-fast: install-test
+	$(BIN)/python -m pytest tests/unit -m "not slow" -q
 
 bench: install
 	$(BIN)/python bench/run_all.py

@@ -18,7 +18,7 @@ def prepare_environment() -> None:
     from infra.paths import quiet_telemetry, shardline_home
 
     quiet_telemetry()
-    from infra.stack.state import stack_environment
+    from flows.stack.state import stack_environment
 
     for key, value in stack_environment().items():  # a running `shardline up` stack: its Prefect and MLflow
         os.environ.setdefault(key, value)
@@ -93,7 +93,10 @@ def _where_to_look(model_name: str, endpoint_url: str = "") -> str:
     bin_dir = os.path.dirname(sys.executable)
     from infra.redact import redact
 
-    lines = [f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {redact(resolve_tracking_uri())}"]
+    tracking = redact(resolve_tracking_uri())
+    # a tracking server (`shardline up` runs one) is already a UI: its URL; a file store needs `mlflow ui` on it
+    lines = [f"  runs and registry:  {tracking}" if tracking.startswith(("http://", "https://")) else
+             f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {tracking}"]
     if not os.environ.get("PREFECT_API_URL"):
         lines.append(f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start")
     lines.append(f"  lineage:            {bin_dir}/shardline lineage --model {model_name} --alias champion")

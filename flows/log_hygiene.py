@@ -56,6 +56,22 @@ class ExpectedFailureFilter(logging.Filter):
         return True
 
 
+class ThreadTimeoutNotice(logging.Filter):
+    """Drops Prefect's warning that a task's timeout cannot interrupt a worker thread, logged for every stage of
+    every worker-run flow (the worker runs the flow off the main thread).
+
+    Why the timeouts are as they are (tasks/retry.TIMEOUT_S): they are upper bounds for a hung stage, hours long,
+    not latency targets. Prefect raises them at the stage's next Python-level point, and every long stage reaches
+    one often: training polls its Ray Train run every few seconds (tasks/train.POLL_S), the canary's steps poll
+    the router, the data stage waits on its workers chunk by chunk. A stage stuck inside one blocking call is
+    bounded by that call's own timeout (HTTP clients, `ray.get` with timeouts, the release lock's wait).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout of %s seconds configured for this task, but the task is "
+                                              "running in a worker thread")
+
+
 def install() -> None:
     """Add the filters to Prefect's engine loggers and to every handler configured now (idempotent)."""
     redacting = RedactingFilter()
@@ -63,6 +79,8 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, ExpectedFailureFilter) for f in logger.filters):
             logger.addFilter(ExpectedFailureFilter())
+        if not any(isinstance(f, ThreadTimeoutNotice) for f in logger.filters):
+            logger.addFilter(ThreadTimeoutNotice())
     for name in ("", "prefect", "prefect.extra", *ENGINE_LOGGERS):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
