@@ -1,19 +1,19 @@
 """The replica's generation engine: continuous batching of in-flight completions over a model backend.
 
 Every request owns a slot of the backend (a KV cache row for the built-in GPT, a context for any other model).
-One loop on the replica's event loop admits waiting requests (each prefilled alone), then runs ONE batched decode
+One loop on the engine's thread admits waiting requests (each prefilled alone), then runs ONE batched decode
 step for every request that wants a next token, samples each row with its own generation.Completion and hands
 the events to the request's queue. A new request therefore joins at the next step instead of waiting for a long
 one to finish, and a consumer that goes away (the router cancels the stream; the generator is closed) frees its
-slot at once. The model runs on one worker thread, so the event loop keeps answering while a step computes.
+slot at once. The event loop keeps answering while a step computes.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,14 +65,21 @@ class Recompute:
 class _Request:
     prompt: bytes
     completion: Completion
+    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     slot: int | None = None
     last: int = 0  # the token the next decode step feeds
-    closed: bool = False
+    closed: bool = False  # the consumer is gone, or the request holds no slot any more
 
 
 class Engine:
-    """Continuous batching over `backend` (at most backend.slots requests at once; more wait for a slot)."""
+    """Continuous batching over `backend` (at most backend.slots requests at once; more wait for a slot).
+
+    The model runs on one engine thread that loops while there is work: jobs (`run`), admissions, one decode step.
+    It never waits for the event loop; events reach each request's asyncio queue via call_soon_threadsafe. Slot
+    bookkeeping is shared under one lock, so a consumer that leaves frees its slot at once; the engine ignores its
+    row in a step that was already computing.
+    """
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -80,12 +87,18 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.running: dict[int, _Request] = {}
         self.steps = 0  # batched decode steps run (the tests read how many requests shared them)
-        self._task: asyncio.Task | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._jobs: deque[tuple[Callable[..., Any], tuple, asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on the engine's model thread (scoring shares it with the decode steps)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """`fn(*args)` on the engine thread, between decode steps (scoring shares the model with generation)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            self._jobs.append((fn, args, loop, future))
+            self._wake()
+        return await future
 
     async def stream(self, prompt: bytes, completion: Completion) -> AsyncIterator[dict[str, Any]]:
         """{"bits", "bytes"} of the prompt's own bytes first, then `completion`'s events as they are decoded.
@@ -95,10 +108,10 @@ class Engine:
         """
         if not prompt:
             raise ValueError("an empty prompt has nothing to condition on")
-        req = _Request(prompt, completion)
-        self.waiting.append(req)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+        req = _Request(prompt, completion, asyncio.get_running_loop())
+        with self._cond:
+            self.waiting.append(req)
+            self._wake()
         try:
             while True:
                 event = await req.queue.get()
@@ -110,30 +123,92 @@ class Engine:
         finally:
             self._release(req)
 
+    def _wake(self) -> None:  # under the lock
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="shardline-engine", daemon=True)
+            self._thread.start()
+        self._cond.notify()
+
     def _release(self, req: _Request) -> None:
         """Free the request's slot now; a step that is computing with it has its row ignored."""
-        req.closed = True
-        if req.slot is not None and self.running.get(req.slot) is req:
-            del self.running[req.slot]
-            self.free.append(req.slot)
+        with self._cond:
+            req.closed = True
+            if req.slot is not None and self.running.get(req.slot) is req:
+                del self.running[req.slot]
+                self.free.append(req.slot)
+                self._cond.notify()
 
-    def _emit(self, req: _Request, events: list[dict[str, Any]]) -> None:
-        for event in events:
-            req.queue.put_nowait(event)
-        if req.completion.done:
-            self._release(req)  # the consumer still drains its queue; only the slot goes
+    # ----- the engine thread
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._jobs or (self.waiting and self.free) or self.running):
+                    self._cond.wait()
+                jobs = list(self._jobs)
+                self._jobs.clear()
+                admitted = []
+                while self.waiting and self.free:
+                    req = self.waiting.popleft()
+                    if not req.closed:
+                        req.slot = self.free.pop()
+                        self.running[req.slot] = req
+                        admitted.append(req)
+                batch = sorted((r for r in self.running.values() if r not in admitted), key=lambda r: r.slot)
+            out: list[tuple[_Request, list[Any]]] = []
+            try:
+                for fn, args, loop, future in jobs:
+                    loop.call_soon_threadsafe(_settle, future, *_call(fn, *args))
+                for req in admitted:
+                    self._admit(req, out)
+                if batch:
+                    self._step(batch, out)
+            except BaseException as e:  # noqa: BLE001 - a bug here must fail the requests, not hang them
+                with self._cond:
+                    stuck = [*self.waiting, *self.running.values()]
+                for req in stuck:
+                    out.append((req, [e]))
+                    self._release(req)
+            _deliver(out)
 
-    def _fail(self, req: _Request, error: BaseException) -> None:
-        req.queue.put_nowait(error)
-        self._release(req)
+    def _admit(self, req: _Request, out: list[tuple[_Request, list[Any]]]) -> None:
+        try:
+            head, logits = self._prefill(req)
+        except Exception as e:  # noqa: BLE001 - the request fails; the engine serves the others
+            out.append((req, [e]))
+            self._release(req)
+            return
+        out.append((req, [head]))
+        if req.completion.done:  # max_tokens 0
+            out.append((req, req.completion.close()))
+            self._release(req)
+        else:
+            self._advance(req, logits, out)
 
-    def _advance(self, req: _Request, logits: torch.Tensor) -> None:
+    def _step(self, batch: list[_Request], out: list[tuple[_Request, list[Any]]]) -> None:
+        try:
+            logits = self.backend.decode([r.slot for r in batch], [r.last for r in batch])  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the engine
+            for r in batch:
+                out.append((r, [e]))
+                self._release(r)
+            return
+        self.steps += 1
+        for r, row in zip(batch, logits):
+            if not r.closed:
+                self._advance(r, row, out)
+
+    def _advance(self, req: _Request, logits: torch.Tensor, out: list[tuple[_Request, list[Any]]]) -> None:
         try:
             req.last, events = req.completion.step(logits)
         except Exception as e:  # noqa: BLE001 - e.g. non-finite logits: this request fails, the others go on
-            self._fail(req, e)
+            out.append((req, [e]))
+            self._release(req)
             return
-        self._emit(req, events + (req.completion.close() if req.completion.done else []))
+        if req.completion.done:
+            events += req.completion.close()
+            self._release(req)  # the consumer still drains its queue; only the slot goes
+        if events:
+            out.append((req, events))
 
     def _prefill(self, req: _Request) -> tuple[dict[str, Any], torch.Tensor]:
         assert req.slot is not None
@@ -149,48 +224,36 @@ class Engine:
             head = {"bits": bits, "bytes": n}
         return head, logits[-1]
 
-    async def _loop(self) -> None:
-        try:
-            await self._steps()
-        except BaseException as e:  # a bug or the replica shutting down: no request may wait forever
-            for req in [*self.waiting, *self.running.values()]:
-                self._fail(req, e if isinstance(e, Exception) else RuntimeError("the engine stopped"))
-            self.waiting.clear()
-            raise
 
-    async def _steps(self) -> None:
-        while self.waiting or self.running:
-            while self.waiting and self.free:
-                req = self.waiting.popleft()
-                if req.closed:
-                    continue
-                req.slot = self.free.pop()
-                self.running[req.slot] = req
-                try:
-                    head, logits = await self.run(self._prefill, req)
-                except Exception as e:  # noqa: BLE001 - the request fails; the engine serves the others
-                    self._fail(req, e)
-                    continue
-                if req.closed:
-                    continue
-                req.queue.put_nowait(head)
-                if req.completion.done:  # max_tokens 0
-                    self._emit(req, req.completion.close())
-                else:
-                    self._advance(req, logits)
-            batch = [r for r in self.running.values() if not r.completion.done]
-            if not batch:
-                if self.waiting and not self.free:  # cannot happen: finished requests free their slots
-                    await asyncio.sleep(0)
-                continue
-            try:
-                logits = await self.run(self.backend.decode, [r.slot for r in batch], [r.last for r in batch])
-            except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the engine
-                for r in batch:
-                    if not r.closed:
-                        self._fail(r, e)
-                continue
-            self.steps += 1
-            for r, row in zip(batch, logits):
-                if not r.closed:
-                    self._advance(r, row)
+def _call(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - handed to the awaiting caller
+        return None, e
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver(out: list[tuple[_Request, list[Any]]]) -> None:
+    """Hand a step's events to their requests' queues: one wake-up per event loop, not one per event."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, list[Any]]]] = {}
+    for req, events in out:
+        by_loop.setdefault(req.loop, []).append((req, events))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put, items)
+        except RuntimeError:  # that event loop is closed: nobody is reading
+            pass
+
+
+def _put(items: list[tuple[_Request, list[Any]]]) -> None:
+    for req, events in items:
+        for event in events:
+            req.queue.put_nowait(event)

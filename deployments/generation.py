@@ -1,7 +1,9 @@
 """Text generation for a byte-level model: sampling (temperature, top-k, top-p, seed), stop strings, logprobs.
 
-`generate` is a plain generator of events, so one code path serves a whole completion and a stream: it yields
-{"text": piece, "logprobs": ...} as text becomes safe to emit, then one final {"finish_reason", "tokens"}.
+`Completion` is one completion's state (sampling, stop strings, logprobs): fed each position's logits, it yields
+{"text": piece, "logprobs": ...} as text becomes safe to emit, then one final {"finish_reason", "tokens"}. Whatever
+runs the model drives it: `generate` (a plain generator that recomputes the window for every byte) or
+deployments.engine (KV cache, batched decode steps), so a whole completion and a stream share one code path.
 Text that could still turn out to be the start of a stop string is held back until it cannot; the stop string
 itself is never returned (OpenAI's behaviour). The model takes [B, T] byte ids and returns [B, T, 256] logits; the
 context is the last `seq_len` bytes (a longer prompt is truncated on the left, as the README documents).

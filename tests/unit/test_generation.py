@@ -6,7 +6,7 @@ import math
 import torch
 
 from deployments.gateway import merge_expositions
-from deployments.generation import generate, merge_logprobs, pick, prompt_logprobs, token_text
+from deployments.generation import Completion, generate, merge_logprobs, pick, prompt_logprobs, token_text
 from deployments.http_io import peek
 from deployments.serve_metrics import RouterMetrics
 
@@ -79,6 +79,22 @@ def test_a_cancelled_generation_stops_before_the_next_step():
     model = _bigram(TEXT)
     events = list(generate(model, b"a", 8, 50, temperature=0, should_stop=lambda: len(calls) >= 3 or calls.append(1)))
     assert events[-1] == {"finish_reason": "cancelled", "tokens": 3}
+
+
+def test_a_completion_driven_step_by_step_is_generate_and_a_cancel_keeps_held_back_text():
+    """The engine drives Completion with logits it computed itself: the same events as generate's loop."""
+    model = _bigram(TEXT)
+    completion, context, events = Completion(4, temperature=0, stop=["cX"]), list(b"a"), []
+    while not completion.done:
+        token, out = completion.step(model(torch.tensor([context]))[0, -1])
+        events += out
+        context.append(token)
+    assert events + completion.close() == list(generate(model, b"a", 8, 4, temperature=0, stop=["cX"]))
+    held = Completion(10, temperature=0, stop=["cX"])
+    assert held.step(model(torch.tensor([[ord("a")]]))[0, -1])[1] == [{"text": "b", "logprobs": None}]
+    assert held.step(model(torch.tensor([[ord("b")]]))[0, -1])[1] == []  # 'c' may begin "cX": held back
+    held.cancel()
+    assert held.close() == [{"text": "c", "logprobs": None}, {"finish_reason": "cancelled", "tokens": 2}]
 
 
 def test_the_gateway_peeks_model_and_stream_and_merges_metrics():
