@@ -114,6 +114,30 @@ class ServeConfig(BaseModel):
         return prefix
 
 
+class PromQLGate(BaseModel):
+    """A canary gate on a Prometheus query, read at the end of every step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="Names the gate in reasons, logs and metrics (step<p>.promql.<name>).")
+    query: str = Field(
+        min_length=1, description="PromQL instant query returning one sample; $model, $champion and $challenger "
+        "are replaced by the model's name and the two versions.",
+    )
+    max: float | None = Field(None, description="The step fails when the value is above this.")
+    min: float | None = Field(None, description="The step fails when the value is below this.")
+    critical: bool = Field(
+        True, description="true: a breach fails the step (no sample: inconclusive). false: report-only, logged "
+        "with the step and never deciding.",
+    )
+
+    @model_validator(mode="after")
+    def _a_threshold(self) -> PromQLGate:
+        if self.max is None and self.min is None:
+            raise ValueError(f"canary.promql_gates[{self.name}]: give max, min or both")
+        return self
+
+
 class CanaryConfig(BaseModel):
     """How the challenger is ramped against the champion on the live endpoint, and the gates it must pass."""
 
@@ -190,6 +214,11 @@ class CanaryConfig(BaseModel):
     control_poll_s: float = Field(
         1.0, gt=0, description="How often the driver reads operator commands (pause, resume, promote, abort).",
     )
+    prometheus_url: str = Field("", description="Prometheus server (its HTTP API) that canary.promql_gates query.")
+    promql_gates: list[PromQLGate] = Field(
+        [], description="Gates on PromQL queries, besides the built-in ones; critical ones decide, report-only ones "
+        "are logged.",
+    )
 
     @field_validator("steps")
     @classmethod
@@ -203,4 +232,6 @@ class CanaryConfig(BaseModel):
         if self.approval == "manual" and not any(s < 100 for s in self.steps):
             raise ValueError(f"canary.approval='manual' holds the last step below 100% until approved, but "
                              f"canary.steps={self.steps} has none")
+        if self.promql_gates and not self.prometheus_url:
+            raise ValueError("canary.promql_gates need canary.prometheus_url (the Prometheus server they query)")
         return self

@@ -36,8 +36,8 @@ from deployments.registry import (
     clear_challenger, client_for, describe_version, move_alias, read_aliases, tag_rejected,
 )
 from deployments.rollout_policy import (
-    CanaryDecision, CanaryResult, OperatorCommand, StepMetrics, decide_canary, hold_percent, next_move, ramp_steps,
-    result_of, summarize_step,
+    CanaryDecision, CanaryResult, OperatorCommand, StepMetrics, apply_promql, decide_canary, hold_percent, next_move,
+    ramp_steps, result_of, summarize_step,
 )
 from deployments.serve_app import PROBE_HEADER
 
@@ -294,6 +294,10 @@ def _ramp_up(ramp: _Ramp, cfg: CanaryConfig, champion: str, challenger: str, ste
             got = ramp.collect()
             step = summarize_step(percent, got.observations, champion, challenger, cfg, steps, got.seconds,
                                   got.shortfall, cfg.seed).model_copy(update={"attempt": ramp.attempt})
+            if cfg.promql_gates:
+                from deployments.promql import read_gates
+
+                step = apply_promql(step, read_gates(cfg, ramp.base.model_name, champion, challenger))
             steps.append(step)
             if on_step is not None:
                 on_step(len(steps) - 1, step)
@@ -405,6 +409,7 @@ def log_decision(decision: CanaryDecision) -> None:
             "p95_ratio": s.p95_ratio, "p99_ratio": s.p99_ratio, "bpb_regression": s.bpb_regression,
             "bpb_regression_upper": s.bpb_regression_upper,
         }
+        values |= {f"promql.{r.name}": r.value for r in s.promql}
         for role in ("challenger", "champion"):
             v = getattr(s, role)
             values |= {f"{role}.n": v.n, f"{role}.error_rate": v.error_rate, f"{role}.p95_ms": v.p95_ms,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from deployments.config import CanaryConfig
+from deployments.config import CanaryConfig, PromQLGate
 
 Verdict = Literal["promoted", "rejected", "inconclusive", "aborted", "skipped"]
 StepOutcome = Literal["pass", "fail", "inconclusive"]
@@ -42,6 +42,17 @@ class VersionStats(BaseModel):
     error_rate: float
     p95_ms: float | None = Field(description="p95 model latency of its successful score calls; None without.")
     bpb: float | None = Field(description="Bits per byte over the paired requests.")
+
+
+class GateReading(BaseModel):
+    """One PromQL gate's value at the end of a step and what it says."""
+
+    name: str
+    query: str = Field(description="The query as sent (placeholders replaced).")
+    value: float | None
+    critical: bool
+    verdict: Literal["pass", "fail", "no-data"]
+    message: str
 
 
 class StepMetrics(BaseModel):
@@ -71,6 +82,7 @@ class StepMetrics(BaseModel):
     failures: list[str] = Field([], description="Gates this step breached (the step failed).")
     inconclusive: list[str] = Field([], description="Why the evidence did not suffice to judge (no failure).")
     attempt: int = Field(0, description="0 for the step's first run, n for its n-th re-run (on_inconclusive).")
+    promql: list[GateReading] = Field([], description="canary.promql_gates read at the end of the step.")
 
     @property
     def outcome(self) -> StepOutcome:
@@ -226,6 +238,35 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
         "challenger_paired_p95_ms": percentile(ch_lat, 0.95), "champion_paired_p95_ms": percentile(base_lat, 0.95),
         "error_rate_increase": increase, "p95_ratio": ratios[0.95], "p99_ratio": ratios[0.99],
         "bpb_regression": point, "bpb_regression_upper": upper, "failures": failures, "inconclusive": inconclusive,
+    })
+
+
+def judge_promql(gate: PromQLGate, query: str, value: float | None, error: str = "") -> GateReading:
+    """A PromQL gate's reading: fail outside [min, max]; no-data without a value (no sample, or the query failed)."""
+    kind = "" if gate.critical else " (report-only)"
+    if value is None or math.isnan(value):
+        why = error or "no sample"
+        return GateReading(name=gate.name, query=query, value=None, critical=gate.critical, verdict="no-data",
+                           message=f"PromQL gate {gate.name}{kind}: {why}: too little evidence to judge")
+    breach = []
+    if gate.max is not None and value > gate.max:
+        breach.append(f"> max {gate.max:g}")
+    if gate.min is not None and value < gate.min:
+        breach.append(f"< min {gate.min:g}")
+    verdict = "fail" if breach else "pass"
+    bounds = " and ".join(breach) or "within " + ", ".join(
+        f"{k} {v:g}" for k, v in (("min", gate.min), ("max", gate.max)) if v is not None)
+    return GateReading(name=gate.name, query=query, value=value, critical=gate.critical, verdict=verdict,
+                       message=f"PromQL gate {gate.name}{kind}: {value:g} {bounds}")
+
+
+def apply_promql(step: StepMetrics, readings: list[GateReading]) -> StepMetrics:
+    """The step with its PromQL readings: a critical gate's breach is a failure, its missing value makes the step
+    inconclusive; report-only gates are recorded and never decide (a new object; the input is not changed)."""
+    return step.model_copy(update={
+        "promql": readings,
+        "failures": [*step.failures, *(r.message for r in readings if r.critical and r.verdict == "fail")],
+        "inconclusive": [*step.inconclusive, *(r.message for r in readings if r.critical and r.verdict == "no-data")],
     })
 
 

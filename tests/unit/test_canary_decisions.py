@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.config import CanaryConfig
+from deployments.config import CanaryConfig, PromQLGate
+from deployments.promql import PromQLError, render, value_of
 from deployments.rollout_policy import (
-    MIN_SAMPLES_P99, OperatorCommand, StepMetrics, VersionStats, command_error, decide_canary, gate_step, hold_percent,
-    next_move, p95, paired_upper_bound, ramp_steps, result_of, skipped, steps_table, summarize_step,
+    MIN_SAMPLES_P99, OperatorCommand, StepMetrics, VersionStats, apply_promql, command_error, decide_canary, gate_step,
+    hold_percent, judge_promql, next_move, p95, paired_upper_bound, ramp_steps, result_of, skipped, steps_table,
+    summarize_step,
 )
 
 CFG = CanaryConfig(min_paired=4, max_error_rate_increase=0.0, max_p95_latency_ratio=3.0, max_p99_latency_ratio=5.0,
@@ -345,3 +347,63 @@ def test_which_commands_a_canary_accepts_in_each_state(state, action, error):
 def test_an_inconclusive_step_reads_as_such_in_the_table():
     rows = steps_table([_step(10, _noisy(3, 2.0, 2.0))])
     assert rows[0]["verdict"].startswith("inconclusive: only 3 paired requests")
+
+
+def _gate(**kw):
+    return PromQLGate(**({"name": "errors", "query": "sum(rate(x{version='$challenger'}[1m]))"} | kw))
+
+
+def test_a_promql_gate_passes_inside_its_bounds_and_fails_outside():
+    q = "sum(rate(x{version='2'}[1m]))"
+    assert judge_promql(_gate(max=0.05), q, 0.02).verdict == "pass"
+    failed = judge_promql(_gate(max=0.05), q, 0.08)
+    assert (failed.verdict, failed.value, failed.message) == ("fail", 0.08, "PromQL gate errors: 0.08 > max 0.05")
+    low = judge_promql(_gate(min=100, max=500), q, 12.0)
+    assert low.verdict == "fail" and low.message == "PromQL gate errors: 12 < min 100"
+    assert judge_promql(_gate(min=100, max=500), q, 100.0).message == "PromQL gate errors: 100 within min 100, max 500"
+
+
+def test_a_promql_gate_without_a_value_is_no_data_not_a_pass():
+    assert judge_promql(_gate(max=1), "q", None).message == "PromQL gate errors: no sample: too little evidence to judge"
+    failed_query = judge_promql(_gate(max=1), "q", None, "query failed: ConnectError: refused")
+    assert failed_query.verdict == "no-data" and "query failed: ConnectError: refused" in failed_query.message
+    assert judge_promql(_gate(max=1), "q", float("nan")).verdict == "no-data"
+
+
+def test_critical_promql_gates_decide_and_report_only_ones_never_do():
+    step = _step(10, _noisy(8, 2.0, 2.02))
+    readings = [judge_promql(_gate(name="p99", max=0.5), "q1", 0.9),
+                judge_promql(_gate(name="cost", max=1.0, critical=False), "q2", 7.0),
+                judge_promql(_gate(name="saturation", max=0.8, critical=False), "q3", None)]
+    gated = apply_promql(step, readings)
+    assert gated.failures == ["PromQL gate p99: 0.9 > max 0.5"] and gated.inconclusive == []
+    assert [r.verdict for r in gated.promql] == ["fail", "fail", "no-data"]  # all recorded
+    assert step.failures == [] and step.promql == []  # the input is not changed
+    assert decide_canary("m", "2", "1", [gated], CFG).reason == "step 10%: PromQL gate p99: 0.9 > max 0.5"
+    report_only = apply_promql(step, readings[1:])
+    assert report_only.outcome == "pass" and len(report_only.promql) == 2
+    no_data = apply_promql(step, [judge_promql(_gate(name="p99", max=0.5), "q1", None)])
+    assert no_data.outcome == "inconclusive"
+
+
+def test_promql_gates_need_a_threshold_and_a_server():
+    with pytest.raises(ValueError, match=r"give max, min or both"):
+        PromQLGate(name="g", query="up")
+    with pytest.raises(ValueError, match=r"canary.promql_gates need canary.prometheus_url"):
+        CanaryConfig(promql_gates=[_gate(max=1)])
+
+
+def test_an_instant_query_answer_gives_one_value():
+    def vector(*values):
+        return {"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {"version": str(i)}, "value": [1.0, v]} for i, v in enumerate(values)]}}
+
+    assert value_of(vector("0.25")) == 0.25
+    assert value_of(vector()) is None and value_of(vector("NaN")) is None
+    assert value_of({"status": "success", "data": {"resultType": "scalar", "result": [1.0, "3"]}}) == 3.0
+    with pytest.raises(PromQLError, match=r"2 series; aggregate the query to one"):
+        value_of(vector("1", "2"))
+    with pytest.raises(PromQLError, match=r"bad_data: parse error"):
+        value_of({"status": "error", "errorType": "bad_data", "error": "parse error"})
+    assert render("rate(x{model='$model',v='$challenger'}[1m]) / $champion", "m", "1", "2") == \
+        "rate(x{model='m',v='2'}[1m]) / 1"
