@@ -94,7 +94,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     env = dict(runtime_env or {})
     env["env_vars"] = {**env.get("env_vars", {}), **_tracking_env(spec.app_name)}
     options: dict[str, Any] = {"num_cpus": serve.replica_cpus, "runtime_env": env}
-    server = rs.deployment(ModelServer)
+    server: Any = rs.deployment(ModelServer)  # a Deployment (Ray's overloads type the decorator form)
     scaling = serve.autoscaling.serve_options() if serve.autoscaling else {"num_replicas": serve.model_replicas}
     models = {
         v: _pinned(server.options(
@@ -104,13 +104,15 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
         ), f"{version}-v{v}").bind(spec.router.model_name, v, spec.tracking_uri, serve.model_threads)
         for v in spec.versions
     }
-    evidence = _pinned(rs.deployment(Evidence).options(
+    evidence_deployment: Any = rs.deployment(Evidence)
+    evidence = _pinned(evidence_deployment.options(
         name="evidence", num_replicas=1, ray_actor_options={**options, "num_cpus": min(0.05, serve.replica_cpus)},
         max_ongoing_requests=256,
     ), version).bind()
     router_scaling = serve.router_autoscaling.serve_options() if serve.router_autoscaling else {
         "num_replicas": serve.router_replicas}
-    router = _pinned(rs.deployment(Router).options(
+    router_deployment: Any = rs.deployment(Router)
+    router = _pinned(router_deployment.options(
         name=ROUTER, ray_actor_options=options, user_config=spec.router.model_dump(), max_ongoing_requests=64,
         **router_scaling,
     ), version)
@@ -158,8 +160,9 @@ def endpoint_url(serve: ServeConfig) -> str:
     try:  # Serve keeps the HTTP options of a proxy already running in this cluster; ask where it listens
         from ray.serve.context import _get_global_client
 
-        http = _get_global_client().http_config
-        host, port = http.host, int(http.port)
+        client = _get_global_client()
+        if client is not None:
+            host, port = client.http_config.host, int(client.http_config.port)
     except Exception:  # noqa: BLE001 - private API; the configured address is the best guess
         pass
     if host in ("0.0.0.0", "::"):

@@ -77,7 +77,8 @@ def prefix_holder(serve: ServeConfig) -> str | None:
     from ray.serve.context import _get_global_client
 
     try:
-        details = _get_global_client().get_serve_details()
+        client = _get_global_client()
+        details = client.get_serve_details() if client is not None else {}
     except rs.exceptions.RayServeException:
         return None  # Serve is not running yet
     for name, app in (details.get("applications") or {}).items():
@@ -106,7 +107,8 @@ def ensure_gateway(serve: ServeConfig, token_sha256: str, runtime_env: dict[str,
     if _gateway_config(name) == want:
         return name
     with SERVE_RUN_LOCK:  # building a deployment's options registers modules with cloudpickle too
-        deployment = rs.deployment(Gateway).options(
+        gateway: Any = rs.deployment(Gateway)  # a Deployment (Ray's overloads type the decorator form)
+        deployment = gateway.options(
             name="gateway", num_replicas=serve.gateway_replicas,
             ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
             user_config=want, max_ongoing_requests=256, max_queued_requests=serve.max_queued_requests,

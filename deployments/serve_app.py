@@ -214,7 +214,8 @@ class Router:
                 return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
             if method != "POST":
                 raise ApiError(405, f"{path} takes POST")
-            req = oai.validate(endpoint, oai.parse_json(body), cfg.max_prompt_bytes, cfg.max_tokens_cap)
+            req = oai.validate("completions" if endpoint == "completions" else "score", oai.parse_json(body),
+                               cfg.max_prompt_bytes, cfg.max_tokens_cap)
             if req.model is not None and req.model != cfg.model_name:
                 raise ApiError(404, f"model: {req.model!r} is not served here (this is {cfg.model_name!r})",
                                param="model", code="model_not_found")

@@ -18,7 +18,7 @@ def api_token(serve: ServeConfig) -> str:
     if serve.auth_secret_block:
         from prefect.blocks.system import Secret
 
-        return str(Secret.load(serve.auth_secret_block).get())
+        return str(Secret.load(serve.auth_secret_block).get())  # type: ignore[union-attr]  # sync: not a coroutine
     return os.environ.get(serve.auth_token_env, "") if serve.auth_token_env else ""
 
 

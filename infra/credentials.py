@@ -25,7 +25,7 @@ def _secret_block(env_name: str) -> Any:
         return None
     from prefect.blocks.system import Secret
 
-    return Secret.load(name).get()
+    return Secret.load(name).get()  # type: ignore[union-attr]  # sync context: a Secret, not a coroutine
 
 
 def _s3_settings() -> tuple[tuple[str, str], ...]:
@@ -165,7 +165,8 @@ def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """(plain, secret) settings: secret by name (…_SECRET…, …PASSWORD…, …TOKEN…) or by value (a URI password)."""
     from infra.redact import find_credential
 
-    plain, secret = {}, {}
+    plain: dict[str, str] = {}
+    secret: dict[str, str] = {}
     for key, value in env.items():
         is_secret = any(mark in key.upper() for mark in _SECRET_NAME) or bool(find_credential(value))
         (secret if is_secret else plain)[key] = value

@@ -142,7 +142,7 @@ def recorded_job_ids(tracking_uri: str, experiment: str, train_key: str, address
             if r.data.tags.get(TAG_RAY_JOB_ID) and r.data.tags.get(TAG_CLUSTER_ADDRESS) == address]
 
 
-def follow(client: Any, job_id: str, on_log: Callable[[str], None], on_poll: Callable[[], None],
+def follow(client: Any, job_id: str, on_log: Callable[[str], None], on_poll: Callable[[], object],
            poll_s: float = 2.0) -> None:
     """Wait for the job to end, passing each new complete line of its log (credentials masked) to `on_log`.
 

@@ -45,7 +45,7 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
     """
     logger = get_run_logger()
     name, challenger, champion = registry.model_name, promoted.challenger_version, promoted.champion_version
-    with stage_run(lineage, "canary_deploy"):
+    with stage_run(lineage, "canary_deploy") as stage_run_id:
         client = client_for(lineage.tracking_uri)
         mlflow.set_tags({TAG_MODEL_VERSION: challenger, TAG_DATASET_DIGEST: shards.dataset_digest,
                          TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
@@ -68,7 +68,7 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
             return result_of(decision, 0, champion=served.champion, endpoint_url=served.url)
         texts = [text for _, text in islice(iter_texts(shards.val_shards), HELD_OUT_TEXTS)]
         result = run_rollout(cfg, serve, name, str(champion), challenger, lineage.tracking_uri, texts, token,
-                             token_digest(token), env, log_decision=log_decision, run_id=mlflow.active_run().info.run_id,
+                             token_digest(token), env, log_decision=log_decision, run_id=stage_run_id,
                              on_step=lambda i, s: logger.info(
                                  "step %d%%: %d requests (%d probe), %d paired in %.1f s: %s", s.percent, s.requests,
                                  s.probe_requests, s.paired, s.seconds, "; ".join(s.failures) or

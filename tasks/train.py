@@ -6,6 +6,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
+from uuid import UUID
 
 import mlflow
 from prefect import get_run_logger, task
@@ -76,7 +78,9 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
             return done
         key = resume.training_key(request, init)
         mlflow.set_tags({resume.TAG_TRAIN_REQUEST: request, resume.TAG_TRAIN_KEY: key})
-        progress = create_progress_artifact(0.0, key="train-progress", description=f"train_fsdp: {cfg.steps} steps")
+        # sync context: the artifact's id, not a coroutine (Prefect's helpers are typed for both)
+        progress = cast(UUID, create_progress_artifact(0.0, key="train-progress",
+                                                       description=f"train_fsdp: {cfg.steps} steps"))
         metrics_run = run_id  # where rank 0 logs the loss: a re-attached job keeps the run it was submitted with
         if cluster.config.job_server:
             result, metrics_run = train_as_job(

@@ -23,7 +23,7 @@ POLL_S = 2.0
 
 def train_as_job(cfg: TrainConfig, shards: ShardSet, cluster: ClusterConfig, lineage: Lineage, run_id: str,
                  train_key: str, init_checkpoint: str, logger: Any,
-                 on_progress: Callable[[int], None]) -> tuple[TrainResult, str]:
+                 on_progress: Callable[[int], object]) -> tuple[TrainResult, str]:
     """Train through the cluster's job server; (the result, the MLflow run the job logs its metrics to).
 
     The job of the same training key still running (or already succeeded) on this cluster is re-attached to; else

@@ -85,7 +85,7 @@ def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: 
                                 champion_version=champion_version, model_uri=model_uri, seq_len=train_cfg.seq_len)
 
 
-def cached() -> Task:
+def cached() -> Task[..., ValidationResult]:
     """validate_checkpoint under Prefect's cache (tasks/cache.py), results persisted as JSON (never pickle) under
     $SHARDLINE_HOME/results: resolved when a flow calls it, not at import."""
     return validate_checkpoint.with_options(cache_policy=VALIDATION_CACHE, persist_result=True,

@@ -85,7 +85,7 @@ def tensor_checksum(tensor: torch.Tensor, algorithm: str = TENSOR_DIGESTS[0]) ->
     flat = t.contiguous().reshape(-1)
     if not flat.numel():
         return 0
-    data = flat.view(torch.uint8).numpy()
+    data = flat.view(torch.uint8).numpy().data  # the array's buffer, no copy
     return zlib.crc32(data) if algorithm == "crc32" else xxhash.xxh3_64_intdigest(data)
 
 
@@ -346,7 +346,7 @@ def checked_load_planner(directory: str | os.PathLike) -> Any:
             whole = (rec is not None and all(int(o) == 0 for o in read_item.storage_offsets)
                      and [int(n) for n in read_item.lengths] == rec["sizes"] and str(tensor.dtype) == rec["dtype"])
             algorithm = next((a for a in TENSOR_DIGESTS if a in (rec or {})), "")
-            if whole and algorithm and tensor_checksum(tensor, algorithm) != rec[algorithm]:
+            if rec is not None and whole and algorithm and tensor_checksum(tensor, algorithm) != rec[algorithm]:
                 info = storage.get(index)
                 where = d / str(info.relative_path) if info is not None else d
                 raise CheckpointError(

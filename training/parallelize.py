@@ -50,8 +50,8 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, world_s
     if cfg.cpu_offload and device.type != "cuda":
         raise ValueError("train.cpu_offload=true needs train.use_gpu=true (parameters already live on CPU)")
     offload = CPUOffloadPolicy(pin_memory=True) if cfg.cpu_offload else OffloadPolicy()
-    blocks = _blocks(model)
-    for i, block in enumerate(blocks or []):
+    blocks = _blocks(model) or nn.ModuleList()
+    for i, block in enumerate(blocks):
         # The last block's parameters are all-gathered again first thing in backward: keep them.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

@@ -70,7 +70,9 @@ def failure_policy(cfg: TrainConfig) -> Any:
     first start of the worker group that times out ends the run (Ray's default retries starts without a limit)."""
     from ray.train import FailureConfig
 
-    return FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=0 if cfg.placement_timeout_s else -1)
+    # Ray Train V2's FailureConfig (the installed stubs describe V1's, without controller_failure_limit)
+    return FailureConfig(max_failures=cfg.max_failures,  # type: ignore[call-arg]
+                         controller_failure_limit=0 if cfg.placement_timeout_s else -1)
 
 
 def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
@@ -93,7 +95,8 @@ def run_config(cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None,
         storage_filesystem=arrow[0] if arrow else None,
         failure_config=failure_policy(cfg),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,
+        # a Ray Train V2 field (the installed stubs describe V1's RunConfig)
+        worker_runtime_env={"env_vars": dict(worker_env)} if worker_env else None,  # type: ignore[call-arg]
     )
 
 
@@ -134,7 +137,7 @@ def run_training(
     if arrow is None:
         Path(storage).mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
-        train_func,
+        train_func,  # type: ignore[arg-type]  # returns its metrics for torchrun; Ray ignores the value
         train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources),

@@ -10,7 +10,7 @@ import itertools
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -91,7 +91,7 @@ class LocalPool:
 
 
 def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int,
-               pool: LocalPool | None = None) -> Iterator[ChunkResult]:
+               pool: LocalPool | None = None) -> Generator[ChunkResult, None, None]:
     """Each chunk's result, in chunk order.
 
     engine=local with workers > 1 and more than one chunk uses `pool` (or a new LocalPool of `workers`), unless

@@ -175,7 +175,8 @@ class QualityGate:
                 for k, v in kwargs.items()}
 
     def _unique(self, index: int, spec: dict[str, Any]) -> dict[str, Any]:
-        column, duplicates, examples = spec["kwargs"]["column"], 0, []
+        column, duplicates = spec["kwargs"]["column"], 0
+        examples: list[Any] = []
         query = f"SELECT v, COUNT(*) FROM u{index} GROUP BY v HAVING COUNT(*) > 1 ORDER BY MIN(rowid)"
         for value, count in self._db.execute(query):
             duplicates += count

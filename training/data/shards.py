@@ -120,7 +120,8 @@ class _SplitWriter:
         self.on_closed, self.durable = on_closed, durable
         self.tar: UstarWriter | None = None
         self.closed: list[tuple[str, int, HashingFile]] = []
-        self.name, self.file, self.count, self.size = "", None, 0, 0
+        self.name, self.count, self.size = "", 0, 0
+        self.file: HashingFile | None = None
 
     def write(self, sample: dict[str, Any]) -> str:
         need = _tar_size(sample)
@@ -145,15 +146,16 @@ class _SplitWriter:
         if self.tar is None:
             return
         self.tar.close()
-        self.closed.append((self.name, self.count, self.file))  # type: ignore[arg-type]
+        assert self.file is not None  # an open tar has its file
+        self.closed.append((self.name, self.count, self.file))
         self.tar = None
         if self.on_closed is not None:
             self.on_closed(self.directory / self.name)
 
     def abort(self) -> None:
         """Close the open shard file after a failure (its directory is thrown away)."""
-        if self.tar is not None:
-            self.file.close()  # type: ignore[union-attr]
+        if self.tar is not None and self.file is not None:
+            self.file.close()
 
     def close(self) -> list[ShardEntry]:
         self._finish()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
+from concurrent.futures import Future
 from typing import Any
 
 FIXED_MTIME = 0  # tar headers carry no wall-clock time, so equal input gives equal bytes
@@ -38,7 +39,8 @@ class UstarWriter:
                          self._rest))
 
     def write(self, obj: dict[str, Any]) -> int:
-        parts, total = [], 0
+        parts: list[bytes] = []
+        total = 0
         for ext in sorted(obj):
             if ext.startswith("_"):
                 continue
@@ -69,7 +71,9 @@ class HashingFile:
     def __init__(self, path: str, pool: Any, durable: bool = False) -> None:
         self._fh = open(path, "wb")
         self._sha = hashlib.sha256()
-        self._pool, self._pending, self._pending_bytes, self._last = pool, [], 0, None
+        self._pool, self._pending_bytes = pool, 0
+        self._pending: list[bytes] = []
+        self._last: Future[None] | None = None
         self._durable, self._open = durable, True
         self.size = 0
 
@@ -98,7 +102,8 @@ class HashingFile:
     def result(self) -> tuple[int, str]:
         """(bytes, sha256) once every byte is hashed (and, if durable, on disk); an fsync error raises here."""
         self.close()
-        self._last.result()
+        if self._last is not None:
+            self._last.result()
         return self.size, self._sha.hexdigest()
 
 
@@ -120,7 +125,7 @@ def regular_member_names(path: str) -> list[str] | None:
 
     Why not tarfile: reading back every shard with it cost ~45 us per member, a quarter of the whole stage
     (measured, cProfile); this walk reads only the 512-byte headers and seeks over the data."""
-    names = []
+    names: list[str] = []
     with open(path, "rb", buffering=0) as fh:
         offset = 0
         while True:
