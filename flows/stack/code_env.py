@@ -6,7 +6,7 @@ lacks, the run stops here with one line naming them, instead of failing later wi
 running against other versions. Installing into the worker at run time (`pip install -e .` from a directory
 deleted after the run) is exactly what this replaces; see the README's section on the stack for the measurement.
 
-Usage: python -m infra.stack.code_env [PYPROJECT]   (exit 0: satisfied; 1: missing or mismatched, listed)
+Usage: python -m flows.stack.code_env [PYPROJECT]   (exit 0: satisfied; 1: missing or mismatched, listed)
 """
 from __future__ import annotations
 

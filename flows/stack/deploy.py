@@ -5,8 +5,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from infra.stack.procs import StackError
-from infra.stack.service import bin_path, service_env
+from flows.stack.procs import StackError
+from flows.stack.service import bin_path, service_env
 
 REPO = Path(__file__).resolve().parents[2]
 

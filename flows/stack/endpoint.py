@@ -1,13 +1,14 @@
-"""The endpoint part: the model's Ray Serve application (flows.cmd_serve), serving the registry's champion."""
+"""The endpoint part: the stack's gateway and the model's Ray Serve application (deployments.serving), serving the
+registry's champion."""
 from __future__ import annotations
 
-from infra.stack.procs import http_ok
-from infra.stack.state import PartState
+from flows.stack.procs import http_ok
+from flows.stack.state import PartState
 
 
 def start(config, recorded: PartState | None) -> PartState:
     """Start (or attach to) the serving app on the stack's Ray head; `config` is the PipelineConfig."""
-    from flows.cmd_serve import serve_up
+    from deployments.serving import serve_up
     from infra.cluster import teardown
 
     known = f"http://{config.serve.host}:{config.serve.port}"

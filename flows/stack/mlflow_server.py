@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.stack.config import StackConfig
-from infra.stack.postgres import Backend
-from infra.stack.service import bin_path, ensure_service, service_env
-from infra.stack.state import PartState
+from flows.stack.config import StackConfig
+from flows.stack.postgres import Backend
+from flows.stack.service import bin_path, ensure_service, service_env
+from flows.stack.state import PartState
 
 
 def tracking_url(cfg: StackConfig) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from infra.stack.procs import StackError
+from flows.stack.procs import StackError
 
 
 class Backend(BaseModel):

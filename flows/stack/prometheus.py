@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from infra.stack.config import StackConfig
-from infra.stack.procs import is_ours, port_open
-from infra.stack.service import ensure_service, service_env, stop_part
-from infra.stack.state import PartState, part_up
+from flows.stack.config import StackConfig
+from flows.stack.procs import is_ours, port_open
+from flows.stack.service import ensure_service, service_env, stop_part
+from flows.stack.state import PartState, part_up
 
 # Ray's file name (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE), not imported: `up` may run without
 # Ray imported, and the name is part of Ray's documented Prometheus set-up.
@@ -66,7 +66,7 @@ def render_config(endpoint: tuple[str, str], discovery_file: Path, scrape_interv
             {"job_name": "ray", "file_sd_configs": [{"files": [str(discovery_file)]}]},
         ],
     }
-    return "# Rendered by `shardline up` (infra/stack/prometheus.py); rewritten on every `up`.\n" + yaml.safe_dump(
+    return "# Rendered by `shardline up` (flows/stack/prometheus.py); rewritten on every `up`.\n" + yaml.safe_dump(
         config, sort_keys=False)
 
 

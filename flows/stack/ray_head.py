@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from infra.config import ClusterConfig
-from infra.stack.procs import Proc, _start_ticks
-from infra.stack.state import PartState
+from flows.stack.procs import Proc, _start_ticks
+from flows.stack.state import PartState
 
 
 def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from infra.stack.service import bin_path
+from flows.stack.service import bin_path
 
 
 def token_file(env: Mapping[str, str] = os.environ) -> Path:

@@ -5,8 +5,8 @@ import os
 import sys
 from pathlib import Path
 
-from infra.stack.procs import StackError, http_ok, port_open, spawn, stop, wait_until
-from infra.stack.state import PartState, part_up
+from flows.stack.procs import StackError, http_ok, port_open, spawn, stop, wait_until
+from flows.stack.state import PartState, part_up
 
 
 def bin_path(name: str) -> str:

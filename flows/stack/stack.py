@@ -5,12 +5,12 @@ import os
 from collections.abc import Callable
 
 from infra.paths import quiet_telemetry, shardline_home
-from infra.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
-from infra.stack.config import StackConfig
-from infra.stack.postgres import ensure_databases, parse_backend
-from infra.stack.procs import StackError
-from infra.stack.service import stop_part
-from infra.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
+from flows.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
+from flows.stack.config import StackConfig
+from flows.stack.postgres import ensure_databases, parse_backend
+from flows.stack.procs import StackError
+from flows.stack.service import stop_part
+from flows.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
 
 
 def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) -> StackState:

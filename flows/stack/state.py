@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from infra.paths import shardline_home
-from infra.stack.procs import Proc, http_ok, is_ours
+from flows.stack.procs import Proc, http_ok, is_ours
 
 PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
 

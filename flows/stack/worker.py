@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from infra.stack.config import StackConfig
-from infra.stack.procs import StackError, is_ours, spawn, stop, tail
-from infra.stack.service import bin_path, service_env
-from infra.stack.state import PartState
+from flows.stack.config import StackConfig
+from flows.stack.procs import StackError, is_ours, spawn, stop, tail
+from flows.stack.service import bin_path, service_env
+from flows.stack.state import PartState
 
 
 def run_environment(home: Path, api_url: str, tracking_uri: str) -> dict[str, str]:
