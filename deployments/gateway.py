@@ -57,7 +57,7 @@ def merge_expositions(texts: list[str]) -> bytes:
             return list(families.values())
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged())  # type: ignore[arg-type]  # a duck-typed collector is what the registry takes
+    registry.register(_Merged())  # a duck-typed collector, as the registry takes
     return generate_latest(registry)
 
 

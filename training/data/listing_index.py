@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from json.encoder import encode_basestring_ascii  # the C encoder json.dumps uses, called per string
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
