@@ -6,9 +6,10 @@ the one thing both already talk to (the release lock may be a file lock on one m
 reachable from the laptop), and the challenger version is where the canary's outcome is recorded anyway.
 - `shardline.canary_state` (JSON, written by the driver at every state change and with every lease renewal):
   canary_id, state (running, paused, awaiting-approval; none once decided, with the verdict), step, percent,
-  lease_expires_at, the id of the last command it acted on (`ack`). A state whose lease ran out is read as
-  `none`: the driver died and the router has gone back to the champion by itself (the lease, not this tag, is
-  the dead man's switch).
+  lease_expires_at, the id of the last command it acted on (`ack`). A state not renewed for a whole lease past
+  its expiry is read as `none`: the driver died, and the router went back to the champion by itself when the
+  lease ran out (the lease, not this tag, is the dead man's switch; the extra lease of slack keeps a renewal that
+  is merely late on a loaded machine from reading as a dead canary).
 - `shardline.canary_command` (JSON OperatorCommand, written by the CLI): the latest command, addressed to one
   canary_id. The driver reads it every canary.control_poll_s and acts once per command id; another canary's
   command (a stale one) is ignored. Last writer wins: of two commands given within one poll the driver sees the
@@ -74,7 +75,7 @@ def status_of(model: str, aliases: dict[str, str], state: dict[str, Any] | None,
     if challenger is None or not state:
         return base
     alive = state.get("state") in ("running", "paused", "awaiting-approval") and \
-        float(state.get("lease_expires_at") or 0) > now
+        float(state.get("lease_expires_at") or 0) + float(state.get("lease_s") or 0) > now
     fields = {k: state.get(k) for k in ("step", "steps", "mode", "approval", "canary_id", "updated_at",
                                         "lease_expires_at", "approval_deadline", "ack")}
     if not alive:  # decided, or its driver died (then the router went back to the champion when the lease ran out)
@@ -185,7 +186,8 @@ class DriverControl:
         state = {"canary_id": self.canary_id, "state": final.pop("state", self.state), "percent": percent,
                  "step": steps.index(percent) + 1 if percent in steps else 0, "steps": len(steps),
                  "attempt": attempt, "mode": self.cfg.mode, "approval": self.cfg.approval,
-                 "lease_expires_at": epoch_lease, "approval_deadline": self.approval_deadline,
+                 "lease_expires_at": epoch_lease, "lease_s": self.cfg.lease_s,
+                 "approval_deadline": self.approval_deadline,
                  "ack": self.applied[-1].id if self.applied else None, **final}
         try:
             publish_state(self.client, self.name, self.version, state)

@@ -28,7 +28,7 @@ from infra.tracking import setup_tracking
 pytestmark = pytest.mark.slow
 
 CFG = CanaryConfig(steps=[10, 50, 100], min_requests=6, bake_seconds=4.0, step_timeout_s=90, probe_rps=6.0,
-                   min_paired=5, seed=5, lease_s=6.0, latency_floor_ms=25.0, control_poll_s=0.3)
+                   min_paired=5, seed=5, lease_s=10.0, latency_floor_ms=25.0, control_poll_s=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +120,13 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
         assert out["status"]["state"] == "paused" and out["command"]["user"] == "ana"
         held, judged = out["status"]["percent"], len(driver.steps)
         assert held in (10, 50)
-        # held across more than a step's bake and several lease renewals: the weight stays, nothing is judged
-        samples = []
-        for _ in range(16):
+        # held for longer than a step's bake and than the lease itself (so only its renewals keep the weight):
+        # the router's weight stays, nothing is judged
+        samples, start = [], time.monotonic()
+        while time.monotonic() - start < CFG.lease_s + 2:
             samples.append((endpoint.read_state(app)["effective_percent"], read_status(client, NAME).state))
             time.sleep(0.5)
-        assert samples == [(held, "paused")] * 16 and len(driver.steps) == judged
+        assert set(samples) == {(held, "paused")} and len(samples) > 10 and len(driver.steps) == judged
         code, status, _ = shardline_canary(capsys, world, "status")
         assert code == 0 and {k: status[k] for k in ("model", "state", "champion_version", "challenger_version",
                                                       "percent")} == {
@@ -208,3 +209,27 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
     assert load.answers[-1].version == "3"
     aliases = read_aliases(client, NAME)
     assert aliases["champion"] == "3" and CHALLENGER not in aliases
+
+
+def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, capsys):
+    client = world["client"]
+    assert register(client, *log_model(world["tables"]["good"], "good-again", world["exp"], client)).version == "4"
+    cfg = CFG.model_copy(update={"steps": [30, 100], "approval": "manual", "approval_timeout_s": 4.0,
+                                 "bake_seconds": 2.0})
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = Driver(world, cfg, "3", "4")
+        driver.start()
+        wait_for(lambda: read_status(client, NAME).state == "awaiting-approval", 150, "awaiting-approval", driver)
+        driver.join(timeout=120)
+    assert driver.error is None, driver.error
+    result = driver.result
+    assert result.decision == "aborted" and result.reason.startswith(
+        "no approval within canary.approval_timeout_s=4 s at 30%; rolled back"), result.reason
+    assert not load.failed, load.failed[:5]
+    aliases = read_aliases(client, NAME)
+    assert aliases["champion"] == "3" and CHALLENGER not in aliases
+    tags = client.get_model_version(NAME, "4").tags
+    assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
+    assert endpoint.served_versions(endpoint.app_name_for(world["serve"], NAME)) == ["3"]
+    code, status, _ = shardline_canary(capsys, world, "status")
+    assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", "3", None)

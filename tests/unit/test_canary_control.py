@@ -12,7 +12,7 @@ ALIASES = {"champion": "1", "challenger": "2"}
 
 def _state(**kw):
     return {"canary_id": "k", "state": "running", "percent": 50, "step": 2, "steps": 3, "attempt": 0,
-            "mode": "canary", "approval": "auto", "lease_expires_at": NOW + 10, "updated_at": NOW - 1,
+            "mode": "canary", "approval": "auto", "lease_expires_at": NOW + 10, "lease_s": 20.0, "updated_at": NOW - 1,
             "approval_deadline": None, "ack": None} | kw
 
 
@@ -22,9 +22,11 @@ def test_a_live_canary_reports_its_state_step_and_weight():
     assert (status.step, status.steps, status.percent, status.canary_id, status.ack) == (2, 3, 50, "k", "c1")
 
 
-def test_a_canary_whose_lease_lapsed_is_no_canary():
+def test_a_canary_whose_lease_lapsed_a_whole_lease_ago_is_no_canary():
+    # a renewal late by less than a lease (a loaded machine) is still a live driver
+    assert status_of("m", ALIASES, _state(lease_expires_at=NOW - 19.9), NOW).state == "running"
     # the driver died: the router has gone back to the champion by itself, so nothing can be paused or promoted
-    status = status_of("m", ALIASES, _state(lease_expires_at=NOW - 0.1), NOW)
+    status = status_of("m", ALIASES, _state(lease_expires_at=NOW - 20.1), NOW)
     assert (status.state, status.percent, status.challenger_version) == ("none", 0, "2")
     assert status.last_verdict == "abandoned" and "stopped renewing its lease" in status.last_reason
 
