@@ -55,7 +55,7 @@ test: install-test test-system
 
 # The unit tier alone (pure logic: no server, no Ray, no subprocess), in a few minutes.
 test-fast: install-test
-	$(BIN)/python -m pytest tests/unit -m "not slow" -q
+	$(BIN)/python -m pytest -m unit -q
 
 bench: install
 	$(BIN)/python bench/run_all.py

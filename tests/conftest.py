@@ -1,6 +1,21 @@
 """Shared pytest fixtures. Each part keeps its fixtures in its own clearly marked block."""
 from __future__ import annotations
 
+import pathlib as _pathlib
+
+TIERS = ("unit", "processes", "integration", "flows", "stack")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start)."""
+    import pytest
+
+    here = _pathlib.Path(__file__).resolve().parent
+    for item in items:
+        parts = _pathlib.Path(str(item.fspath)).resolve().relative_to(here).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
+
 # ================================================================================================================
 # data part: real object-store API servers on 127.0.0.1 (moto's S3 server, Azurite), started once per session.
 #   s3_server -> endpoint URL; sets AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID/SECRET=testing, AWS_DEFAULT_REGION.
