@@ -25,14 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _best(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls, in seconds (the least disturbed by the rest of the machine)."""
-    times = []
+def _side_by_side(first, second, repeats: int, pick=min) -> tuple[float, float]:
+    """Seconds per call of `first` and `second`, timed alternately `repeats` times each so that a change in the
+    machine's load hits both; `pick` (min: the least disturbed run; or statistics.median) summarises each."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for fn, out in ((first, times[0]), (second, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return pick(times[0]), pick(times[1])
 
 
 def main() -> None:
@@ -83,49 +85,45 @@ def main() -> None:
         list(generate(program, prompt, cfg.seq_len, 256, temperature=0.0))
 
     complete(batched, prompt, greedy)
-    t_kv = _best(lambda: complete(batched, prompt, greedy), args.repeats)
-    t_re = _best(recompute, args.repeats)
+    t_kv, t_re = _side_by_side(lambda: complete(batched, prompt, greedy), recompute, args.repeats)
 
     # 8 streams of sampled text (different seeds) vs 1; every stream generates 256 bytes
-    def streams(n: int) -> float:
+    def streams(n: int) -> None:
         params = [{"max_tokens": 256, "temperature": 1.0, "seed": i} for i in range(n)]
-        t0 = time.perf_counter()
         out = loop.run_until_complete(asyncio.gather(*(batched.complete(prompt, p) for p in params)))
-        return sum(o["tokens"] for o in out) / (time.perf_counter() - t0)
+        assert sum(o["tokens"] for o in out) == 256 * n
 
-    one_stream = max(streams(1) for _ in range(args.repeats))
-    eight_streams = max(streams(8) for _ in range(args.repeats))
+    t_eight, t_one = _side_by_side(lambda: streams(8), lambda: streams(1), args.repeats)
+    eight_streams, one_stream = 8 * 256 / t_eight, 256 / t_one
 
     # time to first token: head (the prompt's bits) and one byte, vs one forward over the same prompt
     ttft_prompt = source[:cfg.seq_len // 2]
     first = {"max_tokens": 1, "temperature": 0.0}
     x = torch.tensor([list(ttft_prompt)])
     with torch.no_grad():
-        ttft = statistics.median(_best(lambda: complete(batched, ttft_prompt, first), 1) for _ in range(20))
-        fwd_eager = statistics.median(_best(lambda: gpt(x), 1) for _ in range(20))
-        fwd_program = statistics.median(_best(lambda: program(x), 1) for _ in range(20))
+        ttft, fwd_eager = _side_by_side(lambda: complete(batched, ttft_prompt, first), lambda: gpt(x), 30,
+                                        statistics.median)
+        _, fwd_program = _side_by_side(lambda: None, lambda: program(x), 30, statistics.median)
 
     # /v1/score: 16 callers, each scoring 8 texts in turn; full windows (compute-bound on a CPU) and short texts
-    def scoring(server, size: int) -> float:
+    def scoring(server, size: int) -> None:
         texts = [source[i * size:(i + 1) * size] for i in range(16)]
 
         async def caller(i: int) -> None:
             for j in range(8):
                 await server.score(texts[(i + j) % len(texts)])
 
-        t0 = time.perf_counter()
         loop.run_until_complete(asyncio.gather(*(caller(i) for i in range(16))))
-        return 16 * 8 / (time.perf_counter() - t0)
 
     rps = {}
     for size in (256, 32):
         scoring(batched, size), scoring(single, size)
-        rps[size] = (max(scoring(batched, size) for _ in range(args.repeats)),
-                     max(scoring(single, size) for _ in range(args.repeats)))
+        t_b, t_1 = _side_by_side(lambda: scoring(batched, size), lambda: scoring(single, size), args.repeats)
+        rps[size] = (16 * 8 / t_b, 16 * 8 / t_1)
 
     print(f"demo-size byte GPT (seq_len {cfg.seq_len}, {cfg.n_layer} layers, {cfg.n_head} heads, d_model "
-          f"{cfg.d_model}), untrained weights, torch threads {args.threads}, {os.cpu_count()} cores; best of "
-          f"{args.repeats} runs")
+          f"{cfg.d_model}), untrained weights, torch threads {args.threads}, {os.cpu_count()} cores (load average "
+          f"{os.getloadavg()[0]:.1f}); pairs timed alternately, best of {args.repeats} (latencies: median of 30)")
     print(f"256 bytes greedy from a 32-byte prompt: KV cache {t_kv * 1000:.0f} ms vs recompute {t_re * 1000:.0f} ms "
           f"= {t_re / t_kv:.1f}x  (target >= 5x)")
     print(f"decode bytes/s: 8 concurrent streams {eight_streams:.0f} vs 1 stream {one_stream:.0f} "

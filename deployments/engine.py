@@ -136,6 +136,7 @@ class Engine:
             if req.slot is not None and self.running.get(req.slot) is req:
                 del self.running[req.slot]
                 self.free.append(req.slot)
+                self.free.sort(reverse=True)  # lowest slot next: in-flight slots stay a contiguous run (kv_cache)
                 self._cond.notify()
 
     # ----- the engine thread
