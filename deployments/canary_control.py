@@ -124,7 +124,7 @@ def send_command(client: Any, name: str, action: str, reason: str = "", user: st
     if error:
         raise CommandRefused(error)
     assert status.challenger_version is not None and status.canary_id is not None
-    command = OperatorCommand(id=uuid.uuid4().hex, canary_id=status.canary_id, action=action,  # type: ignore[arg-type]
+    command = OperatorCommand(id=uuid.uuid4().hex, canary_id=status.canary_id, action=action,
                               user=user or current_user(), reason=reason, at=time.time())
     version = status.challenger_version
     client.set_model_version_tag(name, version, TAG_CANARY_COMMAND, command.model_dump_json())

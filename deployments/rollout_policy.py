@@ -218,9 +218,9 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
         if a is None or b is None or (q == 0.99 and len(ch_lat) < MIN_SAMPLES_P99):
             continue
         # same requests on both sides (request size drives latency); below the floor it is scheduling noise
-        ratios[q] = max(a, cfg.latency_floor_ms) / max(b, cfg.latency_floor_ms)
-        if ratios[q] > limit:
-            failures.append(f"p{round(q * 100)} latency {a:.1f} ms is {ratios[q]:.2f}x champion's {b:.1f} ms on the "
+        ratio = ratios[q] = max(a, cfg.latency_floor_ms) / max(b, cfg.latency_floor_ms)
+        if ratio > limit:
+            failures.append(f"p{round(q * 100)} latency {a:.1f} ms is {ratio:.2f}x champion's {b:.1f} ms on the "
                             f"same {len(ch_lat)} requests > {limit}x")
     point = upper = None
     if len(step.paired_deltas) < cfg.min_paired:
@@ -375,7 +375,7 @@ def skipped(model_name: str, candidate: str, baseline: str | None, reason: str) 
 
 def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per ramp step with the numbers behind the verdict (for a Prefect table artifact)."""
-    steps = [StepMetrics.model_validate(s) if isinstance(s, dict) else s for s in steps]
+    judged = [StepMetrics.model_validate(s) if isinstance(s, dict) else s for s in steps]
 
     def fmt(x: float | None, digits: int = 3) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
@@ -392,7 +392,7 @@ def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str,
             "verdict": "; ".join(s.failures) or ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive
                                                   else "pass"),
         }
-        for s in steps
+        for s in judged
     ]
 
 

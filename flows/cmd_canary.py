@@ -61,16 +61,28 @@ def canary_command(action: str, model_name: str, tracking_uri: str, reason: str 
     return 0
 
 
-def _cmd_canary(args: argparse.Namespace) -> int:
-    from flows.cli import config_or_none
+def tracking_uri_for(configured: str) -> str:
+    """The MLflow server the canary's driver uses, as `shardline run` would pick it: registry.tracking_uri, else
+    $MLFLOW_TRACKING_URI, else the running `shardline up` stack's, else the local SQLite store."""
+    import os
 
-    config = config_or_none(args)
-    if config is None:
-        return 2
+    from flows.stack.state import stack_environment
     from infra.tracking import resolve_tracking_uri
 
+    return resolve_tracking_uri(configured or os.environ.get("MLFLOW_TRACKING_URI")
+                                or stack_environment().get("MLFLOW_TRACKING_URI", ""))
+
+
+def _cmd_canary(args: argparse.Namespace) -> int:
+    from flows.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.set)
+    except ConfigError as e:
+        print(f"shardline: {e}", file=sys.stderr)
+        return 2
     return canary_command(args.action, args.model or config.registry.model_name,
-                          resolve_tracking_uri(config.registry.tracking_uri), args.reason, args.json, args.wait)
+                          tracking_uri_for(config.registry.tracking_uri), args.reason, args.json, args.wait)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

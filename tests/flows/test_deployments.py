@@ -20,6 +20,7 @@ def test_prefect_yaml_parameters_are_valid_pipeline_configs():
         "nightly": "flows/pipeline.py:shardline_pipeline", "manual": "flows/pipeline.py:shardline_pipeline",
         "on-new-data": "flows/pipeline.py:shardline_pipeline", "release-from-shards": "flows/release.py:release_from_shards",
         "canary-version": "flows/canary_version.py:canary_version",
+        "canary-control": "flows/canary_control.py:canary_control",
     }
     for d in spec["deployments"]:
         PipelineConfig.model_validate(d.get("parameters", {}).get("config", {}))
@@ -66,3 +67,15 @@ def test_prefect_deploy_creates_schedule_form_and_trigger(prefect_server, tmp_pa
                if any(getattr(action, "deployment_id", None) == target for action in a.actions)]
     assert len(runs_it) == 1
     assert runs_it[0].trigger.expect == {"shardline.dataset.updated"}
+    # The canary's operator actions are a choice in the UI form, not free text.
+    control = run_coro_as_sync(_read_deployment("canary-control/canary-control"))
+    action = control.parameter_openapi_schema["properties"]["action"]
+    assert action["enum"] == ["status", "pause", "resume", "promote", "abort"] and action["type"] == "string"
+    assert control.parameter_openapi_schema["required"] == ["action"]
+
+
+async def _read_deployment(name: str):
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        return await client.read_deployment_by_name(name)

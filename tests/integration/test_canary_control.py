@@ -38,7 +38,6 @@ def world(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     saved = dict(os.environ)
     os.environ["SHARDLINE_HOME"] = str(home)
-    os.environ["PREFECT_HOME"] = str(home / "prefect")  # `shardline canary` prepares its environment in-process
     uri = f"sqlite:///{home / 'mlflow.db'}"
     exp = setup_tracking(uri, "canary-control-it")
     client = client_for(uri)
