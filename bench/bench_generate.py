@@ -118,7 +118,7 @@ def main() -> None:
     rps = {}
     for size in (256, 32):
         scoring(batched, size), scoring(single, size)
-        t_b, t_1 = _side_by_side(lambda: scoring(batched, size), lambda: scoring(single, size), args.repeats)
+        t_b, t_1 = _side_by_side(lambda n=size: scoring(batched, n), lambda n=size: scoring(single, n), args.repeats)
         rps[size] = (16 * 8 / t_b, 16 * 8 / t_1)
 
     print(f"demo-size byte GPT (seq_len {cfg.seq_len}, {cfg.n_layer} layers, {cfg.n_head} heads, d_model "

@@ -13,7 +13,7 @@ import asyncio
 import math
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,7 +51,7 @@ class Recompute:
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        for s, t in zip(slots, tokens):
+        for s, t in zip(slots, tokens, strict=True):
             self.context[s] = (self.context[s] + [t])[-self.seq_len:]
         lengths = [len(self.context[s]) for s in slots]
         batch = torch.zeros(len(slots), max(lengths), dtype=torch.long)
@@ -100,7 +100,7 @@ class Engine:
             self._wake()
         return await future
 
-    async def stream(self, prompt: bytes, completion: Completion) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, prompt: bytes, completion: Completion) -> AsyncGenerator[dict[str, Any], None]:
         """{"bits", "bytes"} of the prompt's own bytes first, then `completion`'s events as they are decoded.
 
         The prompt's bits come from the prefill's logits when the prompt fits the window (training.bpb's windows
@@ -154,7 +154,7 @@ class Engine:
                         req.slot = self.free.pop()
                         self.running[req.slot] = req
                         admitted.append(req)
-                batch = sorted((r for r in self.running.values() if r not in admitted), key=lambda r: r.slot)
+                batch = [r for _, r in sorted(self.running.items()) if r not in admitted]  # in slot order
             out: list[tuple[_Request, list[Any]]] = []
             try:
                 for fn, args, loop, future in jobs:
@@ -194,7 +194,7 @@ class Engine:
                 self._release(r)
             return
         self.steps += 1
-        for r, row in zip(batch, logits):
+        for r, row in zip(batch, logits, strict=True):
             if not r.closed:
                 self._advance(r, row, out)
 

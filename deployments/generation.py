@@ -45,7 +45,7 @@ def top_entries(logprobs: torch.Tensor, k: int) -> dict[str, float]:
     if k <= 0:
         return {}
     values, ids = torch.topk(logprobs, k)
-    return {token_text(int(i)): float(v) for v, i in zip(values, ids)}
+    return {token_text(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
 
 
 def prompt_logprobs(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int,

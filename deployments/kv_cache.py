@@ -1,20 +1,23 @@
 """Incremental decoding of the built-in GPT (training.model.GPT) with a key/value cache, for serving.
 
 Reuses the GPT's own parameters (embeddings, each block's layer norms, attention projections and MLP, the head);
-training's `GPT.forward` is not touched. The cache is a pool of `slots`, one per in-flight request (KVCache). `prefill` runs one request's
-context at once (causal attention, as training does) and fills its slot; `decode` feeds one new token for each
-of several slots in ONE batched forward: every row attends to its own slot's first `length + 1` positions
-(a boolean mask over the longest row's keys pads the shorter ones), at its own position embedding.
+training's `GPT.forward` is not touched. The cache is a pool of `slots`, one per in-flight request (KVCache).
+`prefill` runs one request's context at once (causal attention, as training does) and fills its slot; `decode`
+feeds one new token for each of several slots in ONE batched forward: every row attends to its own slot's first
+`length + 1` positions (a boolean mask over the longest row's keys pads the shorter ones), at its own position
+embedding.
 
 Positions are learned (`wpe` has seq_len rows), so a slot holds at most seq_len tokens; `CachedGPT` slides a
 full one by re-prefilling the last seq_len // 2 bytes of its context (see there).
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
-from training.model import GPT, VOCAB
+from training.model import GPT, VOCAB, Block
 
 
 class KVCache:
@@ -26,11 +29,15 @@ class KVCache:
     """
 
     def __init__(self, model: GPT, slots: int) -> None:
-        attn = model.blocks[0].attn
+        attn = _blocks(model)[0].attn
         d_model = model.wte.embedding_dim
         shape = (len(model.blocks), slots, model.seq_len, 2, attn.n_head, d_model // attn.n_head)
         self.kv = torch.zeros(shape, dtype=model.wte.weight.dtype, device=model.wte.weight.device)
         self.lengths = [0] * slots
+
+
+def _blocks(model: GPT) -> list[Block]:
+    return cast(list[Block], list(model.blocks))
 
 
 # The blocks' parameters are called through torch.nn.functional, not through the modules: the same ops as
@@ -44,7 +51,7 @@ def _lin(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, linear.weight, linear.bias)
 
 
-def _mlp(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
     return _lin(F.gelu(_lin(_ln(x, block.ln_2), block.mlp.c_fc)), block.mlp.c_proj)
 
 
@@ -58,7 +65,7 @@ def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torc
     c = model.wte.embedding_dim
     x = F.embedding(tokens[None], model.wte.weight) + F.embedding(torch.arange(t, device=tokens.device),
                                                                  model.wpe.weight)
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(_blocks(model)):
         h = block.attn.n_head
         qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [1, T, 3C]
         cache.kv[i, slot, :t] = qkv[0, :, c:].view(t, 2, h, c // h)
@@ -92,7 +99,7 @@ def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> t
     rows = torch.arange(b, device=device) if contiguous else torch.tensor(slots, device=device)
     x = (F.embedding(torch.tensor(tokens, device=device), model.wte.weight) + F.embedding(pos, model.wpe.weight))
     x = x[:, None, :]  # [B, 1, C]
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(_blocks(model)):
         h = block.attn.n_head
         qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [B, 1, 3C]
         new = qkv[:, 0, c:].view(b, 2, h, c // h)

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -72,10 +72,10 @@ def score_many(model: Callable[[Any], Any], texts: list[bytes], seq_len: int,
                 seqs = torch.stack([w for _, w in chunk])
                 logits = model(seqs[:, :-1]).float()
                 nats = F.cross_entropy(logits.transpose(1, 2), seqs[:, 1:], reduction="none").sum(1)
-                for (i, _), n in zip(chunk, nats.tolist()):
+                for (i, _), n in zip(chunk, nats.tolist(), strict=True):
                     bits[i] += n / LN2
                     counts[i] += length - 1
-    return list(zip(bits, counts))
+    return list(zip(bits, counts, strict=True))
 
 
 class ModelServer:
@@ -137,7 +137,7 @@ class ModelServer:
         return {"version": self.version, "bits": bits, "bytes": n, "bpb": bits / n if n else None,
                 "latency_ms": (time.perf_counter() - t0) * 1000.0}
 
-    async def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Events of one completion: {"version", "bits", "bytes", "bpb", "prompt_logprobs"} first (the prompt
         scored with its own bytes as labels), then generation's pieces {"text", "logprobs"}, then
         {"finish_reason", "tokens", "latency_ms"}. Closing the stream (a client went away) frees its slot at once.

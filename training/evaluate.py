@@ -127,8 +127,8 @@ def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> s
         outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, 256))]),
     )
     # B and T > 1 in the example, so torch.export keeps both dimensions dynamic.
-    example = np.frombuffer(b"def main():\n    return 0\n"[: min(16, seq_len)] * 2, dtype=np.uint8)
-    example = example.astype(np.int64).reshape(2, -1)
+    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
+    example = np.frombuffer(text, dtype=np.uint8).astype(np.int64).reshape(2, -1)
     from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
 
     metadata: dict = {"seq_len": seq_len}

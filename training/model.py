@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,8 @@ class GPT(nn.Module):
 
     def config(self) -> dict[str, int]:
         """The constructor arguments that rebuild this model's shapes (dropout aside: serving runs in eval)."""
-        return {"seq_len": self.seq_len, "n_layer": len(self.blocks), "n_head": self.blocks[0].attn.n_head,
+        first = cast(Block, self.blocks[0])
+        return {"seq_len": self.seq_len, "n_layer": len(self.blocks), "n_head": first.attn.n_head,
                 "d_model": self.wte.embedding_dim}
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ def test_batched_scoring_gives_each_text_its_own_bits():
     model = _gpt()
     texts = [b"short text", b"x" * (3 * SEQ + 5), b"another short", b"", bytes(range(200))]
     got = score_many(model, texts, SEQ, batch_size=4)
-    for text, (bits, n) in zip(texts, got):
+    for text, (bits, n) in zip(texts, got, strict=True):
         want_bits, want_n = text_bits(model, text, SEQ)
         assert n == want_n and math.isclose(bits, want_bits, rel_tol=1e-5, abs_tol=1e-6)
 
@@ -184,7 +184,7 @@ def test_a_gpt_logged_by_validation_serves_with_the_kv_cache_and_batched_scores(
     assert merge_logprobs(answer["pieces"])["tokens"] == _recompute_tokens(model, prompt, 8)
     assert answer["finish_reason"] == "length" and answer["tokens"] == 8 and answer["bytes"] == len(prompt) - 1
     assert forwards == 1  # three concurrent score calls, one batch
-    for text, scored in zip(texts, scores):
+    for text, scored in zip(texts, scores, strict=True):
         bits, n = text_bits(model, text, SEQ)
         assert scored["bytes"] == n and math.isclose(scored["bits"], bits, rel_tol=1e-4)
 

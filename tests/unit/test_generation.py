@@ -15,7 +15,7 @@ TEXT = b"abcabcabd"  # after 'c' always 'a'; after 'b', 'c' three times in four
 
 def _bigram(text: bytes, smoothing: float = 0.01):
     counts = torch.full((256, 256), smoothing)
-    for a, b in zip(text, text[1:]):
+    for a, b in zip(text, text[1:], strict=False):
         counts[a, b] += 1
     table = torch.log(counts / counts.sum(1, keepdim=True))
     return lambda idx: table[idx]  # [B, T] -> [B, T, 256] logits, like the served programs
