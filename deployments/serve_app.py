@@ -259,7 +259,7 @@ class Router:
             # shadow mode: the champion answers the client; a copy goes to the challenger afterwards, its answer
             # recorded as evidence (paired with the champion's own call on the same text) and never returned
             served = await self._call(cfg.champion, op, "served", *args)
-            task = asyncio.ensure_future(self._mirror(job, served, op, args, t0))
+            task = asyncio.ensure_future(self._mirror(job, served, paired, op, args, t0))
             self._mirrors.add(task)
             task.add_done_callback(self._mirrors.discard)
         elif to_challenger:
@@ -293,11 +293,19 @@ class Router:
             payload = self._completion(job, served)
         return reply(200, payload, {VERSION_HEADER: version})
 
-    async def _mirror(self, job: Job, served: dict[str, Any], op: str, args: tuple[Any, ...], t0: float) -> None:
-        """Shadow mode: the challenger's answer to a copy of a request the champion already answered."""
-        mirrored = await self._call(str(job.cfg.challenger), op, "mirror", *args)
-        self._record(job.cfg, job.endpoint, job.probe, True, served, served, None,
-                     (time.perf_counter() - t0) * 1000.0, mirror=mirrored)
+    async def _mirror(self, job: Job, served: dict[str, Any], paired: bool, op: str, args: tuple[Any, ...],
+                      t0: float) -> None:
+        """Shadow mode: the challenger's answer to a copy of a request the champion already answered, paired (as in
+        canary mode) with a champion score of the same text taken right beside it, so that both latencies of a pair
+        are measured under the same load (the client's call ran earlier, under another)."""
+        cfg, shadow = job.cfg, None
+        if paired and self.seq % 2:  # sequential, alternating order, as _serve pairs
+            shadow = await self._call(cfg.champion, "score", "shadow", job.text)
+        mirrored = await self._call(str(cfg.challenger), op, "mirror", *args)
+        if paired and shadow is None:
+            shadow = await self._call(cfg.champion, "score", "shadow", job.text)
+        self._record(cfg, job.endpoint, job.probe, True, served, shadow, None, (time.perf_counter() - t0) * 1000.0,
+                     mirror=mirrored)
 
     @staticmethod
     def _source(job: Job) -> str:
@@ -410,9 +418,9 @@ class Router:
         the champion's served call, and the champion's shadow score of the same text."""
         fallback = failed is not None
         challenger_call = failed if fallback else (served if to_challenger else None)
-        if mirror is not None:  # shadow mode: the challenger's copy; the champion's served call is its pair
-            challenger_call = mirror
         champion_call = served if (not to_challenger or fallback) and served is not shadow else None
+        if mirror is not None:  # shadow mode: the challenger's copy, and the champion's call that served the client
+            challenger_call, champion_call = mirror, served
 
         def slim(call: dict | None) -> dict | None:
             if call is None:
