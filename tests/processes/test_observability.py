@@ -14,7 +14,7 @@ import yaml
 
 from deployments.config import ServeConfig
 from deployments.serve_metrics import RouterMetrics
-from flows.cmd_stack import summary_lines
+from flows.cli.stack import summary_lines
 from flows.config import load_stack_config
 from flows.stack import prometheus
 from flows.stack.ray_token import token_hint

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cmd_notify import dataset_resource, resolve_source
+from flows.cli.notify import dataset_resource, resolve_source
 from flows.config import ConfigError, load_config, load_stack_config
 from flows.stack.code_env import unmet_requirements
 from flows.stack.postgres import parse_backend

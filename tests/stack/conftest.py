@@ -11,9 +11,9 @@ from stack_support import REPO, shardline, small_config, stack_env, status
 from infra.cluster import free_port
 
 
-# The Ray head and endpoint parts call infra.head / flows.cmd_serve (the live-endpoint work); until those are
+# The Ray head and endpoint parts call infra.head / flows.cli.serve (the live-endpoint work); until those are
 # on this branch the stack is brought up without them.
-SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.find_spec("flows.cmd_serve") is not None
+SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.find_spec("flows.cli.serve") is not None
 
 
 def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int = 0, serve_port: int = 0) -> list[str]:

@@ -77,7 +77,7 @@ def test_ray_rejects_a_broken_config():
 @pytest.mark.parametrize("provider", ["aws", "azure"])
 def test_checked_in_template_is_the_default_rendering(provider, tmp_path):
     """infra/ray/*.yaml are what `shardline cluster render` writes for the defaults: they cannot drift."""
-    from flows.cmd_cluster import render_launcher
+    from flows.cli.cluster import render_launcher
     from flows.config import PipelineConfig
 
     path = render_launcher(PipelineConfig(), provider, tmp_path, "render")

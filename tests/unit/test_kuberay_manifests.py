@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cmd_cluster import render_kuberay
+from flows.cli.cluster import render_kuberay
 from flows.config import PipelineConfig, load_config
 from kuberay_schema import spec_errors  # tests/kuberay_schema.py
 

@@ -11,7 +11,7 @@ __all__ = ["add_parser", "serve_down", "serve_up"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from flows.cli import config_or_none
+    from flows.cli._utilities import config_or_none
 
     config = config_or_none(args)
     if config is None:

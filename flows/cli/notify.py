@@ -46,8 +46,7 @@ async def _emit(resource: dict[str, str], config: dict) -> str:
 
 
 def _cmd_notify(args: argparse.Namespace) -> int:
-    from flows.cli import prepare_environment
-
+    from flows.cli._utilities import prepare_environment
     from flows.config import ConfigError, load_config, read_raw
 
     try:

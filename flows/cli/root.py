@@ -6,47 +6,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
-from flows.cmd_notify import add_notify_command
-from flows.cmd_stack import add_stack_commands
-from flows.config import ConfigError, load_config
-
-
-def prepare_environment() -> None:
-    """Telemetry off; use the stack `shardline up` runs here, if any; else keep Prefect's state under $SHARDLINE_HOME."""
-    from infra.paths import quiet_telemetry, shardline_home
-
-    quiet_telemetry()
-    from flows.stack.state import stack_environment
-
-    for key, value in stack_environment().items():  # a running `shardline up` stack: its Prefect and MLflow
-        os.environ.setdefault(key, value)
-    if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
-        os.environ["PREFECT_HOME"] = str(shardline_home() / "prefect")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+from flows.cli._utilities import config_or_none, exit_codes, prepare_environment, table
+from flows.cli.notify import add_notify_command
+from flows.cli.stack import add_stack_commands
 
 
-def _table(rows: list[tuple[str, Any]]) -> str:
-    kw = max(len(k) for k, _ in rows)
-    vw = max(len(str(v)) for _, v in rows)
-    line = f"+{'-' * (kw + 2)}+{'-' * (vw + 2)}+"
-    body = [f"| {k.ljust(kw)} | {str(v).ljust(vw)} |" for k, v in rows]
-    return "\n".join([line, *body, line])
-
-
-def config_or_none(args: argparse.Namespace) -> Any:
-    """The PipelineConfig of `--config` and `--set`, with the environment prepared; None after printing the one-line
-    mistake to stderr (the caller exits 2)."""
-    try:
-        config = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(f"shardline: {e}", file=sys.stderr)
-        return None
-    prepare_environment()
-    return config
-
-
+@exit_codes("pipeline")
 def _cmd_run(args: argparse.Namespace) -> int:
     config = config_or_none(args)
     if config is None:
@@ -57,14 +23,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     log_hygiene.install()
     reap_orphans()  # what a killed earlier run left behind, by its recorded PIDs
-    try:
-        summary = shardline_pipeline(config)
-    except KeyboardInterrupt:
-        print("shardline: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - an unexpected error's traceback is in the log; the user gets one line
-        print(f"shardline: pipeline failed: {log_hygiene.one_line(e)}", file=sys.stderr)
-        return 1
+    summary = shardline_pipeline(config)
     rows = [
         ("model", f"{summary.model_name} v{summary.model_version}"),
         ("decision", summary.decision),
@@ -78,7 +37,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("stage seconds", ", ".join(f"{k} {v:.1f}" for k, v in summary.stage_seconds.items())),
     ]
     out = sys.stderr if args.json else sys.stdout
-    print(_table(rows), file=out, flush=True)
+    print(table(rows), file=out, flush=True)
     print(_where_to_look(summary.model_name, summary.endpoint_url), file=out, flush=True)
     if args.json:
         print(json.dumps(summary.model_dump()), flush=True)
@@ -119,7 +78,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(chain), flush=True)
     else:
-        print(_table([(k, v) for k, v in chain.items()]))
+        print(table([(k, v) for k, v in chain.items()]))
     return 0
 
 
@@ -144,12 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     lineage.add_argument("--json", action="store_true", help="print one JSON object")
     lineage.set_defaults(func=_cmd_lineage)
 
-    from flows import cmd_canary, cmd_cluster, cmd_serve, cmd_shard
+    import flows.cli.canary as canary
+    import flows.cli.cluster as cluster
+    import flows.cli.serve as serve
+    import flows.cli.shard as shard
 
-    cmd_serve.add_parser(sub)
-    cmd_canary.add_parser(sub)
-    cmd_shard.add_parser(sub)
-    cmd_cluster.add_parser(sub)
+    serve.add_parser(sub)
+    canary.add_parser(sub)
+    shard.add_parser(sub)
+    cluster.add_parser(sub)
     add_stack_commands(sub)
     add_notify_command(sub)
     return parser

@@ -7,7 +7,9 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
+from flows.cli._utilities import exit_codes
 from flows.config import ConfigError, load_config
 
 
@@ -24,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_shard(args: argparse.Namespace) -> int:
     """Exit 0 with the shard set; 2 for a config mistake, 1 when the stage failed (one line each, no traceback)."""
-    from flows.cli import _table, prepare_environment
+    from flows.cli._utilities import prepare_environment
     from training.data import DataError
     from training.data.build import check_locations
 
@@ -38,19 +40,16 @@ def cmd_shard(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("shardline").setLevel(logging.INFO)
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    return _run_stage(config, args.json)
+
+
+@exit_codes("shard")
+def _run_stage(config: Any, as_json: bool) -> int:
+    """The stage and its report (a failure is one line and exit 1: the stage's MLflow run holds the details)."""
+    from flows.cli._utilities import table
+
     start = time.monotonic()
-    try:
-        out = _shard(config)
-    except ConfigError as e:  # the run's own guards; load_config's checks make this rare
-        print(f"shardline: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("shardline: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the stage's MLflow run holds the details; the user gets one line
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"shardline: shard failed: {type(e).__name__}: {first}", file=sys.stderr)
-        return 1
+    out = _shard(config)
     out["wall_seconds"] = round(time.monotonic() - start, 3)
     rows = [("dataset digest", out["dataset_digest"]), ("records", f"{out['num_train']} train / {out['num_val']} val"),
             ("shards", f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, "
@@ -61,8 +60,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
             ("manifest", out["manifest_uri"]), ("chunks", f"{out['chunks']} on {out['engine']}, {out['workers']} "
                                                            "workers"),
             ("wall seconds", f"{out['wall_seconds']:.1f}"), ("MLflow run", out["parent_run_id"])]
-    print(_table(rows), file=sys.stderr if args.json else sys.stdout, flush=True)
-    if args.json:
+    print(table(rows), file=sys.stderr if as_json else sys.stdout, flush=True)
+    if as_json:
         print(json.dumps(out), flush=True)
     return 0
 

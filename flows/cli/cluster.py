@@ -64,7 +64,7 @@ def _ray_cli(verb: str, path: Path) -> int:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
-    from flows.cli import config_or_none
+    from flows.cli._utilities import config_or_none
 
     config = config_or_none(args)
     if config is None:
