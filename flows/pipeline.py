@@ -25,7 +25,7 @@ class PipelineSummary(BaseModel):
 
     model_name: str
     model_version: str
-    decision: Literal["first-champion", "promoted", "rejected", "registered"]
+    decision: Literal["first-champion", "promoted", "rejected", "inconclusive", "aborted", "registered"]
     reason: str
     champion_version: str
     val_bits_per_byte: float
@@ -69,7 +69,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
 
     if promoted.decision == "first-champion":
         decision, reason, champion = "first-champion", "no champion existed", promoted.version
-    elif canary.decision in ("promoted", "rejected"):
+    elif canary.decision in ("promoted", "rejected", "inconclusive", "aborted"):  # "skipped": registered only
         decision, reason = canary.decision, canary.reason
         champion = promoted.version if canary.decision == "promoted" else (promoted.champion_version or "")
     else:
