@@ -5,19 +5,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
-TAG_REJECTED = "rejected"  # value: the reason the canary gave
-TAG_CANARY_DECISION = "shardline.canary_decision"
-# on the registered model: the gateway (app name) that serves its champion, and why serving it last failed
-TAG_SERVED_BY = "shardline.served_by"
-TAG_SERVE_ERROR = "shardline.serve_error"
-# a running canary, on the challenger version (deployments/canary_control.py): the driver's state (JSON, renewed with
-# the lease) and the last operator command (JSON); on the canary stage's MLflow run: the canary's id
-TAG_CANARY_REASON = "shardline.canary_reason"
-TAG_CANARY_STATE = "shardline.canary_state"
-TAG_CANARY_COMMAND = "shardline.canary_command"
-TAG_CANARY_ID = "shardline.canary_id"
+from infra.names import (  # noqa: F401 - re-exported: the registry's names, defined with every cross-process name
+    CHALLENGER,
+    CHAMPION,
+    TAG_CANARY_COMMAND,
+    TAG_CANARY_DECISION,
+    TAG_CANARY_ID,
+    TAG_CANARY_REASON,
+    TAG_CANARY_STATE,
+    TAG_REJECTED,
+    TAG_SERVE_ERROR,
+    TAG_SERVED_BY,
+)
+
 _MAX_TAG_VALUE = 5000  # MLflow caps model version tag values (8000 in recent servers); stay well below
 
 

@@ -37,5 +37,17 @@ TAG_TRAIN_NODE_IDS = "shardline.train_node_ids"
 TAG_RAY_JOB_ID = "shardline.ray_job_id"
 TAG_JOB_TRAIN_RUN_ID = "shardline.ray_job_train_run_id"  # the MLflow run a remote job's rank 0 logs its metrics to
 
-# ----- the registry
+# ----- the registry: aliases, and tags on versions and registered models
 CHAMPION = "champion"  # the alias that says what serves: the endpoint's desired state
+CHALLENGER = "challenger"  # the alias of the version in canary (gone once it is decided)
+TAG_REJECTED = "rejected"  # value: the reason the canary gave
+TAG_CANARY_DECISION = "shardline.canary_decision"
+TAG_CANARY_REASON = "shardline.canary_reason"
+# a running canary, on the challenger version (deployments/canary_control.py): the driver's state (JSON, renewed
+# with the lease) and the last operator command (JSON); on the canary stage's MLflow run: the canary's id
+TAG_CANARY_STATE = "shardline.canary_state"
+TAG_CANARY_COMMAND = "shardline.canary_command"
+TAG_CANARY_ID = "shardline.canary_id"
+# on the registered model: the gateway (app name) that serves its champion, and why serving it last failed
+TAG_SERVED_BY = "shardline.served_by"
+TAG_SERVE_ERROR = "shardline.serve_error"
