@@ -1,7 +1,8 @@
 """The per-worker training function. It runs unchanged under `torchrun` and under Ray Train's TorchTrainer.
 
-The only launcher-specific code is `_RayHooks` / `_LocalHooks`: where to resume from and what to do with a
-saved checkpoint (report it to Ray Train, or keep it in a local directory).
+`train_func` reads as: restore, then for each step: `train_step`, log (`MetricsWindow`), maybe save. The
+checkpoints' state (resume step, the async save in flight) lives in `training.checkpointer.Checkpointer`; the
+only launcher-specific line picks its hooks: report a checkpoint to Ray Train, or keep it in a local directory.
 """
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import contextlib
 import itertools
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from training import checkpoint as ckpt
-from training import placement
-from training import prom_metrics
-from training.config import TrainConfig
-from training.config import load_object
+from training import placement, prom_metrics
+from training.checkpointer import Checkpointer, LocalHooks, RayHooks, inside_ray_train
+from training.config import TrainConfig, load_object
 from training.model import flops_per_token
 from training.parallelize import compute_dtype, parallelize
 
@@ -73,80 +71,6 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Launcher hooks: the only place that knows about Ray Train
-# ---------------------------------------------------------------------------------------------------------
-
-class _LocalHooks:
-    """torchrun / single process: checkpoints live in `root/checkpoint_<step>` on a filesystem all ranks share."""
-
-    def __init__(self, root: str, keep: int) -> None:
-        self.root, self.keep = Path(root), keep
-
-    @contextlib.contextmanager
-    def resume_candidates(self) -> Iterator[list[str]]:
-        yield [str(p) for p in self.root.glob("checkpoint_0*")] if self.root.is_dir() else []
-
-    def new_dir(self, step: int, rank: int) -> str:
-        return str(self.root / f"checkpoint_{step:08d}")
-
-    def publish(self, directory: str, step: int, metrics: dict[str, float], rank: int) -> None:
-        dist.barrier()
-        if rank == 0:  # keep the newest N complete checkpoints
-            done = sorted(self.root.glob("checkpoint_0*"))
-            for old in done[: max(0, len(done) - self.keep)]:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-class _RayHooks:
-    """Ray Train: resume from ray.train.get_checkpoint(); every rank reports its own files of a checkpoint."""
-
-    def __init__(self) -> None:
-        import ray.train
-
-        self.train = ray.train
-
-    @contextlib.contextmanager
-    def resume_candidates(self) -> Iterator[list[str]]:
-        """Ray's latest registered checkpoint, plus (local storage) every checkpoint directory of this run.
-
-        The controller registers a reported checkpoint only at its next poll of the workers (every ~2 s); a
-        worker killed in between leaves a complete but unregistered checkpoint, which the manifest vouches for.
-        """
-        dirs = []
-        storage = self.train.get_context().get_storage()
-        if storage.storage_filesystem.type_name == "local":
-            dirs = [str(p) for p in Path(storage.experiment_fs_path).glob("checkpoint_0*") if p.is_dir()]
-        checkpoint = self.train.get_checkpoint()
-        if checkpoint is None:
-            yield dirs
-            return
-        with checkpoint.as_directory() as d:  # a download for remote storage, the path itself when local
-            yield [*dirs, d]
-
-    def new_dir(self, step: int, rank: int) -> str:
-        # Each rank writes into its own local directory; Ray merges them into one checkpoint in storage.
-        return tempfile.mkdtemp(prefix=f"shardline-ckpt-{step:08d}-r{rank}-")
-
-    def publish(self, directory: str, step: int, metrics: dict[str, float], rank: int) -> None:
-        self.train.report(
-            metrics,
-            checkpoint=self.train.Checkpoint.from_directory(directory),
-            checkpoint_dir_name=f"checkpoint_{step:08d}",
-            delete_local_checkpoint_after_upload=True,
-        )
-
-
-def _inside_ray_train() -> bool:
-    try:
-        import ray.train
-
-        ray.train.get_context()
-        return True
-    except Exception:  # noqa: BLE001 - not a Ray Train worker (ImportError, RuntimeError, ...)
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Metrics: rank 0 logs to MLflow in a background thread so training never waits on the tracking server
 # ---------------------------------------------------------------------------------------------------------
 
@@ -190,6 +114,56 @@ class _MlflowLogger:
             self._pool.shutdown()
 
 
+class MetricsWindow:
+    """Throughput since the last log (tokens/s, step time, MFU) and over the run (the summary's tokens/s).
+
+    The run's clock starts at the end of its first step, which pays for allocation and warm-up.
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float, world: int,
+                 device: torch.device) -> None:
+        self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
+        self.world, self.device = world, device
+        self.loss = float("nan")  # the last logged loss (mean over ranks)
+        self._run_t0: float | None = None
+        self._timed_steps = 0
+        self.start()
+
+    def start(self) -> None:
+        """Open a window: steps are timed from now."""
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def step_done(self) -> None:
+        self._steps += 1
+        if self._run_t0 is None:
+            self._run_t0 = time.perf_counter()
+        else:
+            self._timed_steps += 1
+
+    def close(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+        """Collective (the loss is averaged over ranks): this window's metrics; the next window opens."""
+        dist.all_reduce(step_loss)  # SUM: gloo has no AVG
+        self.loss = step_loss.item() / self.world
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        elapsed = time.perf_counter() - self._t0
+        tps = self.tokens_per_step * self._steps / elapsed
+        metrics = {
+            "loss": self.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
+            "step_time_s": elapsed / self._steps, "peak_memory_mb": peak_memory_mb(self.device),
+            "mfu": self.flops_per_token * tps / (self.peak_tflops * 1e12 * self.world),
+        }
+        self.start()
+        return metrics
+
+    def summary(self, step: int) -> dict[str, float]:
+        """What a published checkpoint and the run report: step, last logged loss, mean tokens/s, world size."""
+        elapsed = time.perf_counter() - self._run_t0 if self._run_t0 is not None else 0.0
+        timed = self._timed_steps
+        tps = self.tokens_per_step * timed / elapsed if timed and elapsed > 0 else 0.0
+        return {"step": step, "loss": self.loss, "tokens_per_s": tps, "world_size": self.world}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------------
@@ -216,6 +190,40 @@ def data_stream(shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, 
     with torch.random.fork_rng(devices=[]):
         first = next(stream, None)
     return itertools.chain([] if first is None else [first], stream)
+
+
+def forward_backward_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+                          device: torch.device, sync: bool) -> torch.Tensor:
+    """One micro batch: forward, loss / grad_accum, backward; gradients are communicated only when `sync`."""
+    autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        sync_ctx = contextlib.nullcontext()
+    else:  # DDP
+        sync_ctx = contextlib.nullcontext() if sync else model.no_sync()
+    with sync_ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)) / cfg.grad_accum
+        loss.backward()
+    return loss.detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+               step: int, cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Optimizer step `step` (0-based) over cfg.grad_accum micro batches: (this rank's loss, gradient norm, lr)."""
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    step_loss = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        step_loss += forward_backward_step(model, x, y, cfg, device, sync=micro == cfg.grad_accum - 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm, lr
 
 
 def _init_weights(model: nn.Module, checkpoint_uri: str) -> None:
@@ -260,7 +268,6 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     torch.set_num_threads(cfg.threads_per_worker)
     rank, world, device = _setup_distributed(cfg)
     global_batch = check_global_batch(cfg, world)
-    hooks: Any = _RayHooks() if _inside_ray_train() else _LocalHooks(config["checkpoint_root"], cfg.keep_checkpoints)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards, DDP broadcasts)
     model = load_object(cfg.model_factory, "train.model_factory")(cfg)
@@ -272,113 +279,35 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     optimizer = build_optimizer(model, cfg, device)
     torch.manual_seed(cfg.seed + 1 + rank)  # dropout differs per rank; restored exactly on resume
 
-    start, position = 0, 0
-    with hooks.resume_candidates() as candidates:
-        found = ckpt.latest_complete(candidates)
-        # Every rank must resume from the same step: agree on the smallest newest-complete step.
-        agreed = torch.tensor([found[0] if found else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if int(agreed) > 0:
-            if found is None or found[0] != int(agreed):
-                found = ckpt.latest_complete(candidates, max_step=int(agreed))
-            if found is None or found[0] != int(agreed):
-                raise ckpt.CheckpointError(f"rank {rank}: no complete checkpoint of step {int(agreed)} to resume")
-            start, position = ckpt.load_checkpoint(found[1], model, optimizer, rank, world)
+    peak = cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS)
+    window = MetricsWindow(global_batch * cfg.seq_len, fpt, peak, world, device)
+    # The launcher-specific line: Ray Train's checkpoint store, or a directory torchrun's ranks share.
+    hooks = RayHooks() if inside_ray_train() else LocalHooks(config["checkpoint_root"], cfg.keep_checkpoints)
+    checkpointer = Checkpointer(hooks, model, optimizer, cfg, rank, world, device, report=window.summary)
+    start, position = checkpointer.restore()
 
     batches = data_stream(config["train_shards"], rank, world, cfg, start, position)
     logger = _MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
     nodes = placement.gather_nodes(device)  # lineage: the nodes that trained (an autoscaler may just have added them)
     if logger is not None:
         logger.record(*placement.placement_lineage(nodes))
-    peak = cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS)
-    autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32
-    save_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
-    pending: ckpt.AsyncSave | None = None
-    params = [p for p in model.parameters() if p.requires_grad]
-    tokens_per_step = global_batch * cfg.seq_len
-    window_t0, window_steps, run_t0, timed_steps = time.perf_counter(), 0, None, 0
-    loss_value = float("nan")
 
-    def summary(step: int) -> dict[str, float]:
-        elapsed = time.perf_counter() - run_t0 if run_t0 is not None else 0.0
-        tps = tokens_per_step * timed_steps / elapsed if timed_steps and elapsed > 0 else 0.0
-        return {"step": step, "loss": loss_value, "tokens_per_s": tps, "world_size": world}
-
-    def finish_pending() -> None:
-        nonlocal pending
-        if pending is not None:
-            pending.finish()
-            hooks.publish(str(pending.directory), pending.step, summary(pending.step), rank)
-            pending = None
-
+    window.start()
     for step in range(start, cfg.steps):
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        step_loss = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            x, y = next(batches)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            last = micro == cfg.grad_accum - 1
-            # Communicate gradients only on the last micro batch of the step.
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(last)
-                sync_ctx = contextlib.nullcontext()
-            else:
-                sync_ctx = contextlib.nullcontext() if last else model.no_sync()
-            with sync_ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)) / cfg.grad_accum
-                loss.backward()
-            step_loss += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_loss, grad_norm, lr = train_step(model, optimizer, batches, step, cfg, device)
         done = step + 1
-        window_steps += 1
-        if run_t0 is None:  # the first step pays for allocation and warm-up; time from its end
-            run_t0 = time.perf_counter()
-        else:
-            timed_steps += 1
-
-        if pending is not None:  # async save: publish once every rank's background write has finished
-            flag = torch.tensor([1.0 if pending.done() else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            if flag.item() == 1.0:
-                finish_pending()
-
+        window.step_done()
+        checkpointer.publish_finished()
         if done % cfg.log_every == 0 or done == cfg.steps:
-            dist.all_reduce(step_loss)  # SUM: gloo has no AVG
-            loss_value = step_loss.item() / world
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            elapsed = time.perf_counter() - window_t0
-            tps = tokens_per_step * window_steps / elapsed
-            metrics = {
-                "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                "step_time_s": elapsed / window_steps, "peak_memory_mb": peak_memory_mb(device),
-                "mfu": fpt * tps / (peak * 1e12 * world),
-            }
+            metrics = window.close(step_loss, grad_norm, lr)
             if logger is not None:
                 logger.log(metrics, done)
                 prom_metrics.export(metrics, done, config.get("run_id", ""))  # a no-op unless on Ray
-            window_t0, window_steps = time.perf_counter(), 0
-
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            finish_pending()
-            directory = hooks.new_dir(done, rank)
-            if device.type == "cuda" and done < cfg.steps:
-                pending = ckpt.AsyncSave.start(directory, model, optimizer, done, done * cfg.grad_accum, rank,
-                                               world, save_group, resumed_from=start,
-                                               threads=cfg.checkpoint_threads)
-            else:
-                ckpt.save_checkpoint(directory, model, optimizer, done, done * cfg.grad_accum, rank, world,
-                                     resumed_from=start, threads=cfg.checkpoint_threads)
-                hooks.publish(directory, done, summary(done), rank)
-    finish_pending()
+        checkpointer.save(done, last_step=done == cfg.steps)
+    checkpointer.close()
     if logger is not None:
         logger.close()
-    return summary(cfg.steps)
+    return window.summary(cfg.steps)
 
 
 def main(argv: list[str] | None = None) -> None:
