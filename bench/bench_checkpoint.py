@@ -7,6 +7,7 @@ of the same state, fsynced too. target >= 0.8x of torch.save + fsync.
 One process, world size 1 (gloo), FSDP2-sharded model + AdamW state after one step, on CPU.
 `demo` is configs/demo.toml's model (d_model 128, 4 layers); `1gb` a ~1 GB state (d_model 1024, 7 layers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,10 @@ def bench_size(name: str, repeat: int) -> None:
     def dcp_plain(tmp: str, threads: int) -> None:  # DCP's own writer: no hashing, no checksums, no manifest
         from torch.distributed.checkpoint import FileSystemWriter
 
-        dcp.save(ckpt.training_state(model, opt, 1, 1, 0, 1),
-                 storage_writer=FileSystemWriter(f"{tmp}/w", thread_count=threads, sync_files=True))
+        dcp.save(
+            ckpt.training_state(model, opt, 1, 1, 0, 1),
+            storage_writer=FileSystemWriter(f"{tmp}/w", thread_count=threads, sync_files=True),
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt.save_checkpoint(f"{tmp}/probe", model, opt, 1, 1, 0, 1)
@@ -74,13 +77,19 @@ def bench_size(name: str, repeat: int) -> None:
     print(f"[{name}] {'torch.save':40s} {ts:7.2f} {mb / ts:8.0f} {1.0:14.2f}")
     files = ckpt.files_per_rank(ckpt.training_state(model, opt, 1, 1, 0, 1), TrainConfig().checkpoint_threads)
     for threads in sorted({1, files}):
-        for label, fn in ((f"DCP plain, {threads} file(s)/rank", lambda d, n=threads: dcp_plain(d, n)),
-                          (f"DCP + checksums + manifest, {threads} file(s)", lambda d, n=threads:
-                           ckpt.save_checkpoint(f"{d}/c", model, opt, 1, 1, 0, 1, threads=n))):
+        for label, fn in (
+            (f"DCP plain, {threads} file(s)/rank", lambda d, n=threads: dcp_plain(d, n)),
+            (
+                f"DCP + checksums + manifest, {threads} file(s)",
+                lambda d, n=threads: ckpt.save_checkpoint(f"{d}/c", model, opt, 1, 1, 0, 1, threads=n),
+            ),
+        ):
             t = median(fn)
             print(f"[{name}] {label:40s} {t:7.2f} {mb / t:8.0f} {ts / t:14.2f}")
-    print(f"[{name}] the training loop writes {files} file(s) per rank for this state (train.checkpoint_threads = "
-          f"{TrainConfig().checkpoint_threads}, one file per {ckpt.FILE_BYTES >> 20} MB at most)")
+    print(
+        f"[{name}] the training loop writes {files} file(s) per rank for this state (train.checkpoint_threads = "
+        f"{TrainConfig().checkpoint_threads}, one file per {ckpt.FILE_BYTES >> 20} MB at most)"
+    )
 
 
 def main() -> None:

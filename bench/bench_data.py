@@ -7,6 +7,7 @@
 
     python bench/bench_data.py [--config configs/demo.toml] [--repeat 5] [--scale 4] [--train-tokens-per-s 2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,11 @@ def bench_writer(records: list[Record], cfg, where: Path, repeat: int, durable: 
         t_plain.append(_median_time(plain, where, repeat))
     t_shards_m, t_plain_m = statistics.median(t_shards), statistics.median(t_plain)
     mb = payload / 1e6
-    print(f"writer ({'fsync' if durable else 'page cache'}): {len(records)} records, {mb:.1f} MB; shards {mb / t_shards_m:.0f} MB/s "
-          f"(tar + .json metadata + sha256 of every shard), plain write {mb / t_plain_m:.0f} MB/s")
+    print(
+        f"writer ({'fsync' if durable else 'page cache'}): {len(records)} records, {mb:.1f} MB; "
+        f"shards {mb / t_shards_m:.0f} MB/s "
+        f"(tar + .json metadata + sha256 of every shard), plain write {mb / t_plain_m:.0f} MB/s"
+    )
     ratio = t_plain_m / t_shards_m
     print(f"WRITE RATIO ({'durable' if durable else 'cached'}) shards/plain = {ratio:.2f}x (target >= 0.5x)")
     return ratio
@@ -78,9 +82,11 @@ def bench_reader(shards, train_cfg, tokens_per_s: float, seconds: float) -> floa
     batch_tokens = train_cfg.micro_batch * train_cfg.seq_len
     mean_record = shards.total_bytes / max(1, shards.num_train + shards.num_val)
     need_batches = tokens_per_s / batch_tokens
-    print(f"training consumes {tokens_per_s:.0f} tokens/s per rank = {need_batches:.2f} micro batches/s "
-          f"(micro_batch={train_cfg.micro_batch}, seq_len={train_cfg.seq_len}) = "
-          f"{tokens_per_s / mean_record:.3f} records/s (mean record {mean_record / 1e3:.1f} kB)")
+    print(
+        f"training consumes {tokens_per_s:.0f} tokens/s per rank = {need_batches:.2f} micro batches/s "
+        f"(micro_batch={train_cfg.micro_batch}, seq_len={train_cfg.seq_len}) = "
+        f"{tokens_per_s / mean_record:.3f} records/s (mean record {mean_record / 1e3:.1f} kB)"
+    )
     ratios = []
     for workers in (0, 1):
         stream = train_batches(shards.train_shards, 0, world, train_cfg, 0, batches=10**9, num_workers=workers)
@@ -92,9 +98,11 @@ def bench_reader(shards, train_cfg, tokens_per_s: float, seconds: float) -> floa
                 break
         rate = n / (time.perf_counter() - start)
         ratios.append(rate / need_batches)
-        print(f"reader rank 0 of {world}, num_workers={workers}: {rate:.0f} micro batches/s = "
-              f"{rate * batch_tokens / 1e6:.2f} M tokens/s = {rate * batch_tokens / mean_record:.0f} records/s "
-              f"-> {ratios[-1]:.0f}x consumption")
+        print(
+            f"reader rank 0 of {world}, num_workers={workers}: {rate:.0f} micro batches/s = "
+            f"{rate * batch_tokens / 1e6:.2f} M tokens/s = {rate * batch_tokens / mean_record:.0f} records/s "
+            f"-> {ratios[-1]:.0f}x consumption"
+        )
     ratio = min(ratios)
     print(f"READ RATIO reader/consumption = {ratio:.0f}x (the slower of the two; target >= 10x)")
     return ratio

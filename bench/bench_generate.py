@@ -10,6 +10,7 @@ class (deployments.model_server.ModelServer) in-process, without Ray Serve. Prin
   256-byte texts (two full windows each) and 32-byte ones.
 Run: .venv/bin/python bench/bench_generate.py [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,17 +98,18 @@ def main() -> None:
     eight_streams, one_stream = 8 * 256 / t_eight, 256 / t_one
 
     # time to first token: head (the prompt's bits) and one byte, vs one forward over the same prompt
-    ttft_prompt = source[:cfg.seq_len // 2]
+    ttft_prompt = source[: cfg.seq_len // 2]
     first = {"max_tokens": 1, "temperature": 0.0}
     x = torch.tensor([list(ttft_prompt)])
     with torch.no_grad():
-        ttft, fwd_eager = _side_by_side(lambda: complete(batched, ttft_prompt, first), lambda: gpt(x), 30,
-                                        statistics.median)
+        ttft, fwd_eager = _side_by_side(
+            lambda: complete(batched, ttft_prompt, first), lambda: gpt(x), 30, statistics.median
+        )
         _, fwd_program = _side_by_side(lambda: None, lambda: program(x), 30, statistics.median)
 
     # /v1/score: 16 callers, each scoring 8 texts in turn; full windows (compute-bound on a CPU) and short texts
     def scoring(server, size: int) -> None:
-        texts = [source[i * size:(i + 1) * size] for i in range(16)]
+        texts = [source[i * size : (i + 1) * size] for i in range(16)]
 
         async def caller(i: int) -> None:
             for j in range(8):
@@ -121,19 +123,29 @@ def main() -> None:
         t_b, t_1 = _side_by_side(lambda n=size: scoring(batched, n), lambda n=size: scoring(single, n), args.repeats)
         rps[size] = (16 * 8 / t_b, 16 * 8 / t_1)
 
-    print(f"demo-size byte GPT (seq_len {cfg.seq_len}, {cfg.n_layer} layers, {cfg.n_head} heads, d_model "
-          f"{cfg.d_model}), untrained weights, torch threads {args.threads}, {os.cpu_count()} cores (load average "
-          f"{os.getloadavg()[0]:.1f}); pairs timed alternately, best of {args.repeats} (latencies: median of 30)")
-    print(f"256 bytes greedy from a 32-byte prompt: KV cache {t_kv * 1000:.0f} ms vs recompute {t_re * 1000:.0f} ms "
-          f"= {t_re / t_kv:.1f}x  (target >= 5x)")
-    print(f"decode bytes/s: 8 concurrent streams {eight_streams:.0f} vs 1 stream {one_stream:.0f} "
-          f"= {eight_streams / one_stream:.1f}x  (target >= 3x)")
-    print(f"time to first token, {len(ttft_prompt)}-byte prompt: {ttft * 1000:.2f} ms vs one forward over it "
-          f"{fwd_eager * 1000:.2f} ms eager ({ttft / fwd_eager:.2f}x, target <= 1.2x), "
-          f"{fwd_program * 1000:.2f} ms exported ({ttft / fwd_program:.2f}x)")
+    print(
+        f"demo-size byte GPT (seq_len {cfg.seq_len}, {cfg.n_layer} layers, {cfg.n_head} heads, d_model "
+        f"{cfg.d_model}), untrained weights, torch threads {args.threads}, {os.cpu_count()} cores (load average "
+        f"{os.getloadavg()[0]:.1f}); pairs timed alternately, best of {args.repeats} (latencies: median of 30)"
+    )
+    print(
+        f"256 bytes greedy from a 32-byte prompt: KV cache {t_kv * 1000:.0f} ms vs recompute {t_re * 1000:.0f} ms "
+        f"= {t_re / t_kv:.1f}x  (target >= 5x)"
+    )
+    print(
+        f"decode bytes/s: 8 concurrent streams {eight_streams:.0f} vs 1 stream {one_stream:.0f} "
+        f"= {eight_streams / one_stream:.1f}x  (target >= 3x)"
+    )
+    print(
+        f"time to first token, {len(ttft_prompt)}-byte prompt: {ttft * 1000:.2f} ms vs one forward over it "
+        f"{fwd_eager * 1000:.2f} ms eager ({ttft / fwd_eager:.2f}x, target <= 1.2x), "
+        f"{fwd_program * 1000:.2f} ms exported ({ttft / fwd_program:.2f}x)"
+    )
     for size, (b, one) in rps.items():
-        print(f"/v1/score, 16 concurrent callers, {size}-byte texts: batched {b:.0f}/s vs one at a time {one:.0f}/s "
-              f"= {b / one:.1f}x  (target >= 3x)")
+        print(
+            f"/v1/score, 16 concurrent callers, {size}-byte texts: batched {b:.0f}/s vs one at a time {one:.0f}/s "
+            f"= {b / one:.1f}x  (target >= 3x)"
+        )
     pending = asyncio.all_tasks(loop)  # serve.batch's queue task waits for more texts: stop it before closing
     for task in pending:
         task.cancel()

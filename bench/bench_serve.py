@@ -8,6 +8,7 @@ depend on what the weights learned) on a local Ray, all on 127.0.0.1, and prints
 - the same with a challenger at 100% whose every request the champion also scores (shadow_share 1) vs none (0).
 Run: .venv/bin/python bench/bench_serve.py [--seconds 10] [--requests 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,8 +121,15 @@ def main() -> None:
         rps_champion = _throughput(url, body, args.seconds, args.clients)
         shadowed = {}
         for share in (0.0, 1.0):
-            router = endpoint.router_config(cfg, name, v1, challenger=v2, challenger_percent=100, shadow_share=share,
-                                            lease_expires_at=time.time() + 3600)
+            router = endpoint.router_config(
+                cfg,
+                name,
+                v1,
+                challenger=v2,
+                challenger_percent=100,
+                shadow_share=share,
+                lease_expires_at=time.time() + 3600,
+            )
             endpoint.apply(endpoint.AppSpec(app_name=app, tracking_uri=uri, versions=[v1, v2], router=router), cfg)
             shadowed[share] = _throughput(url, body, args.seconds, args.clients)
     finally:
@@ -130,14 +138,20 @@ def main() -> None:
 
     p50r, p50d = statistics.median(via_router), statistics.median(direct)
     p95r, p95d = _pct(via_router, 0.95), _pct(direct, 0.95)
-    print(f"demo-size byte GPT, {len(text)}-byte /v1/score bodies, {os.cpu_count()} cores, {args.requests} sequential "
-          f"requests per latency figure, {args.clients} clients x {args.seconds:.0f} s per throughput figure")
-    print(f"latency p50: router {p50r:.2f} ms vs handle {p50d:.2f} ms: +{p50r - p50d:.2f} ms "
-          f"({p50r / p50d:.2f}x)  (target <= +2 ms)")
+    print(
+        f"demo-size byte GPT, {len(text)}-byte /v1/score bodies, {os.cpu_count()} cores, {args.requests} sequential "
+        f"requests per latency figure, {args.clients} clients x {args.seconds:.0f} s per throughput figure"
+    )
+    print(
+        f"latency p50: router {p50r:.2f} ms vs handle {p50d:.2f} ms: +{p50r - p50d:.2f} ms "
+        f"({p50r / p50d:.2f}x)  (target <= +2 ms)"
+    )
     print(f"latency p95: router {p95r:.2f} ms vs handle {p95d:.2f} ms: +{p95r - p95d:.2f} ms ({p95r / p95d:.2f}x)")
     print(f"requests/s held, champion alone: {rps_champion:.1f}")
-    print(f"requests/s, challenger at 100%: shadow_share=1 {shadowed[1.0]:.1f} vs shadow_share=0 {shadowed[0.0]:.1f} "
-          f"= {shadowed[1.0] / shadowed[0.0]:.2f}x (what pairing every request costs)")
+    print(
+        f"requests/s, challenger at 100%: shadow_share=1 {shadowed[1.0]:.1f} vs shadow_share=0 {shadowed[0.0]:.1f} "
+        f"= {shadowed[1.0] / shadowed[0.0]:.2f}x (what pairing every request costs)"
+    )
 
 
 if __name__ == "__main__":

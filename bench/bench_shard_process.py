@@ -8,6 +8,7 @@ parent run. Great Expectations is imported on a thread from the gate's start (tr
 
     python bench/bench_shard_process.py [--sizes 50,400] [--workers 1,2] [--repeat 2] [--where /tmp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,28 @@ def run_once(corpus: Path, where: Path, workers: int) -> tuple[float, float]:
     """(process seconds, stage seconds) of one `shardline shard` on a fresh home and output."""
     home = Path(tempfile.mkdtemp(prefix="home-", dir=where))
     out = Path(tempfile.mkdtemp(prefix="out-", dir=where))
-    env = {**os.environ, "SHARDLINE_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "RAY_USAGE_STATS_ENABLED": "0", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "SHARDLINE_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [str(Path(sys.executable).with_name("shardline")), "shard", "--json", "--set", f'data.source="{corpus}"',
-           "--set", f'data.output="{out}"', "--set", f"data.workers={workers}", "--set", "data.format=\"text\""]
+    cmd = [
+        str(Path(sys.executable).with_name("shardline")),
+        "shard",
+        "--json",
+        "--set",
+        f'data.source="{corpus}"',
+        "--set",
+        f'data.output="{out}"',
+        "--set",
+        f"data.workers={workers}",
+        "--set",
+        'data.format="text"',
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     seconds = time.perf_counter() - start
@@ -60,8 +78,11 @@ def main() -> None:
             for workers in [int(w) for w in args.workers.split(",")]:
                 runs = [run_once(corpus, where, workers) for _ in range(args.repeat)]
                 process, stage = min(runs)
-                print(f"{mb:>5} {workers:>7} {process:>10.2f} {stage:>8.2f} {process - stage:>8.2f} "
-                      f"{stage / process:>13.2f}", flush=True)
+                print(
+                    f"{mb:>5} {workers:>7} {process:>10.2f} {stage:>8.2f} {process - stage:>8.2f} "
+                    f"{stage / process:>13.2f}",
+                    flush=True,
+                )
             shutil.rmtree(corpus, ignore_errors=True)
     finally:
         shutil.rmtree(where, ignore_errors=True)

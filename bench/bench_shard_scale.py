@@ -2,10 +2,11 @@
 
 For each corpus size: the whole data stage (build_shards: read, check, split, write, sha256, GX gate, fsync of every
 shard, publish) in a child process, with its seconds, MB/s and peak resident memory (the largest process, from
-getrusage, and the whole process tree summed, sampled from /proc every 100 ms; the gate's one-off imports of Great Expectations
-and pandas are done before the clock starts and printed apart); beside it Python's `tarfile`
+getrusage, and the whole process tree summed, sampled from /proc every 100 ms; the gate's one-off imports of Great
+Expectations and pandas are done before the clock starts and printed apart); beside it Python's `tarfile`
 writing the same files into tar files of the same member count, fsyncing each, as the stage fsyncs each shard.
-At the largest size (where the serial parts, pool start and gate, weigh least), the stage with 1 worker and with 2 (--repeat runs each, interleaved, fastest kept).
+At the largest size (where the serial parts, pool start and gate, weigh least), the stage with 1 worker and with 2
+(--repeat runs each, interleaved, fastest kept).
 
 Targets: time(largest)/time(smallest) <= 1.1 x the size ratio; peak tree RSS at the largest <= 1.2 x at the
 smallest; stage MB/s >= 0.5 x tarfile MB/s; 2 workers >= 1.7 x 1 worker. With automatic workers (--workers 0,
@@ -18,6 +19,7 @@ are deleted afterwards.
 
     python bench/bench_shard_scale.py [--sizes 50,500,2000] [--where /tmp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +57,11 @@ print(json.dumps({{"seconds": seconds, "imports": imports, "digest": shards.data
 def make_corpus(root: Path, megabytes: int) -> int:
     """Copies of the stdlib's top-level .py files under root/copy-NNNNN/, perturbed per copy; returns bytes."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(p.name, p.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True))
-             for p in sorted(stdlib.iterdir()) if p.is_file() and p.name.endswith(".py")]
+    texts = [
+        (p.name, p.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True))
+        for p in sorted(stdlib.iterdir())
+        if p.is_file() and p.name.endswith(".py")
+    ]
     texts = [(name, lines) for name, lines in texts if lines]
     total, copy = 0, 0
     while total < megabytes * 1_000_000:
@@ -119,7 +124,7 @@ def run_tar(corpus: Path, out: Path, per_tar: int) -> tuple[float, int]:
         path = out / f"{n // per_tar:06d}.tar"
         with open(path, "wb") as fh:
             with tarfile.open(fileobj=fh, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-                for f in files[n:n + per_tar]:
+                for f in files[n : n + per_tar]:
                     tar.add(f, arcname=str(f.relative_to(corpus)))
             fh.flush()
             os.fsync(fh.fileno())
@@ -159,14 +164,20 @@ def main() -> None:
             if mb == sizes[0] and args.workers == 0:  # automatic workers write a small corpus in one process
                 pooled = run_stage(corpus, Path(tmp) / "out", cores)
                 rows[mb]["pooled_tree_kb"] = pooled["tree_kb"]
-                print(f"  with data.workers={cores} (the processes of the largest size): {pooled['seconds']:.2f} s, "
-                      f"peak RSS {pooled['tree_kb'] / 1024:.0f} MB tree", flush=True)
-            print(f"  stage ({stage['chunks']} chunks): {stage['seconds']:.1f} s = {size / 1e6 / stage['seconds']:.1f} "
-                  f"MB/s, peak RSS {stage['tree_kb'] / 1024:.0f} MB tree / "
-                  f"{max(stage['self_kb'], stage['children_kb']) / 1024:.0f} MB largest process "
-                  f"(+{stage['imports']:.1f} s imports before the clock); tarfile "
-                  f"{tar_s:.1f} s = {size / 1e6 / tar_s:.1f} MB/s -> {tar_s / stage['seconds']:.2f}x tar; rerun with "
-                  f"the listing unchanged {rerun['seconds']:.2f} s ({rerun['chunks']} chunks read)", flush=True)
+                print(
+                    f"  with data.workers={cores} (the processes of the largest size): {pooled['seconds']:.2f} s, "
+                    f"peak RSS {pooled['tree_kb'] / 1024:.0f} MB tree",
+                    flush=True,
+                )
+            print(
+                f"  stage ({stage['chunks']} chunks): {stage['seconds']:.1f} s = {size / 1e6 / stage['seconds']:.1f} "
+                f"MB/s, peak RSS {stage['tree_kb'] / 1024:.0f} MB tree / "
+                f"{max(stage['self_kb'], stage['children_kb']) / 1024:.0f} MB largest process "
+                f"(+{stage['imports']:.1f} s imports before the clock); tarfile "
+                f"{tar_s:.1f} s = {size / 1e6 / tar_s:.1f} MB/s -> {tar_s / stage['seconds']:.2f}x tar; rerun with "
+                f"the listing unchanged {rerun['seconds']:.2f} s ({rerun['chunks']} chunks read)",
+                flush=True,
+            )
             if mb == sizes[-1]:
                 runs: dict[int, list[dict]] = {1: [], 2: []}
                 for _ in range(args.repeat):  # interleaved; the fastest of each is the least disturbed
@@ -174,9 +185,11 @@ def main() -> None:
                         runs[workers].append(run_stage(corpus, Path(tmp) / "out", workers))
                 one, two = (min(runs[w], key=lambda r: r["seconds"]) for w in (1, 2))
                 rows["workers"] = (one, two)
-                print(f"  1 worker {one['seconds']:.1f} s, 2 workers {two['seconds']:.1f} s -> "
-                      f"{one['seconds'] / two['seconds']:.2f}x (same digest: {one['digest'] == two['digest']})",
-                      flush=True)
+                print(
+                    f"  1 worker {one['seconds']:.1f} s, 2 workers {two['seconds']:.1f} s -> "
+                    f"{one['seconds'] / two['seconds']:.2f}x (same digest: {one['digest'] == two['digest']})",
+                    flush=True,
+                )
             shutil.rmtree(corpus)
     small, large = rows[sizes[0]], rows[sizes[-1]]
     size_ratio = large["bytes"] / small["bytes"]
@@ -186,17 +199,25 @@ def main() -> None:
     tar_ratio = large["tar_s"] / large["seconds"]
     tar_worst = min(rows[mb]["tar_s"] / rows[mb]["seconds"] for mb in sizes)
     one, two = rows["workers"]
-    print(f"TIME RATIO {sizes[-1]}/{sizes[0]} MB = {time_ratio:.1f} for size ratio {size_ratio:.1f}: "
-          f"{time_ratio / size_ratio:.2f}x the size ratio (target <= 1.1)")
+    print(
+        f"TIME RATIO {sizes[-1]}/{sizes[0]} MB = {time_ratio:.1f} for size ratio {size_ratio:.1f}: "
+        f"{time_ratio / size_ratio:.2f}x the size ratio (target <= 1.1)"
+    )
     print(f"RSS RATIO {sizes[-1]}/{sizes[0]} MB = {rss_ratio:.2f} (process tree; target <= 1.2)")
     if "pooled_tree_kb" in small:
-        print(f"RSS RATIO {sizes[-1]}/{sizes[0]} MB with the same processes ({cores} workers at both) = "
-              f"{large['tree_kb'] / small['pooled_tree_kb']:.2f}; largest process {rss_largest:.2f} "
-              f"(at {sizes[0]} MB the automatic workers wrote it in one process)")
-    print(f"TAR RATIO stage/tarfile throughput = {tar_ratio:.2f}x at {sizes[-1]} MB, {tar_worst:.2f}x at worst "
-          "(target >= 0.5)")
-    print(f"RERUN (listing unchanged) at {sizes[-1]} MB: {large['rerun_s']:.2f} s vs {large['seconds']:.1f} s "
-          "to build (the corpus is not read; the set is verified by sha256)")
+        print(
+            f"RSS RATIO {sizes[-1]}/{sizes[0]} MB with the same processes ({cores} workers at both) = "
+            f"{large['tree_kb'] / small['pooled_tree_kb']:.2f}; largest process {rss_largest:.2f} "
+            f"(at {sizes[0]} MB the automatic workers wrote it in one process)"
+        )
+    print(
+        f"TAR RATIO stage/tarfile throughput = {tar_ratio:.2f}x at {sizes[-1]} MB, {tar_worst:.2f}x at worst "
+        "(target >= 0.5)"
+    )
+    print(
+        f"RERUN (listing unchanged) at {sizes[-1]} MB: {large['rerun_s']:.2f} s vs {large['seconds']:.1f} s "
+        "to build (the corpus is not read; the set is verified by sha256)"
+    )
     print(f"WORKERS RATIO 2/1 = {one['seconds'] / two['seconds']:.2f}x (target >= 1.7)")
 
 

@@ -9,6 +9,7 @@
 
 Tokens/s is measured inside train_func (after its first step), identically under every launcher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,23 @@ def shards(config_path: str, home: Path) -> list[str]:
 
 def torchrun(cfg: TrainConfig, train: list[str], workdir: Path, nproc: int) -> tuple[dict, float]:
     spec = workdir / f"torchrun-{nproc}-{cfg.steps}.json"
-    spec.write_text(json.dumps({"train": cfg.model_dump(), "train_shards": train,
-                                "checkpoint_root": str(workdir / f"ckpt-{nproc}-{cfg.steps}")}))
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "training.loop", str(spec)]
+    spec.write_text(
+        json.dumps(
+            {
+                "train": cfg.model_dump(),
+                "train_shards": train,
+                "checkpoint_root": str(workdir / f"ckpt-{nproc}-{cfg.steps}"),
+            }
+        )
+    )
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "training.loop",
+        str(spec),
+    ]
     t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1]), time.perf_counter() - t
@@ -48,11 +62,25 @@ def torchrun(cfg: TrainConfig, train: list[str], workdir: Path, nproc: int) -> t
 
 def single(cfg: TrainConfig, train: list[str], workdir: Path) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", "import json,sys; from training.loop import train_func; "
-         "print(json.dumps(train_func(json.loads(sys.argv[1]))))",
-         json.dumps({"train": cfg.model_copy(update={"workers": 1}).model_dump(), "train_shards": train,
-                     "checkpoint_root": str(workdir / f"single-{cfg.steps}")})],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-c",
+            "import json,sys; from training.loop import train_func; "
+            "print(json.dumps(train_func(json.loads(sys.argv[1]))))",
+            json.dumps(
+                {
+                    "train": cfg.model_copy(update={"workers": 1}).model_dump(),
+                    "train_shards": train,
+                    "checkpoint_root": str(workdir / f"single-{cfg.steps}"),
+                }
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -70,8 +98,17 @@ def pipeline_stage(cfg: TrainConfig, train: list[str], workdir: Path, name: str)
     uri = f"sqlite:///{workdir / 'mlflow.db'}"
     exp = setup_tracking(uri, "bench")
     run_id = mlflow.MlflowClient(uri).create_run(exp).info.run_id
-    shard_set = ShardSet(dataset_digest="0" * 32, uri=str(workdir), manifest_uri="", train_shards=train,
-                         val_shards=[], num_train=len(train), num_val=0, total_bytes=0, cache_hit=False)
+    shard_set = ShardSet(
+        dataset_digest="0" * 32,
+        uri=str(workdir),
+        manifest_uri="",
+        train_shards=train,
+        val_shards=[],
+        num_train=len(train),
+        num_val=0,
+        total_bytes=0,
+        cache_hit=False,
+    )
     result = run_training(cfg, shard_set, uri, run_id, name)
     ray.shutdown()
     return time.perf_counter() - t, result.tokens_per_s
@@ -103,23 +140,33 @@ def main() -> None:
         one = single(cfg, train, work)
         best = {k: (max(t for t, _ in v), min(w for _, w in v)) for k, v in runs.items()}
         (ray_tps, ray_wall), (tr_tps, tr_wall) = best["ray"], best["torchrun"]
-        print(f"config {args.config}: {cfg.workers} workers, {cfg.steps} steps, d_model {cfg.d_model}, "
-              f"{cfg.n_layer} layers, seq_len {cfg.seq_len}, micro_batch {cfg.micro_batch}; best of {args.repeat}")
+        print(
+            f"config {args.config}: {cfg.workers} workers, {cfg.steps} steps, d_model {cfg.d_model}, "
+            f"{cfg.n_layer} layers, seq_len {cfg.seq_len}, micro_batch {cfg.micro_batch}; best of {args.repeat}"
+        )
         print(f"{'':28s} {'tokens/s':>10s} {'wall s':>8s}   all runs (tokens/s, wall s)")
         print(f"{'Ray Train + FSDP2':28s} {ray_tps:10.0f} {ray_wall:8.1f}   {runs['ray']}")
         print(f"{'torchrun + FSDP2':28s} {tr_tps:10.0f} {tr_wall:8.1f}   {runs['torchrun']}")
         print(f"{'one process':28s} {one['tokens_per_s']:10.0f}")
-        print(f"tokens/s  Ray/torchrun = {ray_tps / tr_tps:.3f} (target >= 0.97); "
-              f"Ray/one process = {ray_tps / one['tokens_per_s']:.2f}")
-        print(f"wall      pipeline stage - torchrun = {ray_wall - tr_wall:+.1f} s (target <= 30 s); "
-              f"ratio {ray_wall / tr_wall:.2f}", flush=True)
+        print(
+            f"tokens/s  Ray/torchrun = {ray_tps / tr_tps:.3f} (target >= 0.97); "
+            f"Ray/one process = {ray_tps / one['tokens_per_s']:.2f}"
+        )
+        print(
+            f"wall      pipeline stage - torchrun = {ray_wall - tr_wall:+.1f} s (target <= 30 s); "
+            f"ratio {ray_wall / tr_wall:.2f}",
+            flush=True,
+        )
         if not args.skip_long:
-            long_cfg = cfg.model_copy(update={"steps": args.long_steps,
-                                              "checkpoint_every": max(cfg.checkpoint_every, args.long_steps // 10)})
+            long_cfg = cfg.model_copy(
+                update={"steps": args.long_steps, "checkpoint_every": max(cfg.checkpoint_every, args.long_steps // 10)}
+            )
             _, tr_long = torchrun(long_cfg, train, work, cfg.workers)
             ray_long, _ = pipeline_stage(long_cfg, train, work, "bench-long")
-            print(f"wall at {args.long_steps} steps: pipeline stage {ray_long:.1f} s, torchrun {tr_long:.1f} s, "
-                  f"ratio {ray_long / tr_long:.3f} (target <= 1.15)")
+            print(
+                f"wall at {args.long_steps} steps: pipeline stage {ray_long:.1f} s, torchrun {tr_long:.1f} s, "
+                f"ratio {ray_long / tr_long:.3f} (target <= 1.15)"
+            )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Uses shardline's own model, FSDP2 transforms, optimizer, schedule and DCP checkp
 single-process group). Batches are random bytes already on the device: this measures the model step, not I/O.
 MFU = flops_per_token x tokens/s / peak (989 TFLOP/s dense bf16 on H100/H200 SXM unless --peak-tflops).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,11 +77,17 @@ def checkpoint_timings(model, optimizer, step, sync, gpu: bool) -> dict:
             out[f"async{i}_total_s"] = round(time.perf_counter() - t, 2)
             ckpt.verify_checkpoint(f"{tmp}/async{i}")
     best = min(out[f"dcp_save_s_threads{n}"] for n in (1, 4, 8))
-    out.update({"checkpoint_mb": round(size_mb), "torch_save_s_no_fsync": round(t_nosync, 2),
-                "torch_save_s_fsync": round(torch_save_s, 2), "torch_save_mb_s_fsync": round(size_mb / torch_save_s),
-                "dcp_save_mb_s_threads8": round(size_mb / out["dcp_save_s_threads8"]),
-                "dcp_vs_torch_save_fsync_threads8": round(torch_save_s / out["dcp_save_s_threads8"], 2),
-                "dcp_vs_torch_save_fsync_best": round(torch_save_s / best, 2)})
+    out.update(
+        {
+            "checkpoint_mb": round(size_mb),
+            "torch_save_s_no_fsync": round(t_nosync, 2),
+            "torch_save_s_fsync": round(torch_save_s, 2),
+            "torch_save_mb_s_fsync": round(size_mb / torch_save_s),
+            "dcp_save_mb_s_threads8": round(size_mb / out["dcp_save_s_threads8"]),
+            "dcp_vs_torch_save_fsync_threads8": round(torch_save_s / out["dcp_save_s_threads8"], 2),
+            "dcp_vs_torch_save_fsync_best": round(torch_save_s / best, 2),
+        }
+    )
     return out
 
 
@@ -91,11 +98,22 @@ def main() -> None:
     if gpu:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-    size = (dict(seq_len=64, n_layer=2, n_head=2, d_model=64) if args.tiny
-            else dict(seq_len=1024, n_layer=24, n_head=16, d_model=1024))  # 12 * 24 * 1024^2 = 302M in blocks
-    cfg = TrainConfig(workers=1, steps=1000, warmup_steps=10, micro_batch=args.micro_batch or (2 if args.tiny else 32),
-                      use_gpu=gpu, mixed_precision="bf16" if gpu else "fp32", activation_checkpointing=args.ac,
-                      reshard_after_forward=False, **size)
+    size = (
+        dict(seq_len=64, n_layer=2, n_head=2, d_model=64)
+        if args.tiny
+        else dict(seq_len=1024, n_layer=24, n_head=16, d_model=1024)
+    )  # 12 * 24 * 1024^2 = 302M in blocks
+    cfg = TrainConfig(
+        workers=1,
+        steps=1000,
+        warmup_steps=10,
+        micro_batch=args.micro_batch or (2 if args.tiny else 32),
+        use_gpu=gpu,
+        mixed_precision="bf16" if gpu else "fp32",
+        activation_checkpointing=args.ac,
+        reshard_after_forward=False,
+        **size,
+    )
     steps, warmup = args.steps or (3 if args.tiny else 30), args.warmup or (1 if args.tiny else 5)
 
     dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -140,7 +158,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "torch": torch.__version__,
         "params_M": round(n_params / 1e6, 1),
-        "seq_len": cfg.seq_len, "micro_batch": cfg.micro_batch, "compile": args.compile, "ac": args.ac,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.micro_batch,
+        "compile": args.compile,
+        "ac": args.ac,
         "warmup_s": round(warm_s, 2),
         "step_ms": round(1000 * elapsed / steps, 1),
         "tokens_per_s": round(tps),

@@ -8,6 +8,7 @@ on GPU: published once every rank's background write is done), verifies every ke
 config again (must resume at step 40 and train nothing) and evaluates the last checkpoint on CPU without a
 process group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from train_support import make_shards  # noqa: E402
+
 from training import checkpoint as ckpt  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.evaluate import bits_per_byte  # noqa: E402
@@ -39,8 +40,20 @@ def main() -> None:
     gpu = torch.cuda.is_available() and not args.cpu
     with tempfile.TemporaryDirectory() as tmp:
         train, val = make_shards(Path(tmp) / "shards")
-        cfg = TrainConfig(workers=1, steps=40, checkpoint_every=10, keep_checkpoints=4, log_every=10, seq_len=128,
-                          n_layer=4, n_head=4, d_model=256, micro_batch=16, warmup_steps=5, use_gpu=gpu)
+        cfg = TrainConfig(
+            workers=1,
+            steps=40,
+            checkpoint_every=10,
+            keep_checkpoints=4,
+            log_every=10,
+            seq_len=128,
+            n_layer=4,
+            n_head=4,
+            d_model=256,
+            micro_batch=16,
+            warmup_steps=5,
+            use_gpu=gpu,
+        )
         config = {"train": cfg.model_dump(), "train_shards": train, "checkpoint_root": f"{tmp}/ckpt"}
         t = time.perf_counter()
         first = train_func(config)
@@ -56,9 +69,11 @@ def main() -> None:
         bpb = bits_per_byte(plain, (t for _, t in iter_texts(val)), cfg.seq_len)
     out = {
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
-        "first_run": first, "first_run_s": round(first_s, 1),
+        "first_run": first,
+        "first_run_s": round(first_s, 1),
         "checkpoints": [(i.step, i.world_size, i.total_bytes) for i in infos],
-        "resumed_run": again, "val_bits_per_byte": round(bpb, 3),
+        "resumed_run": again,
+        "val_bits_per_byte": round(bpb, 3),
     }
     print(json.dumps(out))
     assert [i.step for i in infos] == [10, 20, 30, 40], infos

@@ -1,4 +1,5 @@
 """Run every bench/bench_*.py in turn (`make bench`); each prints its own ratios. Not a test: nothing asserts."""
+
 from __future__ import annotations
 
 import subprocess

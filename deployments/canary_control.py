@@ -18,6 +18,7 @@ The `challenger` alias names the version under canary (the driver sets it when i
 decided). Each command is also logged as an artifact `canary_commands/*.json` on the canary stage's MLflow run,
 found by its `shardline.canary_id` tag, and the driver lists the commands it acted on in the decision artifact.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -74,17 +75,42 @@ def status_of(model: str, aliases: dict[str, str], state: dict[str, Any] | None,
     base = CanaryStatus(model=model, state="none", champion_version=champion, challenger_version=None)
     if challenger is None or not state:
         return base
-    alive = state.get("state") in ("running", "paused", "awaiting-approval") and \
-        float(state.get("lease_expires_at") or 0) + float(state.get("lease_s") or 0) > now
-    fields = {k: state.get(k) for k in ("step", "steps", "mode", "approval", "canary_id", "updated_at",
-                                        "lease_expires_at", "approval_deadline", "ack")}
+    alive = (
+        state.get("state") in ("running", "paused", "awaiting-approval")
+        and float(state.get("lease_expires_at") or 0) + float(state.get("lease_s") or 0) > now
+    )
+    fields = {
+        k: state.get(k)
+        for k in (
+            "step",
+            "steps",
+            "mode",
+            "approval",
+            "canary_id",
+            "updated_at",
+            "lease_expires_at",
+            "approval_deadline",
+            "ack",
+        )
+    }
     if not alive:  # decided, or its driver died (then the router went back to the champion when the lease ran out)
-        return base.model_copy(update={"challenger_version": challenger, "canary_id": state.get("canary_id"),
-                                       "last_verdict": state.get("verdict") or "abandoned",
-                                       "last_reason": state.get("reason") or "the driver stopped renewing its lease"})
-    return base.model_copy(update={"state": state["state"], "challenger_version": challenger,
-                                   "percent": int(state.get("percent") or 0), "attempt": int(state.get("attempt") or 0),
-                                   **fields})
+        return base.model_copy(
+            update={
+                "challenger_version": challenger,
+                "canary_id": state.get("canary_id"),
+                "last_verdict": state.get("verdict") or "abandoned",
+                "last_reason": state.get("reason") or "the driver stopped renewing its lease",
+            }
+        )
+    return base.model_copy(
+        update={
+            "state": state["state"],
+            "challenger_version": challenger,
+            "percent": int(state.get("percent") or 0),
+            "attempt": int(state.get("attempt") or 0),
+            **fields,
+        }
+    )
 
 
 def read_state(client: Any, name: str, version: str) -> dict[str, Any] | None:
@@ -110,8 +136,9 @@ def read_command(client: Any, name: str, version: str) -> OperatorCommand | None
     return OperatorCommand.model_validate_json(raw) if raw else None
 
 
-def send_command(client: Any, name: str, action: str, reason: str = "", user: str = "",
-                 wait_s: float = 30.0) -> tuple[OperatorCommand, CanaryStatus]:
+def send_command(
+    client: Any, name: str, action: str, reason: str = "", user: str = "", wait_s: float = 30.0
+) -> tuple[OperatorCommand, CanaryStatus]:
     """Give `action` to `name`'s running canary; returns the command and the status once the driver acted on it
     (for promote and abort: once the decision was applied, or `wait_s` passed).
 
@@ -124,8 +151,14 @@ def send_command(client: Any, name: str, action: str, reason: str = "", user: st
     if error:
         raise CommandRefused(error)
     assert status.challenger_version is not None and status.canary_id is not None
-    command = OperatorCommand(id=uuid.uuid4().hex, canary_id=status.canary_id, action=action,
-                              user=user or current_user(), reason=reason, at=time.time())
+    command = OperatorCommand(
+        id=uuid.uuid4().hex,
+        canary_id=status.canary_id,
+        action=action,
+        user=user or current_user(),
+        reason=reason,
+        at=time.time(),
+    )
     version = status.challenger_version
     client.set_model_version_tag(name, version, TAG_CANARY_COMMAND, command.model_dump_json())
     record_command(client, command)
@@ -137,17 +170,22 @@ def send_command(client: Any, name: str, action: str, reason: str = "", user: st
             return command, status_of(name, read_aliases(client, name), state, time.time())
         if time.monotonic() > deadline:
             what = "acted on" if not acted else "finished applying"
-            raise CommandRefused(f"{action} was written for canary {command.canary_id} of {name} v{version}, but the "
-                                 f"driver has not {what} it within {wait_s:g} s; `shardline canary status` shows "
-                                 "when it does")
+            raise CommandRefused(
+                f"{action} was written for canary {command.canary_id} of {name} v{version}, but the "
+                f"driver has not {what} it within {wait_s:g} s; `shardline canary status` shows "
+                "when it does"
+            )
         time.sleep(0.5)
 
 
 def canary_run_id(client: Any, canary_id: str) -> str | None:
     """The MLflow run of the canary stage that ran canary `canary_id` (its `shardline.canary_id` tag)."""
     experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiments, filter_string=f"tags.`{TAG_CANARY_ID}` = '{canary_id}'", max_results=1) \
-        if experiments else []
+    runs = (
+        client.search_runs(experiments, filter_string=f"tags.`{TAG_CANARY_ID}` = '{canary_id}'", max_results=1)
+        if experiments
+        else []
+    )
     return runs[0].info.run_id if runs else None
 
 
@@ -156,10 +194,14 @@ def record_command(client: Any, command: OperatorCommand) -> str | None:
     run_id = canary_run_id(client, command.canary_id)
     if run_id is not None:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(command.at))
-        client.log_dict(run_id, command.model_dump(mode="json"),
-                        f"canary_commands/{stamp}-{command.action}-{command.id[:8]}.json")
-        client.set_tag(run_id, "shardline.canary_last_command",
-                       f"{command.action} by {command.user} at {stamp}Z: {command.reason}"[:5000])
+        client.log_dict(
+            run_id, command.model_dump(mode="json"), f"canary_commands/{stamp}-{command.action}-{command.id[:8]}.json"
+        )
+        client.set_tag(
+            run_id,
+            "shardline.canary_last_command",
+            f"{command.action} by {command.user} at {stamp}Z: {command.reason}"[:5000],
+        )
     return run_id
 
 
@@ -183,12 +225,21 @@ class DriverControl:
 
     def publish(self, percent: int, epoch_lease: float, attempt: int = 0, **final: Any) -> None:
         steps = self.cfg.steps
-        state = {"canary_id": self.canary_id, "state": final.pop("state", self.state), "percent": percent,
-                 "step": steps.index(percent) + 1 if percent in steps else 0, "steps": len(steps),
-                 "attempt": attempt, "mode": self.cfg.mode, "approval": self.cfg.approval,
-                 "lease_expires_at": epoch_lease, "lease_s": self.cfg.lease_s,
-                 "approval_deadline": self.approval_deadline,
-                 "ack": self.applied[-1].id if self.applied else None, **final}
+        state = {
+            "canary_id": self.canary_id,
+            "state": final.pop("state", self.state),
+            "percent": percent,
+            "step": steps.index(percent) + 1 if percent in steps else 0,
+            "steps": len(steps),
+            "attempt": attempt,
+            "mode": self.cfg.mode,
+            "approval": self.cfg.approval,
+            "lease_expires_at": epoch_lease,
+            "lease_s": self.cfg.lease_s,
+            "approval_deadline": self.approval_deadline,
+            "ack": self.applied[-1].id if self.applied else None,
+            **final,
+        }
         try:
             publish_state(self.client, self.name, self.version, state)
         except Exception as e:  # noqa: BLE001 - status goes stale for a moment; the lease is what the router obeys
@@ -204,8 +255,13 @@ class DriverControl:
             return None
         self.seen.add(command.id)
         if command.canary_id != self.canary_id:
-            log.warning("ignoring %s by %s: it was given to canary %s, this is %s", command.action, command.user,
-                        command.canary_id, self.canary_id)
+            log.warning(
+                "ignoring %s by %s: it was given to canary %s, this is %s",
+                command.action,
+                command.user,
+                command.canary_id,
+                self.canary_id,
+            )
             return None
         error = command_error(self.state, command.action, self.name)
         if error:
@@ -213,8 +269,14 @@ class DriverControl:
             return None
         command = command.model_copy(update={"applied_at": time.time(), "percent": percent, "state": self.state})
         self.applied.append(command)
-        log.info("operator %s by %s at %d%% (%s): %s", command.action, command.user, percent, self.state,
-                 command.reason or "no reason given")
+        log.info(
+            "operator %s by %s at %d%% (%s): %s",
+            command.action,
+            command.user,
+            percent,
+            self.state,
+            command.reason or "no reason given",
+        )
         if command.action == "pause":
             self.state = "paused"
         elif command.action == "resume":

@@ -1,4 +1,5 @@
 """Configuration of model registration and of the canary rollout."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -27,14 +28,21 @@ class Autoscaling(BaseModel):
     min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle deployment scale to zero).")
     max_replicas: int = Field(4, ge=1, description="Most replicas.")
     target_ongoing_requests: float = Field(
-        2.0, gt=0, description="Requests in flight per replica that autoscaling aims for.",
+        2.0,
+        gt=0,
+        description="Requests in flight per replica that autoscaling aims for.",
     )
 
     def serve_options(self) -> dict:
         if self.max_replicas < max(1, self.min_replicas):
             raise ValueError(f"autoscaling: max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
-        return {"autoscaling_config": {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                                       "target_ongoing_requests": self.target_ongoing_requests}}
+        return {
+            "autoscaling_config": {
+                "min_replicas": self.min_replicas,
+                "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests,
+            }
+        }
 
 
 class ServeConfig(BaseModel):
@@ -44,49 +52,64 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
-        True, description="The pipeline's last stage keeps the live endpoint serving the champion. false: the run "
+        True,
+        description="The pipeline's last stage keeps the live endpoint serving the champion. false: the run "
         "ends at the registry and starts or changes no endpoint (the model is served elsewhere); "
         "canary.enabled must then be false.",
     )
-    host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds to; 127.0.0.1 unless you mean otherwise.")
+    host: str = Field(
+        "127.0.0.1", description="Address Ray Serve's HTTP proxy binds to; 127.0.0.1 unless you mean otherwise."
+    )
     port: int = Field(8000, ge=0, le=65535, description="Port of Ray Serve's HTTP proxy (one per cluster).")
     public_url: str = Field(
-        "", description="URL clients (and the canary's probe traffic) use when it differs from http://host:port, "
+        "",
+        description="URL clients (and the canary's probe traffic) use when it differs from http://host:port, "
         "e.g. a remote cluster's load balancer.",
     )
     route_prefix: str = Field(
-        "/", description="Route prefix of the stack's gateway, which serves every model ('/' serves /v1/...).",
+        "/",
+        description="Route prefix of the stack's gateway, which serves every model ('/' serves /v1/...).",
     )
     default_model: str = Field(
-        "", description="Model a request naming none goes to; empty: the only model served (several: a 400).",
+        "",
+        description="Model a request naming none goes to; empty: the only model served (several: a 400).",
     )
     app_name: str = Field(
-        "", description="Serve application of this model (behind the gateway); empty derives "
+        "",
+        description="Serve application of this model (behind the gateway); empty derives "
         "'shardline-<registry.model_name>'. A name not starting with 'shardline-' is refused.",
     )
     gateway_replicas: int = Field(1, ge=1, description="Replicas of the gateway (the HTTP ingress of every model).")
     max_queued_requests: int = Field(
-        512, ge=1, description="Requests the gateway queues beyond those in flight; more get a fast 503.",
+        512,
+        ge=1,
+        description="Requests the gateway queues beyond those in flight; more get a fast 503.",
     )
     max_request_bytes: int = Field(
         65536, ge=256, description="Largest request body accepted; bigger ones get 413 before the body is read."
     )
     body_timeout_s: float = Field(
-        10.0, gt=0, description="A request body not received whole within this gets 408 (a trickling client).",
+        10.0,
+        gt=0,
+        description="A request body not received whole within this gets 408 (a trickling client).",
     )
     max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
     max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
     replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per replica (router and models).")
     model_replicas: int = Field(1, ge=1, description="Replicas per served model version (without autoscaling).")
     router_replicas: int = Field(
-        1, ge=1, description="Replicas of each model's router (without router_autoscaling); every replica adds to "
+        1,
+        ge=1,
+        description="Replicas of each model's router (without router_autoscaling); every replica adds to "
         "the same canary evidence.",
     )
     autoscaling: Autoscaling | None = Field(
-        None, description="Autoscale each served version's deployment (replaces model_replicas).",
+        None,
+        description="Autoscale each served version's deployment (replaces model_replicas).",
     )
     router_autoscaling: Autoscaling | None = Field(
-        None, description="Autoscale each model's router (replaces router_replicas).",
+        None,
+        description="Autoscale each model's router (replaces router_replicas).",
     )
     model_threads: int = Field(1, ge=1, description="torch intra-op threads per model replica.")
     auth_token_env: str = Field(
@@ -102,8 +125,10 @@ class ServeConfig(BaseModel):
     @classmethod
     def _shardline_app_name(cls, name: str) -> str:
         if name and not name.startswith("shardline-"):
-            raise ValueError(f"serve.app_name must start with 'shardline-' (the gateway serves only shardline's "
-                             f"applications), got {name!r}")
+            raise ValueError(
+                f"serve.app_name must start with 'shardline-' (the gateway serves only shardline's "
+                f"applications), got {name!r}"
+            )
         return name
 
     @field_validator("route_prefix")
@@ -121,13 +146,15 @@ class PromQLGate(BaseModel):
 
     name: str = Field(min_length=1, description="Names the gate in reasons, logs and metrics (step<p>.promql.<name>).")
     query: str = Field(
-        min_length=1, description="PromQL instant query returning one sample; $model, $champion and $challenger "
+        min_length=1,
+        description="PromQL instant query returning one sample; $model, $champion and $challenger "
         "are replaced by the model's name and the two versions.",
     )
     max: float | None = Field(None, description="The step fails when the value is above this.")
     min: float | None = Field(None, description="The step fails when the value is below this.")
     critical: bool = Field(
-        True, description="true: a breach fails the step (no sample: inconclusive). false: report-only, logged "
+        True,
+        description="true: a breach fails the step (no sample: inconclusive). false: report-only, logged "
         "with the step and never deciding.",
     )
 
@@ -155,7 +182,9 @@ class CanaryConfig(BaseModel):
         120.0, gt=0, description="A step that has not seen min_requests by then fails (too little evidence)."
     )
     probe_rps: float = Field(
-        0.0, ge=0, description="Probe requests per second from held-out text topping up thin live traffic "
+        0.0,
+        ge=0,
+        description="Probe requests per second from held-out text topping up thin live traffic "
         "(0 = off); labelled source=probe in metrics and reports.",
     )
     shadow_share: float = Field(
@@ -175,7 +204,9 @@ class CanaryConfig(BaseModel):
         5.0, gt=0, description="Fail when challenger p99 latency exceeds champion's by more than this factor."
     )
     max_bpb_regression: float = Field(
-        0.05, ge=0, description="Fail unless the upper confidence bound of challenger minus champion bits/byte "
+        0.05,
+        ge=0,
+        description="Fail unless the upper confidence bound of challenger minus champion bits/byte "
         "on the same requests is at most this.",
     )
     latency_floor_ms: float = Field(
@@ -184,7 +215,9 @@ class CanaryConfig(BaseModel):
         description="Latencies below this count as this in the latency gates (sub-ms noise is no regression).",
     )
     lease_s: float = Field(
-        20.0, ge=2, description="Dead man's switch: without a lease renewal for this long the router sends all "
+        20.0,
+        ge=2,
+        description="Dead man's switch: without a lease renewal for this long the router sends all "
         "traffic to the champion by itself.",
     )
     max_probe_bytes: int = Field(1024, ge=16, description="Held-out text per probe request is cut to this.")
@@ -193,30 +226,37 @@ class CanaryConfig(BaseModel):
         3600.0, gt=0, description="How long a run waits for the model's release lock (another run's canary)."
     )
     mode: Literal["canary", "shadow"] = Field(
-        "canary", description="canary: each step's share of requests is answered by the challenger. shadow: that "
+        "canary",
+        description="canary: each step's share of requests is answered by the challenger. shadow: that "
         "share is mirrored to the challenger, whose answers are scored as evidence but never returned (the "
         "champion answers every client).",
     )
     approval: Literal["auto", "manual"] = Field(
-        "auto", description="auto: promote once every step passed. manual: hold the last step below 100% in state "
+        "auto",
+        description="auto: promote once every step passed. manual: hold the last step below 100% in state "
         "'awaiting-approval' until `shardline canary promote` (or abort); needs a step below 100.",
     )
     approval_timeout_s: float = Field(
-        3600.0, gt=0, description="How long a manual approval is awaited; then the canary rolls back (verdict "
-        "'aborted').",
+        3600.0,
+        gt=0,
+        description="How long a manual approval is awaited; then the canary rolls back (verdict 'aborted').",
     )
     on_inconclusive: Literal["rollback", "extend"] = Field(
-        "rollback", description="A step with too little evidence is inconclusive, not failed. rollback: the canary "
+        "rollback",
+        description="A step with too little evidence is inconclusive, not failed. rollback: the canary "
         "ends 'inconclusive' (the champion stays; the version is not marked rejected). extend: the step runs again, "
         "up to canary.max_extensions more times.",
     )
     max_extensions: int = Field(2, ge=0, description="Re-runs of an inconclusive step when on_inconclusive='extend'.")
     control_poll_s: float = Field(
-        1.0, gt=0, description="How often the driver reads operator commands (pause, resume, promote, abort).",
+        1.0,
+        gt=0,
+        description="How often the driver reads operator commands (pause, resume, promote, abort).",
     )
     prometheus_url: str = Field("", description="Prometheus server (its HTTP API) that canary.promql_gates query.")
     promql_gates: list[PromQLGate] = Field(
-        [], description="Gates on PromQL queries, besides the built-in ones; critical ones decide, report-only ones "
+        [],
+        description="Gates on PromQL queries, besides the built-in ones; critical ones decide, report-only ones "
         "are logged.",
     )
 
@@ -230,8 +270,10 @@ class CanaryConfig(BaseModel):
     @model_validator(mode="after")
     def _manual_needs_a_step_to_hold(self) -> CanaryConfig:
         if self.approval == "manual" and not any(s < 100 for s in self.steps):
-            raise ValueError(f"canary.approval='manual' holds the last step below 100% until approved, but "
-                             f"canary.steps={self.steps} has none")
+            raise ValueError(
+                f"canary.approval='manual' holds the last step below 100% until approved, but "
+                f"canary.steps={self.steps} has none"
+            )
         if self.promql_gates and not self.prometheus_url:
             raise ValueError("canary.promql_gates need canary.prometheus_url (the Prometheus server they query)")
         return self

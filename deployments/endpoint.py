@@ -1,13 +1,15 @@
 """The live endpoint's control side: desired state in, Ray Serve application out.
 
 Each model has its own application (no route of its own) behind the stack's gateway (gateway_control), which
-`reconcile` keeps deployed on serve.route_prefix. The registry's `champion` alias is the desired state. `reconcile` observes what the application serves, diffs it
-with the registry and acts: it deploys the champion at 100%, switches the router first and drains a replaced
-version before removing it, and removes a challenger that a dead canary left behind. `apply` deploys an AppSpec
+`reconcile` keeps deployed on serve.route_prefix. The registry's `champion` alias is the desired state.
+`reconcile` observes what the application serves, diffs it with the registry and acts: it deploys the champion at
+100%, switches the router first and drains a replaced version before removing it, and removes a challenger that a
+dead canary left behind. `apply` deploys an AppSpec
 (used by the rollout driver for each ramp step); every change to weights is a lightweight `user_config` update,
 and a served version's deployment keeps one fixed Serve version, so no step restarts its replicas.
 Ray must be initialised (the driver is connected to the cluster) before any of this is called.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +24,14 @@ from pydantic import BaseModel
 
 from deployments.config import ServeConfig
 from deployments.gateway_control import (
-    GATEWAY_APP, PICKLE_RACE, QUIET, SERVE_RUN_LOCK, EndpointConflict, ensure_gateway, gateway_name, prefix_holder,
+    GATEWAY_APP,
+    PICKLE_RACE,
+    QUIET,
+    SERVE_RUN_LOCK,
+    EndpointConflict,
+    ensure_gateway,
+    gateway_name,
+    prefix_holder,
     remove_gateway_if_unused,
 )
 from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
@@ -30,9 +39,16 @@ from deployments.serve_app import RouterConfig
 
 log = logging.getLogger(__name__)
 ROUTER = "router"
-_CODE_FILES = ("deployments/serve_app.py", "deployments/serve_metrics.py", "deployments/model_server.py",
-               "deployments/generation.py", "deployments/openai_api.py", "deployments/http_io.py",
-               "deployments/evidence.py", "training/bpb.py")
+_CODE_FILES = (
+    "deployments/serve_app.py",
+    "deployments/serve_metrics.py",
+    "deployments/model_server.py",
+    "deployments/generation.py",
+    "deployments/openai_api.py",
+    "deployments/http_io.py",
+    "deployments/evidence.py",
+    "training/bpb.py",
+)
 
 
 class EndpointError(RuntimeError):
@@ -65,18 +81,36 @@ def settings_version(serve: ServeConfig) -> str:
     h = hashlib.sha256()
     for rel in _CODE_FILES:
         h.update((root / rel).read_bytes())
-    h.update(serve.model_dump_json(include={"replica_cpus", "model_replicas", "model_threads", "drain_timeout_s",
-                                            "router_replicas", "autoscaling", "router_autoscaling"}).encode())
+    h.update(
+        serve.model_dump_json(
+            include={
+                "replica_cpus",
+                "model_replicas",
+                "model_threads",
+                "drain_timeout_s",
+                "router_replicas",
+                "autoscaling",
+                "router_autoscaling",
+            }
+        ).encode()
+    )
     return h.hexdigest()[:12]
 
 
-def router_config(serve: ServeConfig, model_name: str, champion: str, token_sha256: str = "",
-                  **changes: Any) -> RouterConfig:
+def router_config(
+    serve: ServeConfig, model_name: str, champion: str, token_sha256: str = "", **changes: Any
+) -> RouterConfig:
     """The router config serving `champion` alone at 100%, with `changes` applied (challenger, weight, lease)."""
-    base = RouterConfig(model_name=model_name, champion=champion, max_request_bytes=serve.max_request_bytes,
-                        max_prompt_bytes=serve.max_prompt_bytes, max_tokens_cap=serve.max_tokens_cap,
-                        token_sha256=token_sha256, gateway=gateway_name(serve),
-                        settings=settings_version(serve))
+    base = RouterConfig(
+        model_name=model_name,
+        champion=champion,
+        max_request_bytes=serve.max_request_bytes,
+        max_prompt_bytes=serve.max_prompt_bytes,
+        max_tokens_cap=serve.max_tokens_cap,
+        token_sha256=token_sha256,
+        gateway=gateway_name(serve),
+        settings=settings_version(serve),
+    )
     return base.model_copy(update=changes)
 
 
@@ -97,25 +131,46 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     server: Any = rs.deployment(ModelServer)  # a Deployment (Ray's overloads type the decorator form)
     scaling = serve.autoscaling.serve_options() if serve.autoscaling else {"num_replicas": serve.model_replicas}
     models = {
-        v: _pinned(server.options(
-            name=f"v{v}", ray_actor_options=options, **scaling,
-            graceful_shutdown_timeout_s=serve.drain_timeout_s, graceful_shutdown_wait_loop_s=0.5,
-            health_check_period_s=5.0, max_ongoing_requests=8,
-        ), f"{version}-v{v}").bind(spec.router.model_name, v, spec.tracking_uri, serve.model_threads)
+        v: _pinned(
+            server.options(
+                name=f"v{v}",
+                ray_actor_options=options,
+                **scaling,
+                graceful_shutdown_timeout_s=serve.drain_timeout_s,
+                graceful_shutdown_wait_loop_s=0.5,
+                health_check_period_s=5.0,
+                max_ongoing_requests=24,  # the engine batches in-flight completions and serve.batch scores (16)
+            ),
+            f"{version}-v{v}",
+        ).bind(spec.router.model_name, v, spec.tracking_uri, serve.model_threads)
         for v in spec.versions
     }
     evidence_deployment: Any = rs.deployment(Evidence)
-    evidence = _pinned(evidence_deployment.options(
-        name="evidence", num_replicas=1, ray_actor_options={**options, "num_cpus": min(0.05, serve.replica_cpus)},
-        max_ongoing_requests=256,
-    ), version).bind()
-    router_scaling = serve.router_autoscaling.serve_options() if serve.router_autoscaling else {
-        "num_replicas": serve.router_replicas}
+    evidence = _pinned(
+        evidence_deployment.options(
+            name="evidence",
+            num_replicas=1,
+            ray_actor_options={**options, "num_cpus": min(0.05, serve.replica_cpus)},
+            max_ongoing_requests=256,
+        ),
+        version,
+    ).bind()
+    router_scaling = (
+        serve.router_autoscaling.serve_options()
+        if serve.router_autoscaling
+        else {"num_replicas": serve.router_replicas}
+    )
     router_deployment: Any = rs.deployment(Router)
-    router = _pinned(router_deployment.options(
-        name=ROUTER, ray_actor_options=options, user_config=spec.router.model_dump(), max_ongoing_requests=64,
-        **router_scaling,
-    ), version)
+    router = _pinned(
+        router_deployment.options(
+            name=ROUTER,
+            ray_actor_options=options,
+            user_config=spec.router.model_dump(),
+            max_ongoing_requests=64,
+            **router_scaling,
+        ),
+        version,
+    )
     return router.bind(spec.app_name, models, spec.router.model_name, evidence)
 
 
@@ -192,8 +247,9 @@ def read_state(app_name: str) -> dict[str, Any] | None:
         return None
 
 
-def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None = None,
-          timeout_s: float = 300.0) -> None:
+def apply(
+    spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None = None, timeout_s: float = 300.0
+) -> None:
     """Deploy the spec and wait until every replica is healthy and the router runs the new config.
 
     Raises:
@@ -206,16 +262,23 @@ def apply(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | None 
         try:
             # no route: the gateway forwards this model's requests to its router's handle
             with SERVE_RUN_LOCK:
-                rs.run(build_app(spec, serve, runtime_env), name=spec.app_name, route_prefix=None,
-                       blocking=False, logging_config=QUIET)
+                rs.run(
+                    build_app(spec, serve, runtime_env),
+                    name=spec.app_name,
+                    route_prefix=None,
+                    blocking=False,
+                    logging_config=QUIET,
+                )
             break
         except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
             if PICKLE_RACE in str(e) and attempt < 2:  # a client-side race, not the application's failure
                 log.warning("deploying %s raced with another thread's pickling; deploying again", spec.app_name)
                 continue
             first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-            raise EndpointError(f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
-                                f"{_deployment_causes(spec.app_name)}") from None
+            raise EndpointError(
+                f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
+                f"{_deployment_causes(spec.app_name)}"
+            ) from None
     deadline = time.monotonic() + timeout_s
     want = spec.router.model_dump()
     while True:
@@ -233,8 +296,11 @@ def _deployment_causes(app_name: str) -> str:
 
     try:
         app = rs.status().applications.get(app_name)
-        causes = [f"{name}: {(d.message.strip().splitlines() or [''])[-1][:300]}"
-                  for name, d in (app.deployments.items() if app else []) if d.message and d.status != "HEALTHY"]
+        causes = [
+            f"{name}: {(d.message.strip().splitlines() or [''])[-1][:300]}"
+            for name, d in (app.deployments.items() if app else [])
+            if d.message and d.status != "HEALTHY"
+        ]
     except Exception:  # noqa: BLE001 - only enriches an error message
         return ""
     return f" ({'; '.join(causes)})" if causes else ""
@@ -270,8 +336,13 @@ class Reconciled(BaseModel):
     action: str
 
 
-def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha256: str = "",
-              runtime_env: dict[str, Any] | None = None) -> Reconciled:
+def reconcile(
+    serve: ServeConfig,
+    model_name: str,
+    tracking_uri: str,
+    token_sha256: str = "",
+    runtime_env: dict[str, Any] | None = None,
+) -> Reconciled:
     """Make the application serve the registry's champion at 100%, and nothing else.
 
     No champion: nothing to serve (an existing application is left as it is). The same champion: only an orphaned
@@ -280,8 +351,10 @@ def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha2
     """
     app_name = app_name_for(serve, model_name)
     if app_name.startswith(GATEWAY_APP):
-        raise EndpointConflict(f"registry.model_name={model_name!r}: its application {app_name!r} would be taken "
-                               "for the gateway's; set serve.app_name")
+        raise EndpointConflict(
+            f"registry.model_name={model_name!r}: its application {app_name!r} would be taken "
+            "for the gateway's; set serve.app_name"
+        )
     champion = read_aliases(client_for(tracking_uri), model_name).get(CHAMPION)
     if champion is None:
         return Reconciled(app_name=app_name, url="", champion=None, action="no champion in the registry")
@@ -292,14 +365,20 @@ def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha2
     stale = [v for v in existing if v != champion]
     if current is not None and current["champion"] != champion and current["champion"] in existing:
         # switch first (both deployed), then drain the old champion, then remove it below
-        apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
-              serve, runtime_env)
+        apply(
+            AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
+            serve,
+            runtime_env,
+        )
         for v in stale:
             drain(app_name, v, serve.drain_timeout_s)
     elif current is not None and current.get("challenger") and current["challenger"] in existing:
         # an orphaned challenger: out of routing at once, then removed
-        apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
-              serve, runtime_env)
+        apply(
+            AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion, *stale], router=target),
+            serve,
+            runtime_env,
+        )
         for v in stale:
             drain(app_name, v, serve.drain_timeout_s)
     spec = AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=[champion], router=target)
@@ -310,12 +389,23 @@ def reconcile(serve: ServeConfig, model_name: str, tracking_uri: str, token_sha2
         mark_serving(client, model_name, gateway_name(serve), f"{type(e).__name__}: {e}")
         raise
     mark_serving(client, model_name, gateway_name(serve))
-    return Reconciled(app_name=app_name, url=endpoint_url(serve), champion=champion, removed=stale,
-                      action=action + (f"; removed {', '.join('v' + v for v in stale)}" if stale else ""))
+    return Reconciled(
+        app_name=app_name,
+        url=endpoint_url(serve),
+        champion=champion,
+        removed=stale,
+        action=action + (f"; removed {', '.join('v' + v for v in stale)}" if stale else ""),
+    )
 
 
-def _serve_champion(spec: AppSpec, serve: ServeConfig, current: dict[str, Any] | None, existing: list[str],
-                    runtime_env: dict[str, Any] | None, token_sha256: str) -> str:
+def _serve_champion(
+    spec: AppSpec,
+    serve: ServeConfig,
+    current: dict[str, Any] | None,
+    existing: list[str],
+    runtime_env: dict[str, Any] | None,
+    token_sha256: str,
+) -> str:
     """Deploy the champion-only spec unless it already runs, with the gateway in front; what was done."""
     app_name, champion = spec.app_name, spec.versions[0]
     holder = prefix_holder(serve)  # an application of an older shardline, routed itself, moves behind the gateway
@@ -330,18 +420,24 @@ def _serve_champion(spec: AppSpec, serve: ServeConfig, current: dict[str, Any] |
     return action
 
 
-def _move_behind_gateway(app_name: str, serve: ServeConfig, tracking_uri: str,
-                         runtime_env: dict[str, Any] | None) -> None:
+def _move_behind_gateway(
+    app_name: str, serve: ServeConfig, tracking_uri: str, runtime_env: dict[str, Any] | None
+) -> None:
     """Redeploy another model's application, as it is, without a route of its own (it was deployed by a shardline
     from before the gateway). Its models are assumed to be in this stack's registry, `tracking_uri`."""
     state = read_state(app_name)
     if state is None or not state.get("config"):
-        raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
-                               "not answer; remove it with `shardline serve --down` for its model")
+        raise EndpointConflict(
+            f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
+            "not answer; remove it with `shardline serve --down` for its model"
+        )
     log.info("moving %s behind the gateway", app_name)
     router = RouterConfig.model_validate(state["config"]).model_copy(update={"gateway": gateway_name(serve)})
-    apply(AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=served_versions(app_name), router=router),
-          serve, runtime_env)
+    apply(
+        AppSpec(app_name=app_name, tracking_uri=tracking_uri, versions=served_versions(app_name), router=router),
+        serve,
+        runtime_env,
+    )
 
 
 def remove(serve: ServeConfig, model_name: str) -> bool:

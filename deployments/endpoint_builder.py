@@ -3,6 +3,7 @@
 `import_path: deployments.endpoint_builder:app` with `args: {model_name, tracking_uri, serve}` builds the same
 application `shardline serve` deploys, serving the registry's champion at 100%.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,6 +31,10 @@ def app(args: dict[str, Any]) -> Any:
     champion = read_aliases(client_for(tracking_uri), name).get(CHAMPION)
     if champion is None:
         raise ValueError(f"{name} has no champion in the registry at {tracking_uri}: nothing to serve")
-    spec = AppSpec(app_name=app_name_for(serve, name), tracking_uri=tracking_uri, versions=[champion],
-                   router=router_config(serve, name, champion, token_digest(api_token(serve))))
+    spec = AppSpec(
+        app_name=app_name_for(serve, name),
+        tracking_uri=tracking_uri,
+        versions=[champion],
+        router=router_config(serve, name, champion, token_digest(api_token(serve))),
+    )
     return build_app(spec, serve)

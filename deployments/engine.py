@@ -7,6 +7,7 @@ the events to the request's queue. A new request therefore joins at the next ste
 one to finish, and a consumer that goes away (the router cancels the stream; the generator is closed) frees its
 slot at once. The event loop keeps answering while a step computes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,17 +47,17 @@ class Recompute:
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        self.context[slot] = list(tokens[-self.seq_len:])
+        self.context[slot] = list(tokens[-self.seq_len :])
         return self.model(torch.tensor([self.context[slot]], dtype=torch.long))[0].float()
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         for s, t in zip(slots, tokens, strict=True):
-            self.context[s] = (self.context[s] + [t])[-self.seq_len:]
+            self.context[s] = (self.context[s] + [t])[-self.seq_len :]
         lengths = [len(self.context[s]) for s in slots]
         batch = torch.zeros(len(slots), max(lengths), dtype=torch.long)
         for b, s in enumerate(slots):
-            batch[b, :lengths[b]] = torch.tensor(self.context[s])
+            batch[b, : lengths[b]] = torch.tensor(self.context[s])
         logits = self.model(batch)
         return logits[torch.arange(len(slots)), torch.tensor(lengths) - 1].float()
 

@@ -4,6 +4,7 @@ One small Serve deployment (`evidence`, one replica) per model application: each
 observation of every request it routes during a canary (deployments/serve_app.Router._record), and the rollout
 driver reads a step's observations back through any router replica. The class is plain (no Ray at import).
 """
+
 from __future__ import annotations
 
 import uuid

@@ -7,8 +7,10 @@ the gateway only forwards the request (headers and body) to that router's handle
 or whole. Which models exist is observed, not configured: the gateway lists the applications in Serve's status whose
 shardline router names this gateway (a run chooses it by serve.route_prefix), every REFRESH_S and at once when a
 request names a model it does not know, so a model deployed or removed by any run shows up without touching the
-gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`, so importing this needs no Ray.
+gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`, so importing this needs
+no Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -92,8 +94,11 @@ class Gateway:
                     continue
                 if cfg and cfg.get("gateway") == self.app_name:  # models of other route prefixes are not ours
                     known = self.models.get(cfg["model_name"], {})
-                    found[cfg["model_name"]] = {"app": app, "champion": cfg["champion"],
-                                                "created": known.get("created", time.time())}
+                    found[cfg["model_name"]] = {
+                        "app": app,
+                        "champion": cfg["champion"],
+                        "created": known.get("created", time.time()),
+                    }
             self.models, self.refreshed_at = found, time.monotonic()
 
     async def get_models(self) -> dict[str, dict[str, Any]]:
@@ -114,8 +119,15 @@ class Gateway:
                 if request.method != "GET":
                     raise ApiError(405, f"{path} takes GET")
                 await self._refresh()
-                return to_response(reply(200, oai.model_list(
-                    [oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()]), headers))
+                return to_response(
+                    reply(
+                        200,
+                        oai.model_list(
+                            [oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()]
+                        ),
+                        headers,
+                    )
+                )
             if not path.endswith(("/v1/completions", "/v1/score", "/v1/chat/completions")):
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
@@ -147,11 +159,19 @@ class Gateway:
         if model is None and not served:
             raise ApiError(503, "no model is served yet", kind="server_error", code="no_model", retry_after=5)
         if model is None:
-            raise ApiError(400, f"model: required when several models are served ({', '.join(served)}); "
-                           "serve.default_model names the one to use without it", param="model")
+            raise ApiError(
+                400,
+                f"model: required when several models are served ({', '.join(served)}); "
+                "serve.default_model names the one to use without it",
+                param="model",
+            )
         if model not in self.models:
-            raise ApiError(404, f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
+                param="model",
+                code="model_not_found",
+            )
         return str(self.models[model]["app"])
 
     async def _healthz(self, model: str | None, headers: dict[str, str]) -> Any:
@@ -175,8 +195,9 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         await self._refresh()
-        texts = await asyncio.gather(*(_router(d["app"]).metrics_text.remote() for d in self.models.values()),
-                                     return_exceptions=True)
+        texts = await asyncio.gather(
+            *(_router(d["app"]).metrics_text.remote() for d in self.models.values()), return_exceptions=True
+        )
         own = self.metrics.exposition()[0].decode()
         merged = merge_expositions([own, *(t for t in texts if isinstance(t, str))])
         return to_response(reply(200, merged, media_type=CONTENT_TYPE_LATEST))
@@ -206,5 +227,8 @@ def _router_apps(own: str) -> list[str]:
 
     apps = serve.status().applications
     # DEPLOYING and UNHEALTHY applications still serve on their running replicas (a canary step redeploys)
-    return sorted(name for name, app in apps.items()
-                  if name != own and ROUTER in app.deployments and app.status not in ("DELETING", "NOT_STARTED"))
+    return sorted(
+        name
+        for name, app in apps.items()
+        if name != own and ROUTER in app.deployments and app.status not in ("DELETING", "NOT_STARTED")
+    )

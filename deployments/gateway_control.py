@@ -5,6 +5,7 @@ Before anything trains, `check_endpoint_free` asks whoever listens on the endpoi
 Ray Serve with the prefix free or held by shardline, are fine; a prefix held by an application shardline did not
 start, or a port held by a process that is not Ray Serve, is an EndpointConflict (a config error, never retried).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,11 @@ def check_endpoint_free(serve: ServeConfig, timeout_s: float = 3.0) -> None:
     """
     import httpx
 
-    base = (serve.public_url.rstrip("/").removesuffix(serve.route_prefix.rstrip("/")) if serve.public_url
-            else f"http://{serve.host if serve.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{serve.port}")
+    base = (
+        serve.public_url.rstrip("/").removesuffix(serve.route_prefix.rstrip("/"))
+        if serve.public_url
+        else f"http://{serve.host if serve.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{serve.port}"
+    )
     if serve.port == 0 and not serve.public_url:
         return
     try:
@@ -59,12 +63,16 @@ def check_endpoint_free(serve: ServeConfig, timeout_s: float = 3.0) -> None:
     except ValueError:
         routes = None
     if r.status_code != 200 or not isinstance(routes, dict):
-        raise EndpointConflict(f"serve.port={serve.port}: {base} is held by another process that is not Ray "
-                               f"Serve (GET /-/routes answered {r.status_code}); set serve.port to a free port")
+        raise EndpointConflict(
+            f"serve.port={serve.port}: {base} is held by another process that is not Ray "
+            f"Serve (GET /-/routes answered {r.status_code}); set serve.port to a free port"
+        )
     holder = routes.get(serve.route_prefix)
     if holder is not None and holder != gateway_name(serve) and not is_shardline_app(str(holder)):
-        raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by application {holder!r} on {base}, "
-                               "which shardline did not start; set serve.route_prefix to a free prefix")
+        raise EndpointConflict(
+            f"serve.route_prefix={serve.route_prefix}: held by application {holder!r} on {base}, "
+            "which shardline did not start; set serve.route_prefix to a free prefix"
+        )
 
 
 def prefix_holder(serve: ServeConfig) -> str | None:
@@ -84,14 +92,17 @@ def prefix_holder(serve: ServeConfig) -> str | None:
     for name, app in (details.get("applications") or {}).items():
         if app.get("route_prefix") == serve.route_prefix and name != gateway_name(serve):
             if not is_shardline_app(name):
-                raise EndpointConflict(f"serve.route_prefix={serve.route_prefix}: held by application {name!r}, "
-                                       "which shardline did not start; set serve.route_prefix to a free prefix")
+                raise EndpointConflict(
+                    f"serve.route_prefix={serve.route_prefix}: held by application {name!r}, "
+                    "which shardline did not start; set serve.route_prefix to a free prefix"
+                )
             return str(name)
     return None
 
 
-def ensure_gateway(serve: ServeConfig, token_sha256: str, runtime_env: dict[str, Any] | None,
-                   timeout_s: float = 120.0) -> str:
+def ensure_gateway(
+    serve: ServeConfig, token_sha256: str, runtime_env: dict[str, Any] | None, timeout_s: float = 120.0
+) -> str:
     """Deploy (or update by a lightweight config change) the gateway on serve.route_prefix; its app name.
 
     The route prefix must be free of other applications (endpoint.reconcile moves an older shardline model
@@ -102,22 +113,28 @@ def ensure_gateway(serve: ServeConfig, token_sha256: str, runtime_env: dict[str,
     from deployments.gateway import Gateway, GatewayConfig
 
     name = gateway_name(serve)
-    want = GatewayConfig(default_model=serve.default_model, max_request_bytes=serve.max_request_bytes,
-                         body_timeout_s=serve.body_timeout_s, token_sha256=token_sha256).model_dump()
+    want = GatewayConfig(
+        default_model=serve.default_model,
+        max_request_bytes=serve.max_request_bytes,
+        body_timeout_s=serve.body_timeout_s,
+        token_sha256=token_sha256,
+    ).model_dump()
     if _gateway_config(name) == want:
         return name
     with SERVE_RUN_LOCK:  # building a deployment's options registers modules with cloudpickle too
         gateway: Any = rs.deployment(Gateway)  # a Deployment (Ray's overloads type the decorator form)
         deployment = gateway.options(
-            name="gateway", num_replicas=serve.gateway_replicas,
+            name="gateway",
+            num_replicas=serve.gateway_replicas,
             ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
-            user_config=want, max_ongoing_requests=256, max_queued_requests=serve.max_queued_requests,
+            user_config=want,
+            max_ongoing_requests=256,
+            max_queued_requests=serve.max_queued_requests,
             # over the queue: a fast 503 that tells the client when to come back
             backpressure_config={"status_code": 503, "retry_after_s": 1},
         )
         deployment._version = _gateway_version()  # fixed: a config change is a lightweight update (endpoint._pinned)
-        rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False,
-               logging_config=QUIET)
+        rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False, logging_config=QUIET)
     deadline = time.monotonic() + timeout_s
     while _gateway_config(name) != want:
         if time.monotonic() > deadline:

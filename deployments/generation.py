@@ -8,6 +8,7 @@ Text that could still turn out to be the start of a stop string is held back unt
 itself is never returned (OpenAI's behaviour). The model takes [B, T] byte ids and returns [B, T, 256] logits; the
 context is the last `seq_len` bytes (a longer prompt is truncated on the left, as the README documents).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -48,14 +49,15 @@ def top_entries(logprobs: torch.Tensor, k: int) -> dict[str, float]:
     return {token_text(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
 
 
-def prompt_logprobs(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int,
-                    k: int) -> list[tuple[float | None, dict[str, float] | None]]:
+def prompt_logprobs(
+    model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, k: int
+) -> list[tuple[float | None, dict[str, float] | None]]:
     """(logprob, top-k) of each prompt byte under the model, None for the first (never predicted); the same
     windows as bits per byte, so a byte's logprob here is the one it is scored with."""
     out: list[tuple[float | None, dict[str, float] | None]] = [(None, None)]
     with torch.no_grad():
         for start in range(0, max(0, len(prompt) - 1), seq_len):
-            window = torch.tensor(list(prompt[start:start + seq_len + 1]), dtype=torch.long)
+            window = torch.tensor(list(prompt[start : start + seq_len + 1]), dtype=torch.long)
             if len(window) < 2:
                 break
             lp = torch.log_softmax(model(window[None, :-1])[0].float(), -1)
@@ -92,8 +94,16 @@ class Completion:
     steps), so sampling, stop strings and logprobs have one implementation whatever runs the model.
     """
 
-    def __init__(self, max_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None, stop: list[str] | None = None, logprobs: int | None = None) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        logprobs: int | None = None,
+    ) -> None:
         self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
         self.logprobs = logprobs
         self.gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
@@ -125,7 +135,7 @@ class Completion:
             return token, out
         safe = self.scanner.safe(self.text)
         if safe > self.emitted:
-            out.append(_piece(self.text[self.emitted:safe], self.pending, self.logprobs))
+            out.append(_piece(self.text[self.emitted : safe], self.pending, self.logprobs))
             self.emitted, self.pending = safe, []
         if self.tokens >= self.max_tokens:
             self.finish = "length"
@@ -140,15 +150,24 @@ class Completion:
         self.finish = self.finish or "length"
         if self.finish == "length":
             self.text += self.decoder.decode(b"", final=True)
-        out = [_piece(self.text[self.emitted:], self.pending, self.logprobs)] if len(self.text) > self.emitted else []
+        out = [_piece(self.text[self.emitted :], self.pending, self.logprobs)] if len(self.text) > self.emitted else []
         self.emitted = len(self.text)
         return out + [{"finish_reason": self.finish, "tokens": self.tokens}]
 
 
-def generate(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, max_tokens: int,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             stop: list[str] | None = None, logprobs: int | None = None,
-             should_stop: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+def generate(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    prompt: bytes,
+    seq_len: int,
+    max_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    logprobs: int | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[dict[str, Any]]:
     """Events of one completion: {"text", "logprobs"} pieces, then {"finish_reason", "tokens"}.
 
     Recomputes the whole context window for every new byte (any [B, T] model; deployments.engine decodes the
@@ -172,9 +191,14 @@ def generate(model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_l
 def _piece(text: str, pending: list[tuple[int, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:
     if logprobs is None:
         return {"text": text, "logprobs": None}
-    return {"text": text, "logprobs": {"tokens": [token_text(t) for t, _, _ in pending],
-                                       "token_logprobs": [lp for _, lp, _ in pending],
-                                       "top_logprobs": [top for _, _, top in pending]}}
+    return {
+        "text": text,
+        "logprobs": {
+            "tokens": [token_text(t) for t, _, _ in pending],
+            "token_logprobs": [lp for _, lp, _ in pending],
+            "top_logprobs": [top for _, _, top in pending],
+        },
+    }
 
 
 def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0) -> dict[str, Any]:

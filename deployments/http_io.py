@@ -3,6 +3,7 @@
 A reply crosses Serve's deployment handles as a dict ({"status", "headers", "media_type", "body"}), so the router
 can answer the gateway and, in a single-model application (KubeRay), its own HTTP requests with one code path.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,9 @@ async def read_body(request: Any, limit: int, timeout_s: float | None = None) ->
         async with asyncio.timeout(timeout_s):
             await receive()
     except TimeoutError:
-        raise ApiError(408, f"request body not received within serve.body_timeout_s={timeout_s}",
-                       code="request_timeout") from None
+        raise ApiError(
+            408, f"request body not received within serve.body_timeout_s={timeout_s}", code="request_timeout"
+        ) from None
     return b"".join(chunks)
 
 
@@ -90,5 +92,4 @@ async def to_streaming_response(head: dict[str, Any], rest: AsyncIterator[Any]) 
     """A StreamingResponse from a reply head and the body chunks that follow it."""
     from starlette.responses import StreamingResponse
 
-    return StreamingResponse(rest, status_code=head["status"], headers=head["headers"],
-                             media_type=head["media_type"])
+    return StreamingResponse(rest, status_code=head["status"], headers=head["headers"], media_type=head["media_type"])

@@ -10,6 +10,7 @@ embedding.
 Positions are learned (`wpe` has seq_len rows), so a slot holds at most seq_len tokens; `CachedGPT` slides a
 full one by re-prefilling the last seq_len // 2 bytes of its context (see there).
 """
+
 from __future__ import annotations
 
 from typing import cast
@@ -63,8 +64,9 @@ def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torc
     if not 1 <= t <= model.seq_len:
         raise ValueError(f"prefill of {t} tokens: the model takes 1..{model.seq_len}")
     c = model.wte.embedding_dim
-    x = F.embedding(tokens[None], model.wte.weight) + F.embedding(torch.arange(t, device=tokens.device),
-                                                                 model.wpe.weight)
+    x = F.embedding(tokens[None], model.wte.weight) + F.embedding(
+        torch.arange(t, device=tokens.device), model.wpe.weight
+    )
     for i, block in enumerate(_blocks(model)):
         h = block.attn.n_head
         qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [1, T, 3C]
@@ -97,18 +99,17 @@ def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> t
     # as a view of the pool; any other set is gathered (a copy of every row's keys and values, per layer)
     contiguous = slots == list(range(slots[0], slots[0] + b))
     rows = torch.arange(b, device=device) if contiguous else torch.tensor(slots, device=device)
-    x = (F.embedding(torch.tensor(tokens, device=device), model.wte.weight) + F.embedding(pos, model.wpe.weight))
+    x = F.embedding(torch.tensor(tokens, device=device), model.wte.weight) + F.embedding(pos, model.wpe.weight)
     x = x[:, None, :]  # [B, 1, C]
     for i, block in enumerate(_blocks(model)):
         h = block.attn.n_head
         qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [B, 1, 3C]
         new = qkv[:, 0, c:].view(b, 2, h, c // h)
-        layer = cache.kv[i, slots[0]:slots[0] + b] if contiguous else cache.kv[i]
+        layer = cache.kv[i, slots[0] : slots[0] + b] if contiguous else cache.kv[i]
         layer[rows, pos] = new
         kv = layer[:, :span] if contiguous else layer[rows, :span]  # [B, span, 2, H, C/H]
         q = qkv[..., :c].view(b, 1, h, c // h).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
-                                           attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=mask)
         x = x + _lin(y.transpose(1, 2).reshape(b, 1, c), block.attn.c_proj)
         x = x + _mlp(block, x)
     for s in slots:
@@ -135,7 +136,7 @@ class CachedGPT:
 
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Logits [T, 256] at every position of the last seq_len `tokens`; `slot` now holds them."""
-        window = tokens[-self.seq_len:]
+        window = tokens[-self.seq_len :]
         self.context[slot] = list(window)
         return prefill(self.model, self.cache, slot, torch.tensor(window, dtype=torch.long))
 
@@ -144,12 +145,12 @@ class CachedGPT:
         full = {b for b, s in enumerate(slots) if self.cache.lengths[s] >= self.seq_len}
         rest = [b for b in range(len(slots)) if b not in full]
         for b in rest:
-            self.context[slots[b]] = (self.context[slots[b]] + [tokens[b]])[-self.seq_len:]
+            self.context[slots[b]] = (self.context[slots[b]] + [tokens[b]])[-self.seq_len :]
         if not full:
             return decode(self.model, self.cache, slots, tokens)
         out = torch.empty(len(slots), VOCAB)
         for b in full:
-            out[b] = self.prefill(slots[b], (self.context[slots[b]] + [tokens[b]])[-(self.seq_len // 2 or 1):])[-1]
+            out[b] = self.prefill(slots[b], (self.context[slots[b]] + [tokens[b]])[-(self.seq_len // 2 or 1) :])[-1]
         if rest:
             out[rest] = decode(self.model, self.cache, [slots[b] for b in rest], [tokens[b] for b in rest])
         return out

@@ -1,4 +1,5 @@
 """`shardline lineage`: follow one chain from a registered model version back to the dataset digest."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ completion's events after a first event with the prompt's own bits, which the ca
 gathers them into one answer. Completions run on deployments.engine (continuous batching): the built-in GPT with
 a KV cache when validation logged its eager weights, any other model by recomputing its window (load_backend).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
     return CachedGPT(model, slots)
 
 
-def score_many(model: Callable[[Any], Any], texts: list[bytes], seq_len: int,
-               batch_size: int = SCORE_BATCH) -> list[tuple[float, int]]:
+def score_many(
+    model: Callable[[Any], Any], texts: list[bytes], seq_len: int, batch_size: int = SCORE_BATCH
+) -> list[tuple[float, int]]:
     """(bits, predicted bytes) of each text over training.bpb's windows; windows of equal length, from any of the
     texts, run as one batch (per-row sums, so each text gets its own bits)."""
     import torch
@@ -68,7 +70,7 @@ def score_many(model: Callable[[Any], Any], texts: list[bytes], seq_len: int,
     with torch.no_grad():
         for length, items in groups.items():
             for start in range(0, len(items), batch_size):
-                chunk = items[start:start + batch_size]
+                chunk = items[start : start + batch_size]
                 seqs = torch.stack([w for _, w in chunk])
                 logits = model(seqs[:, :-1]).float()
                 nats = F.cross_entropy(logits.transpose(1, 2), seqs[:, 1:], reduction="none").sum(1)
@@ -81,8 +83,15 @@ def score_many(model: Callable[[Any], Any], texts: list[bytes], seq_len: int,
 class ModelServer:
     """One registered model version: `score(text)`, `complete(prompt, params)` and `complete_stream`."""
 
-    def __init__(self, model_name: str, version: str, tracking_uri: str, threads: int = 1, slots: int = SLOTS,
-                 score_batch: int = SCORE_BATCH):
+    def __init__(
+        self,
+        model_name: str,
+        version: str,
+        tracking_uri: str,
+        threads: int = 1,
+        slots: int = SLOTS,
+        score_batch: int = SCORE_BATCH,
+    ):
         from infra.credentials import adopt_worker_secrets
         from infra.paths import quiet_telemetry
 
@@ -134,8 +143,13 @@ class ModelServer:
     async def score(self, text: bytes) -> dict[str, Any]:
         t0 = time.perf_counter()
         bits, n = _finite(await self._score(text), self.version)
-        return {"version": self.version, "bits": bits, "bytes": n, "bpb": bits / n if n else None,
-                "latency_ms": (time.perf_counter() - t0) * 1000.0}
+        return {
+            "version": self.version,
+            "bits": bits,
+            "bytes": n,
+            "bpb": bits / n if n else None,
+            "latency_ms": (time.perf_counter() - t0) * 1000.0,
+        }
 
     async def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """Events of one completion: {"version", "bits", "bytes", "bpb", "prompt_logprobs"} first (the prompt
@@ -148,18 +162,29 @@ class ModelServer:
 
         t0 = time.perf_counter()
         k = params.get("logprobs")
-        completion = Completion(int(params.get("max_tokens", 16)), float(params.get("temperature", 1.0)),
-                                int(params.get("top_k", 0)), float(params.get("top_p", 1.0)), params.get("seed"),
-                                params.get("stop") or [], k)
+        completion = Completion(
+            int(params.get("max_tokens", 16)),
+            float(params.get("temperature", 1.0)),
+            int(params.get("top_k", 0)),
+            float(params.get("top_p", 1.0)),
+            params.get("seed"),
+            params.get("stop") or [],
+            k,
+        )
         async with aclosing(self.engine.stream(prompt, completion)) as events:
             async for event in events:
                 if "bits" in event:
                     bits, n = _finite((event["bits"], event["bytes"]), self.version)
-                    head: dict[str, Any] = {"version": self.version, "bits": bits, "bytes": n,
-                                            "bpb": bits / n if n else None}
+                    head: dict[str, Any] = {
+                        "version": self.version,
+                        "bits": bits,
+                        "bytes": n,
+                        "bpb": bits / n if n else None,
+                    }
                     if params.get("echo") and k is not None:
-                        head["prompt_logprobs"] = await self.engine.run(prompt_logprobs, self.model, prompt,
-                                                                        self.seq_len, k)
+                        head["prompt_logprobs"] = await self.engine.run(
+                            prompt_logprobs, self.model, prompt, self.seq_len, k
+                        )
                     yield head
                     continue
                 if "finish_reason" in event:

@@ -8,6 +8,7 @@ names the parameter, never silently ignored.
 Tokens: a byte-level model's token is one byte, so `usage` counts bytes for it. In `logprobs`, a byte that is not
 a whole UTF-8 character on its own is written `bytes:\\xNN` (tiktoken's convention for partial characters).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,21 @@ MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
 MAX_STOP = 4
 
 # parameters of OpenAI's API that the endpoint refuses unless they have their neutral value
-_NEUTRAL = {"n": 1, "best_of": 1, "suffix": None, "logit_bias": None, "presence_penalty": 0,
-            "frequency_penalty": 0}
+_NEUTRAL = {"n": 1, "best_of": 1, "suffix": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0}
 
 
 class ApiError(Exception):
     """A request the endpoint refuses: HTTP status, a one-line message, OpenAI's error type, param and code."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.retry_after = retry_after
@@ -38,8 +45,9 @@ class ApiError(Exception):
         return error_body(self.message, self.kind, self.param, self.code)
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -96,14 +104,14 @@ def parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"body is not JSON: {getattr(e, 'msg', e)} at position {getattr(e, 'pos', 0)}") \
-            from None
+        raise ApiError(400, f"body is not JSON: {getattr(e, 'msg', e)} at position {getattr(e, 'pos', 0)}") from None
     except RecursionError:
         raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
 
 
-def validate(endpoint: Literal["completions", "score"], data: Any, max_prompt_bytes: int,
-             max_tokens_cap: int) -> CompletionRequest | ScoreRequest:
+def validate(
+    endpoint: Literal["completions", "score"], data: Any, max_prompt_bytes: int, max_tokens_cap: int
+) -> CompletionRequest | ScoreRequest:
     """A request object, or ApiError(400) naming the first parameter that is wrong or not supported."""
     model = CompletionRequest if endpoint == "completions" else ScoreRequest
     if endpoint == "completions" and isinstance(data, dict) and isinstance(data.get("prompt"), list):
@@ -111,28 +119,36 @@ def validate(endpoint: Literal["completions", "score"], data: Any, max_prompt_by
         if len(prompts) == 1 and isinstance(prompts[0], str):
             data = {**data, "prompt": prompts[0]}  # a batch of one prompt is that prompt
         else:
-            raise ApiError(400, "prompt: only one prompt string per request is supported (no batches or token "
-                                "ids)", param="prompt", code="unsupported_parameter")
+            raise ApiError(
+                400,
+                "prompt: only one prompt string per request is supported (no batches or token ids)",
+                param="prompt",
+                code="unsupported_parameter",
+            )
     try:
         req = model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") \
-                from None
+            raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") from None
         raise ApiError(400, f"{where}: {first['msg']}", param=None if where == "body" else where) from None
     if isinstance(req, CompletionRequest):
         for name, neutral in _NEUTRAL.items():
             value = getattr(req, name)
             if value is not None and value != neutral and (neutral is not None or value):
-                raise ApiError(400, f"{name}: only {neutral!r} is supported, got {getattr(req, name)!r}",
-                               param=name, code="unsupported_parameter")
+                raise ApiError(
+                    400,
+                    f"{name}: only {neutral!r} is supported, got {getattr(req, name)!r}",
+                    param=name,
+                    code="unsupported_parameter",
+                )
         if len(req.stops()) > MAX_STOP or any(not s for s in req.stops()):
             raise ApiError(400, f"stop: at most {MAX_STOP} non-empty strings", param="stop")
         if req.max_tokens > max_tokens_cap:
-            raise ApiError(400, f"max_tokens: {req.max_tokens} > serve.max_tokens_cap={max_tokens_cap}",
-                           param="max_tokens")
+            raise ApiError(
+                400, f"max_tokens: {req.max_tokens} > serve.max_tokens_cap={max_tokens_cap}", param="max_tokens"
+            )
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
     text = req.prompt if isinstance(req, CompletionRequest) else req.text
@@ -149,35 +165,66 @@ def completion_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def completion(cid: str, model: str, version: str, text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, logprobs: dict[str, Any] | None, prompt_bpb: float | None) -> dict[str, Any]:
+def completion(
+    cid: str,
+    model: str,
+    version: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: dict[str, Any] | None,
+    prompt_bpb: float | None,
+) -> dict[str, Any]:
     """OpenAI's `text_completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": f"{model}-v{version}",
-            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
-            "usage": usage(prompt_tokens, completion_tokens),
-            "model_version": version, "prompt_bits_per_byte": prompt_bpb}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"{model}-v{version}",
+        "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "model_version": version,
+        "prompt_bits_per_byte": prompt_bpb,
+    }
 
 
-def chunk(cid: str, model: str, version: str, text: str, finish_reason: str | None,
-          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def chunk(
+    cid: str, model: str, version: str, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One streamed piece of a completion (the same object, `choices[0].text` holding the new text only)."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": f"{model}-v{version}",
-            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
-            "model_version": version}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"{model}-v{version}",
+        "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "model_version": version,
+    }
 
 
 def usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": f"{model}-v{version}", "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens), "model_version": version}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"{model}-v{version}",
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "model_version": version,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -190,8 +237,13 @@ DONE = sse("[DONE]")
 
 def model_card(model: str, version: str, created: float | None = None) -> dict[str, Any]:
     """One entry of GET /v1/models: OpenAI's model object, plus the champion version it serves."""
-    return {"id": model, "object": "model", "created": int(created or time.time()), "owned_by": "shardline",
-            "champion_version": version}
+    return {
+        "id": model,
+        "object": "model",
+        "created": int(created or time.time()),
+        "owned_by": "shardline",
+        "champion_version": version,
+    }
 
 
 def model_list(cards: list[dict[str, Any]]) -> dict[str, Any]:

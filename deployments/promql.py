@@ -2,6 +2,7 @@
 
 Prometheus's own HTTP API over httpx: the official Python clients only expose metrics, they do not query.
 """
+
 from __future__ import annotations
 
 import logging

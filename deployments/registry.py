@@ -1,4 +1,5 @@
 """The MLflow model registry side of a rollout: register a version, read aliases, decide and apply alias moves."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -73,7 +74,7 @@ def model_id_of(model_uri: str) -> str | None:
     prefix = "models:/"
     if not model_uri.startswith(prefix):
         return None
-    rest = model_uri[len(prefix):].strip("/")
+    rest = model_uri[len(prefix) :].strip("/")
     return rest if rest and "/" not in rest and "@" not in rest else None
 
 
@@ -88,9 +89,7 @@ def ensure_registered_model(client: Any, name: str) -> None:
             raise
 
 
-def register_version(
-    client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str] | None = None
-) -> str:
+def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str] | None = None) -> str:
     """Register `model_uri` as a new version of `name` whose run is `run_id` (the training run); return it.
 
     Idempotent: a version of `name` with the same source and run id, or made from the same checkpoint (its
@@ -112,15 +111,22 @@ def register_version(
             for key, value in tags.items():
                 client.set_model_version_tag(name, mv.version, key, value)
             return str(mv.version)
-    mv = client.create_model_version(
-        name, source=model_uri, run_id=run_id, tags=tags, model_id=model_id_of(model_uri)
-    )
+    mv = client.create_model_version(name, source=model_uri, run_id=run_id, tags=tags, model_id=model_id_of(model_uri))
     return str(mv.version)
 
 
-def version_tags(*, dataset_digest: str, flow_run_id: str, train_run_id: str, checkpoint_uri: str,
-                 validation_run_id: str, model_uri: str, data_run_id: str = "", manifest_uri: str = "",
-                 extra: dict[str, str] | None = None) -> dict[str, str]:
+def version_tags(
+    *,
+    dataset_digest: str,
+    flow_run_id: str,
+    train_run_id: str,
+    checkpoint_uri: str,
+    validation_run_id: str,
+    model_uri: str,
+    data_run_id: str = "",
+    manifest_uri: str = "",
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
     """The lineage tags of a model version: what it was made from, under infra.tracking's tag names."""
     from infra import tracking as t
 
@@ -157,16 +163,25 @@ def decide_promotion(name: str, candidate: str, aliases: dict[str, str]) -> Prom
     champion = aliases.get(CHAMPION)
     if champion is None:
         return PromotionDecision(
-            model_name=name, candidate=candidate, baseline=None, verdict="first-champion",
+            model_name=name,
+            candidate=candidate,
+            baseline=None,
+            verdict="first-champion",
             reason=f"{name} has no '{CHAMPION}' alias; validated version {candidate} becomes champion",
         )
     if champion == candidate:  # a retried promote_model after the first attempt applied its decision
         return PromotionDecision(
-            model_name=name, candidate=candidate, baseline=champion, verdict="first-champion",
+            model_name=name,
+            candidate=candidate,
+            baseline=champion,
+            verdict="first-champion",
             reason=f"version {candidate} is already '{CHAMPION}' of {name}",
         )
     return PromotionDecision(
-        model_name=name, candidate=candidate, baseline=champion, verdict="challenger",
+        model_name=name,
+        candidate=candidate,
+        baseline=champion,
+        verdict="challenger",
         reason=f"version {candidate} challenges champion version {champion}; the canary decides",
     )
 
@@ -256,8 +271,9 @@ def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:
 def served_champions(client: Any, gateway: str | None = None) -> dict[str, dict[str, str]]:
     """Models marked as served (by `gateway`, or by any) that have a champion: name -> {"champion", "error"}."""
     out = {}
-    for model in client.search_registered_models(filter_string=f"tags.`{TAG_SERVED_BY}` "
-                                                 + (f"= '{gateway}'" if gateway else "LIKE '%'")):
+    for model in client.search_registered_models(
+        filter_string=f"tags.`{TAG_SERVED_BY}` " + (f"= '{gateway}'" if gateway else "LIKE '%'")
+    ):
         champion = (getattr(model, "aliases", None) or {}).get(CHAMPION)
         if champion is not None:
             out[model.name] = {"champion": str(champion), "error": (model.tags or {}).get(TAG_SERVE_ERROR, "")}
@@ -278,8 +294,11 @@ def version_description(tags: dict[str, str], run_id: str, outcome: str) -> str:
     from infra import tracking as t
 
     made = [f"dataset {tags[t.TAG_DATASET_DIGEST]}" if tags.get(t.TAG_DATASET_DIGEST) else "dataset unknown"]
-    for label, key in (("manifest", t.TAG_MANIFEST_URI), ("validation run", t.TAG_VALIDATION_RUN_ID),
-                       ("commit", t.TAG_GIT_COMMIT)):
+    for label, key in (
+        ("manifest", t.TAG_MANIFEST_URI),
+        ("validation run", t.TAG_VALIDATION_RUN_ID),
+        ("commit", t.TAG_GIT_COMMIT),
+    ):
         if tags.get(key):
             made.append(f"{label} {tags[key]}")
     train = tags.get(t.TAG_TRAIN_RUN_ID) or run_id or "unknown"

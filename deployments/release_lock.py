@@ -9,6 +9,7 @@ holder dies, where a Prefect lease is freed only when the server's lease service
 - otherwise: a file lock under $SHARDLINE_HOME (one machine).
 None is check-then-set: the acquire itself is atomic in the server, the database or the kernel.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,7 @@ def release_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterat
 @contextlib.contextmanager
 def _file_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[str]:
     if tracking_uri.startswith("sqlite:///"):
-        path = Path(tracking_uri[len("sqlite:///"):].split("?", 1)[0] + f".release-{_slug(model_name)}.lock")
+        path = Path(tracking_uri[len("sqlite:///") :].split("?", 1)[0] + f".release-{_slug(model_name)}.lock")
     else:
         path = shardline_home() / "locks" / f"release-{_slug(model_name)}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,9 @@ def _file_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise LockTimeout(f"release lock {path} of model {model_name!r} still held after {timeout_s} s")
+                    raise LockTimeout(
+                        f"release lock {path} of model {model_name!r} still held after {timeout_s} s"
+                    ) from None
                 time.sleep(0.5)
         try:
             yield f"file lock {path}"

@@ -16,6 +16,7 @@ resume: the step goes on; promote: the remaining steps are skipped and the versi
 back now. With canary.approval='manual' the ramp holds its last step below 100% in state awaiting-approval until
 an operator promotes or aborts, or canary.approval_timeout_s passes (then it rolls back).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,15 +30,42 @@ from typing import Any, NamedTuple
 from deployments import canary_control
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.endpoint import (
-    AppSpec, EndpointError, app_name_for, apply, read_state, reconcile, router_config, router_handle,
+    AppSpec,
+    EndpointError,
+    app_name_for,
+    apply,
+    read_state,
+    reconcile,
+    router_config,
+    router_handle,
 )
 from deployments.registry import (
-    CHALLENGER, CHAMPION, TAG_CANARY_DECISION, TAG_CANARY_ID, TAG_CANARY_REASON, TAG_REJECTED, AliasChanged,
-    clear_challenger, client_for, describe_version, move_alias, read_aliases, tag_rejected,
+    CHALLENGER,
+    CHAMPION,
+    TAG_CANARY_DECISION,
+    TAG_CANARY_ID,
+    TAG_CANARY_REASON,
+    TAG_REJECTED,
+    AliasChanged,
+    clear_challenger,
+    client_for,
+    describe_version,
+    move_alias,
+    read_aliases,
+    tag_rejected,
 )
 from deployments.rollout_policy import (
-    CanaryDecision, CanaryResult, OperatorCommand, StepMetrics, apply_promql, decide_canary, hold_percent, next_move,
-    ramp_steps, result_of, summarize_step,
+    CanaryDecision,
+    CanaryResult,
+    OperatorCommand,
+    StepMetrics,
+    apply_promql,
+    decide_canary,
+    hold_percent,
+    next_move,
+    ramp_steps,
+    result_of,
+    summarize_step,
 )
 from deployments.serve_app import PROBE_HEADER
 
@@ -99,8 +127,10 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
     if current == challenger:
         return f"version {challenger} is already '{CHAMPION}' (decided by an earlier attempt)"
     if current != champion:
-        raise AliasChanged(f"{model_name}: alias '{CHAMPION}' is at version {current}, the promotion stage saw "
-                           f"{champion}; not running a canary against a champion that moved")
+        raise AliasChanged(
+            f"{model_name}: alias '{CHAMPION}' is at version {current}, the promotion stage saw "
+            f"{champion}; not running a canary against a champion that moved"
+        )
     rejected = client.get_model_version(model_name, challenger).tags.get(TAG_REJECTED)
     if rejected:
         return f"version {challenger} was already rejected: {rejected}"
@@ -120,17 +150,27 @@ class Collected(NamedTuple):
 class _Ramp:
     """The application's state during one canary: both versions deployed, the router's weight, epoch and lease."""
 
-    def __init__(self, cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion: str, challenger: str,
-                 tracking_uri: str, token_sha256: str, runtime_env: dict[str, Any] | None,
-                 control: canary_control.DriverControl | None = None):
+    def __init__(
+        self,
+        cfg: CanaryConfig,
+        serve: ServeConfig,
+        model_name: str,
+        champion: str,
+        challenger: str,
+        tracking_uri: str,
+        token_sha256: str,
+        runtime_env: dict[str, Any] | None,
+        control: canary_control.DriverControl | None = None,
+    ):
         self.cfg, self.serve, self.runtime_env = cfg, serve, runtime_env
         self.app = app_name_for(serve, model_name)
         self.tracking_uri = tracking_uri
         self.versions = [champion, challenger]
         self.canary_id = control.canary_id if control is not None else uuid.uuid4().hex
         self.control = control
-        self.base = router_config(serve, model_name, champion, token_sha256, seed=cfg.seed,
-                                  shadow_share=cfg.shadow_share, mode=cfg.mode)
+        self.base = router_config(
+            serve, model_name, champion, token_sha256, seed=cfg.seed, shadow_share=cfg.shadow_share, mode=cfg.mode
+        )
         self.challenger = challenger
         self.percent, self.epoch, self.attempt = 0, 0, 0
 
@@ -138,18 +178,30 @@ class _Ramp:
         """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
         self.percent, self.epoch = percent, epoch
         lease = time.time() + self.cfg.lease_s
-        router = self.base.model_copy(update={"challenger": self.challenger, "challenger_percent": percent,
-                                              "canary_id": self.canary_id,
-                                              "epoch": epoch, "lease_expires_at": lease})
-        apply(AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=router),
-              self.serve, self.runtime_env)
+        router = self.base.model_copy(
+            update={
+                "challenger": self.challenger,
+                "challenger_percent": percent,
+                "canary_id": self.canary_id,
+                "epoch": epoch,
+                "lease_expires_at": lease,
+            }
+        )
+        apply(
+            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=router),
+            self.serve,
+            self.runtime_env,
+        )
         if self.control is not None:
             self.control.publish(percent, lease, self.attempt)
 
     def champion_only(self) -> None:
         """All traffic back on the champion at once; the challenger stays deployed until reconcile removes it."""
-        apply(AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=self.base),
-              self.serve, self.runtime_env)
+        apply(
+            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=self.base),
+            self.serve,
+            self.runtime_env,
+        )
 
     def _poll(self) -> OperatorCommand | None:
         """A command that changes what the driver does; pause and resume republish the state at once."""
@@ -172,7 +224,11 @@ class _Ramp:
         paused_at: float | None = None
         while True:
             try:
-                got = router_handle(self.app).get_observations.remote(self.canary_id, self.epoch, cursor).result(timeout_s=30)
+                got = (
+                    router_handle(self.app)
+                    .get_observations.remote(self.canary_id, self.epoch, cursor)
+                    .result(timeout_s=30)
+                )
                 if got["replica_id"] != replica:  # a restarted router starts counting again; keep what we saw
                     replica, cursor = got["replica_id"], 0
                 for ob in got["items"]:
@@ -193,9 +249,15 @@ class _Ramp:
             if paused_at is None and n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
                 return Collected(list(seen.values()), elapsed, "", None)
             if paused_at is None and elapsed >= cfg.step_timeout_s:
-                return Collected(list(seen.values()), elapsed, (
-                    f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
-                    f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"), None)
+                return Collected(
+                    list(seen.values()),
+                    elapsed,
+                    (
+                        f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
+                        f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"
+                    ),
+                    None,
+                )
             if time.monotonic() >= renew_at:
                 self.set(self.percent, self.epoch)
                 renew_at = time.monotonic() + cfg.lease_s / 3
@@ -221,11 +283,21 @@ class _Ramp:
         return None
 
 
-def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion: str, challenger: str,
-                tracking_uri: str, probe_texts: list[bytes], token: str = "", token_sha256: str = "",
-                runtime_env: dict[str, Any] | None = None,
-                on_step: Callable[[int, StepMetrics], None] | None = None,
-                log_decision: Callable[[CanaryDecision], None] | None = None, run_id: str = "") -> CanaryResult:
+def run_rollout(
+    cfg: CanaryConfig,
+    serve: ServeConfig,
+    model_name: str,
+    champion: str,
+    challenger: str,
+    tracking_uri: str,
+    probe_texts: list[bytes],
+    token: str = "",
+    token_sha256: str = "",
+    runtime_env: dict[str, Any] | None = None,
+    on_step: Callable[[int, StepMetrics], None] | None = None,
+    log_decision: Callable[[CanaryDecision], None] | None = None,
+    run_id: str = "",
+) -> CanaryResult:
     """Ramp `challenger` against `champion` on the live endpoint, decide, apply; the endpoint keeps serving.
 
     Ray must be initialised. `log_decision` receives the decision once it was applied (or applying it failed).
@@ -254,12 +326,21 @@ def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion
         try:
             ramp.set(0, 0)  # the challenger's replicas are healthy (serve.run waited) before it gets any traffic
         except EndpointError as e:  # a version that cannot start is a rejected version, not a retry
-            decision = CanaryDecision(model_name=model_name, candidate=challenger, baseline=champion,
-                                      verdict="rejected", reason=f"version {challenger} did not start: {e}")
-            return _finish(client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision,
-                           found.url)
-        prober = Prober(found.url, probe_texts, cfg.probe_rps, cfg.max_probe_bytes, cfg.seed, token) \
-            if cfg.probe_rps > 0 else None
+            decision = CanaryDecision(
+                model_name=model_name,
+                candidate=challenger,
+                baseline=champion,
+                verdict="rejected",
+                reason=f"version {challenger} did not start: {e}",
+            )
+            return _finish(
+                client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision, found.url
+            )
+        prober = (
+            Prober(found.url, probe_texts, cfg.probe_rps, cfg.max_probe_bytes, cfg.seed, token)
+            if cfg.probe_rps > 0
+            else None
+        )
         if prober is not None:
             prober.__enter__()
         ended_by: OperatorCommand | None = None
@@ -281,8 +362,14 @@ def run_rollout(cfg: CanaryConfig, serve: ServeConfig, model_name: str, champion
     return _finish(client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision, found.url)
 
 
-def _ramp_up(ramp: _Ramp, cfg: CanaryConfig, champion: str, challenger: str, steps: list[StepMetrics],
-             on_step: Callable[[int, StepMetrics], None] | None) -> tuple[OperatorCommand | None, bool]:
+def _ramp_up(
+    ramp: _Ramp,
+    cfg: CanaryConfig,
+    champion: str,
+    challenger: str,
+    steps: list[StepMetrics],
+    on_step: Callable[[int, StepMetrics], None] | None,
+) -> tuple[OperatorCommand | None, bool]:
     """Each weight of the ramp in turn, an inconclusive step again while canary.on_inconclusive allows; appends the
     judged steps. Returns (the operator's promote or abort that ended it, whether a step stopped it)."""
     epoch = 0
@@ -292,8 +379,9 @@ def _ramp_up(ramp: _Ramp, cfg: CanaryConfig, champion: str, challenger: str, ste
             epoch += 1
             ramp.set(percent, epoch)
             got = ramp.collect()
-            step = summarize_step(percent, got.observations, champion, challenger, cfg, steps, got.seconds,
-                                  got.shortfall, cfg.seed).model_copy(update={"attempt": ramp.attempt})
+            step = summarize_step(
+                percent, got.observations, champion, challenger, cfg, steps, got.seconds, got.shortfall, cfg.seed
+            ).model_copy(update={"attempt": ramp.attempt})
             if cfg.promql_gates:
                 from deployments.promql import read_gates
 
@@ -309,25 +397,40 @@ def _ramp_up(ramp: _Ramp, cfg: CanaryConfig, champion: str, challenger: str, ste
             if move == "next":
                 break
             ramp.attempt += 1
-            log.info("step %d%% inconclusive (%s); running it again (%d of canary.max_extensions=%d)", percent,
-                     "; ".join(step.inconclusive), ramp.attempt, cfg.max_extensions)
+            log.info(
+                "step %d%% inconclusive (%s); running it again (%d of canary.max_extensions=%d)",
+                percent,
+                "; ".join(step.inconclusive),
+                ramp.attempt,
+                cfg.max_extensions,
+            )
     return None, False
 
 
-def _finish(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: ServeConfig, tracking_uri: str,
-            token_sha256: str, runtime_env: dict[str, Any] | None,
-            log_decision: Callable[[CanaryDecision], None] | None, url: str) -> CanaryResult:
+def _finish(
+    client: Any,
+    decision: CanaryDecision,
+    ramp: _Ramp,
+    serve: ServeConfig,
+    tracking_uri: str,
+    token_sha256: str,
+    runtime_env: dict[str, Any] | None,
+    log_decision: Callable[[CanaryDecision], None] | None,
+    url: str,
+) -> CanaryResult:
     try:
         final = apply_decision(client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env)
     except Exception as e:
-        raise CanaryDecided(f"canary decided '{decision.verdict}' ({decision.reason}) but applying it failed: "
-                            f"{type(e).__name__}: {e}") from e
+        raise CanaryDecided(
+            f"canary decided '{decision.verdict}' ({decision.reason}) but applying it failed: {type(e).__name__}: {e}"
+        ) from e
     finally:  # the decision is recorded also when applying it failed
         if log_decision is not None:
             log_decision(decision)
         if ramp.control is not None:  # status reads `none` with the verdict; a waiting `canary promote` returns
-            ramp.control.publish(ramp.percent, 0.0, ramp.attempt, state="none", verdict=decision.verdict,
-                                 reason=decision.reason[:2000])
+            ramp.control.publish(
+                ramp.percent, 0.0, ramp.attempt, state="none", verdict=decision.verdict, reason=decision.reason[:2000]
+            )
     state = read_state(ramp.app)
     percent = state["effective_percent"] if state else None
     return result_of(decision, percent, champion=final, endpoint_url=url)
@@ -340,8 +443,15 @@ def outcome_text(decision: CanaryDecision) -> str:
     return f"Canary{against}: {decision.verdict} ({decision.decided_by}, {when}): {decision.reason}"
 
 
-def apply_decision(client: Any, decision: CanaryDecision, ramp: _Ramp, serve: ServeConfig, tracking_uri: str,
-                   token_sha256: str, runtime_env: dict[str, Any] | None) -> str:
+def apply_decision(
+    client: Any,
+    decision: CanaryDecision,
+    ramp: _Ramp,
+    serve: ServeConfig,
+    tracking_uri: str,
+    token_sha256: str,
+    runtime_env: dict[str, Any] | None,
+) -> str:
     """Registry first (the desired state), then the application follows it; returns the champion afterwards.
 
     promoted: `champion` moves to the candidate (compare-and-set: AliasChanged if it moved), then reconcile serves
@@ -384,9 +494,13 @@ def tag_abandoned(client: Any, name: str, versions: list[str]) -> None:
     for version in versions:
         if TAG_CANARY_DECISION not in client.get_model_version(name, version).tags:
             client.set_model_version_tag(name, version, TAG_CANARY_DECISION, "abandoned")
-            client.set_model_version_tag(name, version, TAG_CANARY_REASON,
-                                         "its canary ended without a decision (the driver died); the lease returned "
-                                         "all traffic to the champion and the deployment was removed")
+            client.set_model_version_tag(
+                name,
+                version,
+                TAG_CANARY_REASON,
+                "its canary ended without a decision (the driver died); the lease returned "
+                "all traffic to the champion and the deployment was removed",
+            )
 
 
 def _best_effort(action: Callable[[], Any]) -> None:
@@ -403,17 +517,33 @@ def log_decision(decision: CanaryDecision) -> None:
     mlflow.log_dict(decision.model_dump(mode="json"), "canary_decision.json")
     for i, s in enumerate(decision.metrics):
         values: dict[str, float | None] = {
-            "requests": s.requests, "probe_requests": s.probe_requests, "paired": s.paired, "seconds": s.seconds,
-            "failed_requests": s.failed_requests, "fallbacks": s.fallbacks,
-            "challenger.paired_p95_ms": s.challenger_paired_p95_ms, "champion.paired_p95_ms": s.champion_paired_p95_ms,
-            "p95_ratio": s.p95_ratio, "p99_ratio": s.p99_ratio, "bpb_regression": s.bpb_regression,
+            "requests": s.requests,
+            "probe_requests": s.probe_requests,
+            "paired": s.paired,
+            "seconds": s.seconds,
+            "failed_requests": s.failed_requests,
+            "fallbacks": s.fallbacks,
+            "challenger.paired_p95_ms": s.challenger_paired_p95_ms,
+            "champion.paired_p95_ms": s.champion_paired_p95_ms,
+            "p95_ratio": s.p95_ratio,
+            "p99_ratio": s.p99_ratio,
+            "bpb_regression": s.bpb_regression,
             "bpb_regression_upper": s.bpb_regression_upper,
         }
         values |= {f"promql.{r.name}": r.value for r in s.promql}
         for role in ("challenger", "champion"):
             v = getattr(s, role)
-            values |= {f"{role}.n": v.n, f"{role}.error_rate": v.error_rate, f"{role}.p95_ms": v.p95_ms,
-                       f"{role}.bpb": v.bpb}
+            values |= {
+                f"{role}.n": v.n,
+                f"{role}.error_rate": v.error_rate,
+                f"{role}.p95_ms": v.p95_ms,
+                f"{role}.bpb": v.bpb,
+            }
         mlflow.log_metrics({f"step{s.percent}.{k}": float(x) for k, x in values.items() if x is not None}, step=i)
-    mlflow.set_tags({"shardline.canary_verdict": decision.verdict, "shardline.canary_decided_by": decision.decided_by,
-                     TAG_CANARY_REASON: decision.reason[:5000]})
+    mlflow.set_tags(
+        {
+            "shardline.canary_verdict": decision.verdict,
+            "shardline.canary_decided_by": decision.decided_by,
+            TAG_CANARY_REASON: decision.reason[:5000],
+        }
+    )

@@ -12,6 +12,7 @@ evidence never sufficed; canary.on_inconclusive='extend' re-runs a step up to ca
 aborted (an operator's abort, or no manual approval within canary.approval_timeout_s) or skipped. An operator's
 promote or abort (OperatorCommand) ends the canary whatever the steps say; the decision records who and why.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,7 +67,8 @@ class StepMetrics(BaseModel):
     champion: VersionStats
     paired: int = Field(description="Challenger requests that both versions scored (the quality comparison's n).")
     paired_deltas: list[list[float]] = Field(
-        [], description="Per paired request: [challenger bits, champion bits, bytes] (the bootstrap's input).")
+        [], description="Per paired request: [challenger bits, champion bits, bytes] (the bootstrap's input)."
+    )
     challenger_paired_ms: list[float] = Field([], description="Challenger latency of each paired score call.")
     champion_paired_ms: list[float] = Field([], description="Champion (shadow) latency of the same calls.")
     challenger_paired_p95_ms: float | None = None
@@ -158,9 +160,17 @@ def paired_upper_bound(deltas: list[list[float]], confidence: float, seed: int) 
     return point, float(np.quantile(stats, confidence))
 
 
-def summarize_step(percent: int, observations: list[dict[str, Any]], champion: str, challenger: str,
-                   cfg: CanaryConfig, earlier: Iterable[StepMetrics] = (), seconds: float = 0.0,
-                   evidence_failure: str = "", seed: int = 0) -> StepMetrics:
+def summarize_step(
+    percent: int,
+    observations: list[dict[str, Any]],
+    champion: str,
+    challenger: str,
+    cfg: CanaryConfig,
+    earlier: Iterable[StepMetrics] = (),
+    seconds: float = 0.0,
+    evidence_failure: str = "",
+    seed: int = 0,
+) -> StepMetrics:
     """Per-version errors, latency and paired bits per byte of one step, then its gates."""
     ch_calls: list[dict[str, Any]] = []
     base_calls: list[dict[str, Any]] = []
@@ -184,22 +194,36 @@ def summarize_step(percent: int, observations: list[dict[str, Any]], champion: s
         errors = sum(1 for c in calls if not c.get("ok"))
         col = 0 if version == challenger else 1
         bpb = sum(d[col] for d in deltas) / sum(d[2] for d in deltas) if deltas else None
-        return VersionStats(version=version, n=len(calls), errors=errors,
-                            error_rate=errors / len(calls) if calls else 0.0,
-                            p95_ms=p95([c["latency_ms"] for c in calls if c.get("ok")]), bpb=bpb)
+        return VersionStats(
+            version=version,
+            n=len(calls),
+            errors=errors,
+            error_rate=errors / len(calls) if calls else 0.0,
+            p95_ms=p95([c["latency_ms"] for c in calls if c.get("ok")]),
+            bpb=bpb,
+        )
 
     step = StepMetrics(
-        percent=percent, requests=len(observations), probe_requests=sum(1 for o in observations if o.get("probe")),
-        seconds=seconds, challenger=stats(ch_calls, challenger), champion=stats(base_calls, champion),
-        paired=len(deltas), paired_deltas=deltas, challenger_paired_ms=ch_ms, champion_paired_ms=base_ms,
+        percent=percent,
+        requests=len(observations),
+        probe_requests=sum(1 for o in observations if o.get("probe")),
+        seconds=seconds,
+        challenger=stats(ch_calls, challenger),
+        champion=stats(base_calls, champion),
+        paired=len(deltas),
+        paired_deltas=deltas,
+        challenger_paired_ms=ch_ms,
+        champion_paired_ms=base_ms,
         failed_requests=sum(1 for o in observations if not o.get("client_ok", True)),
-        fallbacks=sum(1 for o in observations if o.get("fallback")), confidence=cfg.confidence,
+        fallbacks=sum(1 for o in observations if o.get("fallback")),
+        confidence=cfg.confidence,
     )
     return gate_step(step, cfg, earlier, evidence_failure, seed)
 
 
-def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetrics] = (), evidence_failure: str = "",
-              seed: int = 0) -> StepMetrics:
+def gate_step(
+    step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetrics] = (), evidence_failure: str = "", seed: int = 0
+) -> StepMetrics:
     """Fill in the gate values and the failures of a step (a new object; the input is not changed)."""
     ch, base = step.challenger, step.champion
     pooled = [*earlier, step]
@@ -207,8 +231,10 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
     inconclusive: list[str] = [evidence_failure] if evidence_failure else []
     increase = ch.error_rate - base.error_rate
     if increase > cfg.max_error_rate_increase:
-        failures.append(f"error rate {ch.error_rate:.3f} (n={ch.n}) exceeds champion's {base.error_rate:.3f} "
-                        f"(n={base.n}) by {increase:.3f} > {cfg.max_error_rate_increase}")
+        failures.append(
+            f"error rate {ch.error_rate:.3f} (n={ch.n}) exceeds champion's {base.error_rate:.3f} "
+            f"(n={base.n}) by {increase:.3f} > {cfg.max_error_rate_increase}"
+        )
     ch_lat = [ms for s in pooled for ms in s.challenger_paired_ms]
     base_lat = [ms for s in pooled for ms in s.champion_paired_ms]
     ratios: dict[float, float | None] = {}
@@ -220,25 +246,38 @@ def gate_step(step: StepMetrics, cfg: CanaryConfig, earlier: Iterable[StepMetric
         # same requests on both sides (request size drives latency); below the floor it is scheduling noise
         ratio = ratios[q] = max(a, cfg.latency_floor_ms) / max(b, cfg.latency_floor_ms)
         if ratio > limit:
-            failures.append(f"p{round(q * 100)} latency {a:.1f} ms is {ratio:.2f}x champion's {b:.1f} ms on the "
-                            f"same {len(ch_lat)} requests > {limit}x")
+            failures.append(
+                f"p{round(q * 100)} latency {a:.1f} ms is {ratio:.2f}x champion's {b:.1f} ms on the "
+                f"same {len(ch_lat)} requests > {limit}x"
+            )
     point = upper = None
     if len(step.paired_deltas) < cfg.min_paired:
-        inconclusive.append(f"only {len(step.paired_deltas)} paired requests < canary.min_paired={cfg.min_paired}: too little "
-                        "evidence to judge quality")
+        inconclusive.append(
+            f"only {len(step.paired_deltas)} paired requests < canary.min_paired={cfg.min_paired}: too little "
+            "evidence to judge quality"
+        )
     else:
         point, upper = paired_upper_bound(step.paired_deltas, cfg.confidence, seed + step.percent)
         if upper > cfg.max_bpb_regression:
             failures.append(
                 f"bits/byte {ch.bpb:.4f} vs champion's {base.bpb:.4f} on the same {step.paired} requests: "
-                f"{point:+.4f}, {cfg.confidence:.0%} upper bound {upper:+.4f} > {cfg.max_bpb_regression}")
+                f"{point:+.4f}, {cfg.confidence:.0%} upper bound {upper:+.4f} > {cfg.max_bpb_regression}"
+            )
     if step.failed_requests:
         failures.append(f"{step.failed_requests} of {step.requests} requests got no model answer")
-    return step.model_copy(update={
-        "challenger_paired_p95_ms": percentile(ch_lat, 0.95), "champion_paired_p95_ms": percentile(base_lat, 0.95),
-        "error_rate_increase": increase, "p95_ratio": ratios[0.95], "p99_ratio": ratios[0.99],
-        "bpb_regression": point, "bpb_regression_upper": upper, "failures": failures, "inconclusive": inconclusive,
-    })
+    return step.model_copy(
+        update={
+            "challenger_paired_p95_ms": percentile(ch_lat, 0.95),
+            "champion_paired_p95_ms": percentile(base_lat, 0.95),
+            "error_rate_increase": increase,
+            "p95_ratio": ratios[0.95],
+            "p99_ratio": ratios[0.99],
+            "bpb_regression": point,
+            "bpb_regression_upper": upper,
+            "failures": failures,
+            "inconclusive": inconclusive,
+        }
+    )
 
 
 def judge_promql(gate: PromQLGate, query: str, value: float | None, error: str = "") -> GateReading:
@@ -246,8 +285,14 @@ def judge_promql(gate: PromQLGate, query: str, value: float | None, error: str =
     kind = "" if gate.critical else " (report-only)"
     if value is None or math.isnan(value):
         why = error or "no sample"
-        return GateReading(name=gate.name, query=query, value=None, critical=gate.critical, verdict="no-data",
-                           message=f"PromQL gate {gate.name}{kind}: {why}: too little evidence to judge")
+        return GateReading(
+            name=gate.name,
+            query=query,
+            value=None,
+            critical=gate.critical,
+            verdict="no-data",
+            message=f"PromQL gate {gate.name}{kind}: {why}: too little evidence to judge",
+        )
     breach = []
     if gate.max is not None and value > gate.max:
         breach.append(f"> max {gate.max:g}")
@@ -255,19 +300,31 @@ def judge_promql(gate: PromQLGate, query: str, value: float | None, error: str =
         breach.append(f"< min {gate.min:g}")
     verdict = "fail" if breach else "pass"
     bounds = " and ".join(breach) or "within " + ", ".join(
-        f"{k} {v:g}" for k, v in (("min", gate.min), ("max", gate.max)) if v is not None)
-    return GateReading(name=gate.name, query=query, value=value, critical=gate.critical, verdict=verdict,
-                       message=f"PromQL gate {gate.name}{kind}: {value:g} {bounds}")
+        f"{k} {v:g}" for k, v in (("min", gate.min), ("max", gate.max)) if v is not None
+    )
+    return GateReading(
+        name=gate.name,
+        query=query,
+        value=value,
+        critical=gate.critical,
+        verdict=verdict,
+        message=f"PromQL gate {gate.name}{kind}: {value:g} {bounds}",
+    )
 
 
 def apply_promql(step: StepMetrics, readings: list[GateReading]) -> StepMetrics:
     """The step with its PromQL readings: a critical gate's breach is a failure, its missing value makes the step
     inconclusive; report-only gates are recorded and never decide (a new object; the input is not changed)."""
-    return step.model_copy(update={
-        "promql": readings,
-        "failures": [*step.failures, *(r.message for r in readings if r.critical and r.verdict == "fail")],
-        "inconclusive": [*step.inconclusive, *(r.message for r in readings if r.critical and r.verdict == "no-data")],
-    })
+    return step.model_copy(
+        update={
+            "promql": readings,
+            "failures": [*step.failures, *(r.message for r in readings if r.critical and r.verdict == "fail")],
+            "inconclusive": [
+                *step.inconclusive,
+                *(r.message for r in readings if r.critical and r.verdict == "no-data"),
+            ],
+        }
+    )
 
 
 def next_move(step: StepMetrics, cfg: CanaryConfig) -> Literal["next", "extend", "stop"]:
@@ -313,64 +370,116 @@ def _evidence(steps: list[StepMetrics], cfg: CanaryConfig) -> str:
         return "no step was judged"
     last = steps[-1]
     paired = sum(s.paired for s in steps)
-    bpb = (f": bits/byte {last.challenger.bpb:.4f} vs {last.champion.bpb:.4f}"
-           if last.challenger.bpb is not None and last.champion.bpb is not None else "")
-    bound = (f" ({cfg.confidence:.0%} upper bound of the difference {last.bpb_regression_upper:+.4f})"
-             if last.bpb_regression_upper is not None else "")
+    bpb = (
+        f": bits/byte {last.challenger.bpb:.4f} vs {last.champion.bpb:.4f}"
+        if last.challenger.bpb is not None and last.champion.bpb is not None
+        else ""
+    )
+    bound = (
+        f" ({cfg.confidence:.0%} upper bound of the difference {last.bpb_regression_upper:+.4f})"
+        if last.bpb_regression_upper is not None
+        else ""
+    )
     return f"{len(steps)} steps up to {last.percent}% on {paired} paired requests{bpb}{bound}"
 
 
-def decide_canary(model_name: str, candidate: str, baseline: str, steps: list[StepMetrics], cfg: CanaryConfig,
-                  ended_by: OperatorCommand | None = None, approval_timed_out: bool = False,
-                  commands: list[OperatorCommand] | None = None) -> CanaryDecision:
+def decide_canary(
+    model_name: str,
+    candidate: str,
+    baseline: str,
+    steps: list[StepMetrics],
+    cfg: CanaryConfig,
+    ended_by: OperatorCommand | None = None,
+    approval_timed_out: bool = False,
+    commands: list[OperatorCommand] | None = None,
+) -> CanaryDecision:
     """The verdict, in this order: an operator's promote or abort (`ended_by`) decides whatever the steps say; no
     manual approval within the timeout aborts; the first failing step rejects; a last step that stayed
     inconclusive is inconclusive; a ramp that stopped early is rejected; otherwise every step passed: promoted
     (with approval='manual' only by an operator's promote)."""
     gates: dict[str, float | str] = {
-        "max_error_rate_increase": cfg.max_error_rate_increase, "max_p95_latency_ratio": cfg.max_p95_latency_ratio,
-        "max_p99_latency_ratio": cfg.max_p99_latency_ratio, "max_bpb_regression": cfg.max_bpb_regression,
-        "confidence": cfg.confidence, "min_requests": cfg.min_requests, "min_paired": cfg.min_paired,
-        "bake_seconds": cfg.bake_seconds, "latency_floor_ms": cfg.latency_floor_ms, "mode": cfg.mode,
-        "approval": cfg.approval, "on_inconclusive": cfg.on_inconclusive, "max_extensions": cfg.max_extensions,
+        "max_error_rate_increase": cfg.max_error_rate_increase,
+        "max_p95_latency_ratio": cfg.max_p95_latency_ratio,
+        "max_p99_latency_ratio": cfg.max_p99_latency_ratio,
+        "max_bpb_regression": cfg.max_bpb_regression,
+        "confidence": cfg.confidence,
+        "min_requests": cfg.min_requests,
+        "min_paired": cfg.min_paired,
+        "bake_seconds": cfg.bake_seconds,
+        "latency_floor_ms": cfg.latency_floor_ms,
+        "mode": cfg.mode,
+        "approval": cfg.approval,
+        "on_inconclusive": cfg.on_inconclusive,
+        "max_extensions": cfg.max_extensions,
     }
-    common = dict(model_name=model_name, candidate=candidate, baseline=baseline, metrics=steps, gates=gates,
-                  commands=list(commands or []))
+    common = dict(
+        model_name=model_name,
+        candidate=candidate,
+        baseline=baseline,
+        metrics=steps,
+        gates=gates,
+        commands=list(commands or []),
+    )
     evidence = _evidence(steps, cfg)
     if ended_by is not None and ended_by.action in ("promote", "abort"):
         where = f"at {ended_by.percent}% ({ended_by.state})" if ended_by.percent is not None else ""
         why = f": {ended_by.reason}" if ended_by.reason else ""
         if ended_by.action == "promote":
-            return CanaryDecision(verdict="promoted", decided_by="operator", **common,
-                                  reason=f"promoted by {ended_by.user} {where}{why}; evidence so far: {evidence}")
-        return CanaryDecision(verdict="aborted", decided_by="operator", **common,
-                              reason=f"aborted by {ended_by.user} {where}{why}; rolled back; evidence: {evidence}")
+            return CanaryDecision(
+                verdict="promoted",
+                decided_by="operator",
+                **common,
+                reason=f"promoted by {ended_by.user} {where}{why}; evidence so far: {evidence}",
+            )
+        return CanaryDecision(
+            verdict="aborted",
+            decided_by="operator",
+            **common,
+            reason=f"aborted by {ended_by.user} {where}{why}; rolled back; evidence: {evidence}",
+        )
     if approval_timed_out:
-        return CanaryDecision(verdict="aborted", decided_by="timeout", **common, reason=(
-            f"no approval within canary.approval_timeout_s={cfg.approval_timeout_s:g} s at "
-            f"{steps[-1].percent if steps else 0}%; rolled back; evidence: {evidence}"))
+        return CanaryDecision(
+            verdict="aborted",
+            decided_by="timeout",
+            **common,
+            reason=(
+                f"no approval within canary.approval_timeout_s={cfg.approval_timeout_s:g} s at "
+                f"{steps[-1].percent if steps else 0}%; rolled back; evidence: {evidence}"
+            ),
+        )
     for step in steps:
         if step.failures:
-            return CanaryDecision(verdict="rejected", reason=f"step {step.percent}%: " + "; ".join(step.failures),
-                                  **common)
+            return CanaryDecision(
+                verdict="rejected", reason=f"step {step.percent}%: " + "; ".join(step.failures), **common
+            )
     if steps and steps[-1].outcome == "inconclusive":
         last = steps[-1]
         runs = f" after {last.attempt + 1} runs" if last.attempt else ""
-        return CanaryDecision(verdict="inconclusive", **common, reason=(
-            f"step {last.percent}% inconclusive{runs}: " + "; ".join(last.inconclusive)
-            + f" (canary.on_inconclusive={cfg.on_inconclusive}); the champion stays"))
+        return CanaryDecision(
+            verdict="inconclusive",
+            **common,
+            reason=(
+                f"step {last.percent}% inconclusive{runs}: "
+                + "; ".join(last.inconclusive)
+                + f" (canary.on_inconclusive={cfg.on_inconclusive}); the champion stays"
+            ),
+        )
     target = cfg.steps[-1]
     if not steps or steps[-1].percent != target or cfg.approval == "manual":
         last_percent = steps[-1].percent if steps else 0
-        return CanaryDecision(verdict="rejected", reason=f"ramp stopped at {last_percent}% before {target}%"
-                              + (" (approval='manual' and no operator promoted)" if cfg.approval == "manual" else ""),
-                              **common)
+        return CanaryDecision(
+            verdict="rejected",
+            reason=f"ramp stopped at {last_percent}% before {target}%"
+            + (" (approval='manual' and no operator promoted)" if cfg.approval == "manual" else ""),
+            **common,
+        )
     return CanaryDecision(verdict="promoted", reason=f"version {candidate} passed {evidence}", **common)
 
 
 def skipped(model_name: str, candidate: str, baseline: str | None, reason: str) -> CanaryDecision:
-    return CanaryDecision(model_name=model_name, candidate=candidate, baseline=baseline, verdict="skipped",
-                          reason=reason)
+    return CanaryDecision(
+        model_name=model_name, candidate=candidate, baseline=baseline, verdict="skipped", reason=reason
+    )
 
 
 def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str, Any]]:
@@ -382,28 +491,38 @@ def steps_table(steps: Iterable[StepMetrics | dict[str, Any]]) -> list[dict[str,
 
     return [
         {
-            "step": f"{s.percent}%", "requests (probe)": f"{s.requests} ({s.probe_requests})", "paired": s.paired,
+            "step": f"{s.percent}%",
+            "requests (probe)": f"{s.requests} ({s.probe_requests})",
+            "paired": s.paired,
             "seconds": fmt(s.seconds, 1),
-            f"v{s.challenger.version} bpb": fmt(s.challenger.bpb), f"v{s.champion.version} bpb": fmt(s.champion.bpb),
+            f"v{s.challenger.version} bpb": fmt(s.challenger.bpb),
+            f"v{s.champion.version} bpb": fmt(s.champion.bpb),
             "bpb diff (upper)": f"{fmt(s.bpb_regression)} ({fmt(s.bpb_regression_upper)})",
             f"v{s.challenger.version} p95 ms": fmt(s.challenger_paired_p95_ms, 1),
             f"v{s.champion.version} p95 ms": fmt(s.champion_paired_p95_ms, 1),
             "error rate (ch/base)": f"{s.challenger.error_rate:.3f}/{s.champion.error_rate:.3f}",
-            "verdict": "; ".join(s.failures) or ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive
-                                                  else "pass"),
+            "verdict": "; ".join(s.failures)
+            or ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive else "pass"),
         }
         for s in judged
     ]
 
 
-def result_of(decision: CanaryDecision, final_percent: int | None = None, champion: str | None = None,
-              endpoint_url: str = "") -> CanaryResult:
+def result_of(
+    decision: CanaryDecision, final_percent: int | None = None, champion: str | None = None, endpoint_url: str = ""
+) -> CanaryResult:
     """The CanaryResult of a decision: the champion after applying it (unless given), the steps as plain dicts."""
     if champion is None:
         champion = decision.candidate if decision.verdict == "promoted" else (decision.baseline or decision.candidate)
     return CanaryResult(
-        decision=decision.verdict, reason=decision.reason, champion_version=champion,
-        challenger_version=decision.candidate, final_challenger_percent=final_percent, endpoint_url=endpoint_url,
-        steps=[s.model_dump(exclude={"paired_deltas", "challenger_paired_ms", "champion_paired_ms"})
-               for s in decision.metrics],
+        decision=decision.verdict,
+        reason=decision.reason,
+        champion_version=champion,
+        challenger_version=decision.candidate,
+        final_challenger_percent=final_percent,
+        endpoint_url=endpoint_url,
+        steps=[
+            s.model_dump(exclude={"paired_deltas", "challenger_paired_ms", "champion_paired_ms"})
+            for s in decision.metrics
+        ],
     )

@@ -8,6 +8,7 @@ updates, read back by a restarted replica. A challenger's weight holds only whil
 `lease_expires_at` the router sends everything to the champion by itself.
 The classes are plain; endpoint.build_app wraps them with `serve.deployment`, so importing this needs no Ray.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments import openai_api as oai
-from deployments.http_io import EVENT_STREAM, check_token, error_reply, read_body, reply, to_response, \
-    to_streaming_response
+from deployments.http_io import (
+    EVENT_STREAM,
+    check_token,
+    error_reply,
+    read_body,
+    reply,
+    to_response,
+    to_streaming_response,
+)
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
 from deployments.serve_metrics import RouterMetrics
 
@@ -82,8 +90,16 @@ class Job:
         if isinstance(self.req, ScoreRequest):
             return "score", (self.text,)
         r = self.req
-        params = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
-                  "seed": r.seed, "stop": r.stops(), "logprobs": r.logprobs, "echo": r.echo}
+        params = {
+            "max_tokens": r.max_tokens,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "seed": r.seed,
+            "stop": r.stops(),
+            "logprobs": r.logprobs,
+            "echo": r.echo,
+        }
         return "complete", (self.text, params)
 
 
@@ -112,7 +128,10 @@ class Router:
         if old is not None and old.canary_id != new.canary_id:
             self.observations.clear()  # another canary: what the last one saw is not evidence for this one
         if old is None or (old.epoch, old.challenger_percent, old.challenger) != (
-                new.epoch, new.challenger_percent, new.challenger):
+            new.epoch,
+            new.challenger_percent,
+            new.challenger,
+        ):
             self.rng = random.Random(f"{new.seed}:{new.epoch}:{new.challenger_percent}")
             self.shadow_rng = random.Random(f"{new.seed}:{new.epoch}:shadow")
         self.cfg = new
@@ -121,16 +140,22 @@ class Router:
     def get_state(self) -> dict[str, Any]:
         cfg = self.cfg.model_dump() if self.cfg else None
         now = time.time()
-        return {"config": cfg, "replica_id": self.replica_id, "inflight": dict(self.inflight),
-                "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0, "now": now}
+        return {
+            "config": cfg,
+            "replica_id": self.replica_id,
+            "inflight": dict(self.inflight),
+            "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0,
+            "now": now,
+        }
 
     async def get_observations(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
         """Requests recorded at step `epoch` of canary `canary_id` with sequence number >= since: every router
         replica's, from the application's Evidence deployment (this replica's own when there is none)."""
         if self.evidence is not None:
             return await self.evidence.get.remote(canary_id, epoch, since)
-        items = [o for o in self.observations
-                 if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
+        items = [
+            o for o in self.observations if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since
+        ]
         return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
     def metrics_text(self) -> str:
@@ -174,8 +199,7 @@ class Router:
         prepared = self._prepare(method, path, headers, body)
         return prepared if isinstance(prepared, dict) else await self._serve(prepared)
 
-    async def respond_stream(self, method: str, path: str, headers: dict[str, str],
-                             body: bytes) -> AsyncIterator[Any]:
+    async def respond_stream(self, method: str, path: str, headers: dict[str, str], body: bytes) -> AsyncIterator[Any]:
         """A reply as a head ({"status", "headers", "media_type"}, with "body" when it is whole) and, for a
         stream, its server-sent events as bytes."""
         prepared = self._prepare(method, path, headers, body)
@@ -197,11 +221,21 @@ class Router:
                 body_, content_type = self.metrics.exposition()
                 return reply(200, body_, media_type=content_type)
             if path.endswith("/v1/chat/completions"):
-                raise ApiError(400, f"{self.cfg.model_name if self.cfg else 'this model'} has no chat template (a "
-                               "byte-level model's tokenizer has none): use /v1/completions",
-                               code="no_chat_template")
-            endpoint = "completions" if path.endswith("/v1/completions") else \
-                "score" if path.endswith("/v1/score") else "models" if path.endswith("/v1/models") else ""
+                raise ApiError(
+                    400,
+                    f"{self.cfg.model_name if self.cfg else 'this model'} has no chat template (a "
+                    "byte-level model's tokenizer has none): use /v1/completions",
+                    code="no_chat_template",
+                )
+            endpoint = (
+                "completions"
+                if path.endswith("/v1/completions")
+                else "score"
+                if path.endswith("/v1/score")
+                else "models"
+                if path.endswith("/v1/models")
+                else ""
+            )
             if not endpoint:
                 raise ApiError(404, f"no such endpoint: {method} {path or '/'}", code="not_found")
             if self.cfg is None:
@@ -214,17 +248,26 @@ class Router:
                 return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
             if method != "POST":
                 raise ApiError(405, f"{path} takes POST")
-            req = oai.validate("completions" if endpoint == "completions" else "score", oai.parse_json(body),
-                               cfg.max_prompt_bytes, cfg.max_tokens_cap)
+            req = oai.validate(
+                "completions" if endpoint == "completions" else "score",
+                oai.parse_json(body),
+                cfg.max_prompt_bytes,
+                cfg.max_tokens_cap,
+            )
             if req.model is not None and req.model != cfg.model_name:
-                raise ApiError(404, f"model: {req.model!r} is not served here (this is {cfg.model_name!r})",
-                               param="model", code="model_not_found")
+                raise ApiError(
+                    404,
+                    f"model: {req.model!r} is not served here (this is {cfg.model_name!r})",
+                    param="model",
+                    code="model_not_found",
+                )
             variant = headers.get(VARIANT_HEADER, "")
             if variant not in ("", "champion", "challenger"):
                 raise ApiError(400, f"{VARIANT_HEADER}: {variant!r} is not champion or challenger")
             if variant == "challenger" and cfg.challenger is None:
-                raise ApiError(404, f"{VARIANT_HEADER}: {cfg.model_name} has no challenger deployed",
-                               code="no_challenger")
+                raise ApiError(
+                    404, f"{VARIANT_HEADER}: {cfg.model_name} has no challenger deployed", code="no_challenger"
+                )
         except ApiError as e:
             self.metrics.rejected(endpoint or "none", e.status)
             return error_reply(e)
@@ -233,10 +276,17 @@ class Router:
     def _healthz(self) -> dict[str, Any]:
         if self.cfg is None:
             return reply(503, {"status": "starting"})
-        return reply(200, {"status": "ok", "model": self.cfg.model_name, "champion": self.cfg.champion,
-                           "challenger": self.cfg.challenger,
-                           "challenger_percent": self.cfg.effective_percent(time.time())},
-                     {VERSION_HEADER: self.cfg.champion})
+        return reply(
+            200,
+            {
+                "status": "ok",
+                "model": self.cfg.model_name,
+                "champion": self.cfg.champion,
+                "challenger": self.cfg.challenger,
+                "challenger_percent": self.cfg.effective_percent(time.time()),
+            },
+            {VERSION_HEADER: self.cfg.champion},
+        )
 
     def _choose(self, job: Job) -> tuple[bool, bool]:
         """(to the challenger, paired with a champion shadow score)."""
@@ -272,29 +322,43 @@ class Router:
             if not served["ok"] and not job.variant:
                 # the client is answered by the champion; the failure counts against the challenger
                 failed = served
-                served = await self._call(cfg.champion, op, "served", *args) if op != "score" or not (
-                    shadow and shadow["ok"]) else shadow
+                served = (
+                    await self._call(cfg.champion, op, "served", *args)
+                    if op != "score" or not (shadow and shadow["ok"])
+                    else shadow
+                )
         else:
             served = await self._call(cfg.champion, op, "served", *args)
         if not job.variant and not (to_challenger and cfg.mode == "shadow"):
-            self._record(cfg, job.endpoint, job.probe, to_challenger, served, shadow, failed,
-                         (time.perf_counter() - t0) * 1000.0)
+            self._record(
+                cfg, job.endpoint, job.probe, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0
+            )
         version = served["version"]
         self.metrics.request(version, job.endpoint, self._source(job), ok=served["ok"])
         if not served["ok"]:
-            e = ApiError(503, f"model version {version} failed: {served['error']}", kind="server_error",
-                         code="model_failed", retry_after=1)
+            e = ApiError(
+                503,
+                f"model version {version} failed: {served['error']}",
+                kind="server_error",
+                code="model_failed",
+                retry_after=1,
+            )
             return error_reply(e, {VERSION_HEADER: version})
         if isinstance(job.req, ScoreRequest):
-            payload: dict[str, Any] = {"model": cfg.model_name, "model_version": version,
-                                       "bits_per_byte": served["bpb"], "bytes": served["bytes"],
-                                       "bits": served["bits"]}
+            payload: dict[str, Any] = {
+                "model": cfg.model_name,
+                "model_version": version,
+                "bits_per_byte": served["bpb"],
+                "bytes": served["bytes"],
+                "bits": served["bits"],
+            }
         else:
             payload = self._completion(job, served)
         return reply(200, payload, {VERSION_HEADER: version})
 
-    async def _mirror(self, job: Job, served: dict[str, Any], paired: bool, op: str, args: tuple[Any, ...],
-                      t0: float) -> None:
+    async def _mirror(
+        self, job: Job, served: dict[str, Any], paired: bool, op: str, args: tuple[Any, ...], t0: float
+    ) -> None:
         """Shadow mode: the challenger's answer to a copy of a request the champion already answered, paired (as in
         canary mode) with a champion score of the same text taken right beside it, so that both latencies of a pair
         are measured under the same load (the client's call ran earlier, under another)."""
@@ -304,8 +368,17 @@ class Router:
         mirrored = await self._call(str(cfg.challenger), op, "mirror", *args)
         if paired and shadow is None:
             shadow = await self._call(cfg.champion, "score", "shadow", job.text)
-        self._record(cfg, job.endpoint, job.probe, True, served, shadow, None, (time.perf_counter() - t0) * 1000.0,
-                     mirror=mirrored)
+        self._record(
+            cfg,
+            job.endpoint,
+            job.probe,
+            True,
+            served,
+            shadow,
+            None,
+            (time.perf_counter() - t0) * 1000.0,
+            mirror=mirrored,
+        )
 
     @staticmethod
     def _source(job: Job) -> str:
@@ -321,9 +394,17 @@ class Router:
         if req.logprobs is not None:
             head = self._prompt_piece({**served, "prompt": job.text}) if req.echo else None
             logprobs = merge_logprobs([head, *served["pieces"]])
-        return oai.completion(oai.completion_id(), job.cfg.model_name, served["version"], prompt + served["text"],
-                              served["finish_reason"], len(job.text), int(served["tokens"]), logprobs,
-                              served["bpb"])
+        return oai.completion(
+            oai.completion_id(),
+            job.cfg.model_name,
+            served["version"],
+            prompt + served["text"],
+            served["finish_reason"],
+            len(job.text),
+            int(served["tokens"]),
+            logprobs,
+            served["bpb"],
+        )
 
     @staticmethod
     def _prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
@@ -332,8 +413,11 @@ class Router:
         scored = head.get("prompt_logprobs")
         if scored is None:
             return None
-        return {"tokens": [token_text(b) for b in head["prompt"]], "token_logprobs": [lp for lp, _ in scored],
-                "top_logprobs": [top for _, top in scored]}
+        return {
+            "tokens": [token_text(b) for b in head["prompt"]],
+            "token_logprobs": [lp for lp, _ in scored],
+            "top_logprobs": [top for _, top in scored],
+        }
 
     async def _serve_stream(self, job: Job) -> AsyncIterator[Any]:
         """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
@@ -353,19 +437,28 @@ class Router:
             stream, head = await self._open_stream(version, prompt, params)
         if "error" in head:
             self._finish_stream(job, to_challenger, head, shadow, failed, t0)
-            yield error_reply(ApiError(503, f"model version {version} failed: {head['error']}",
-                                       kind="server_error", code="model_failed", retry_after=1),
-                              {VERSION_HEADER: version})
+            yield error_reply(
+                ApiError(
+                    503,
+                    f"model version {version} failed: {head['error']}",
+                    kind="server_error",
+                    code="model_failed",
+                    retry_after=1,
+                ),
+                {VERSION_HEADER: version},
+            )
             return
-        yield {"status": 200, "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
-               "media_type": EVENT_STREAM}
+        yield {
+            "status": 200,
+            "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
+            "media_type": EVENT_STREAM,
+        }
         cid, model, req = oai.completion_id(), cfg.model_name, job.req
         assert isinstance(req, CompletionRequest)
         served: dict[str, Any] = {**head, "ok": True}
         if req.echo:
             piece = self._prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
-            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None,
-                                    merge_logprobs([piece]) if piece else None))
+            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None, merge_logprobs([piece]) if piece else None))
         offset = len(req.prompt) if req.echo else 0
         finished = False
         try:
@@ -378,8 +471,11 @@ class Router:
                     served |= event
         except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
             served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-            yield oai.sse(oai.error_body(f"model version {version} failed mid-stream: {served['error']}",
-                                         "server_error", code="model_failed"))
+            yield oai.sse(
+                oai.error_body(
+                    f"model version {version} failed mid-stream: {served['error']}", "server_error", code="model_failed"
+                )
+            )
         else:
             finished = True
             yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
@@ -402,18 +498,37 @@ class Router:
         finally:
             self.inflight[version] -= 1
 
-    def _finish_stream(self, job: Job, to_challenger: bool, served: dict[str, Any], shadow: dict | None,
-                       failed: dict | None, t0: float) -> None:
+    def _finish_stream(
+        self, job: Job, to_challenger: bool, served: dict[str, Any], shadow: dict | None, failed: dict | None, t0: float
+    ) -> None:
         out = dict(served)
         out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
         self.metrics.model_call(out["version"], "served", "complete", out)
         self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
         if not job.variant:
-            self._record(job.cfg, job.endpoint, job.probe, to_challenger, out, shadow, failed,
-                         (time.perf_counter() - t0) * 1000.0)
+            self._record(
+                job.cfg,
+                job.endpoint,
+                job.probe,
+                to_challenger,
+                out,
+                shadow,
+                failed,
+                (time.perf_counter() - t0) * 1000.0,
+            )
 
-    def _record(self, cfg: RouterConfig, endpoint: str, probe: bool, to_challenger: bool, served: dict,
-                shadow: dict | None, failed: dict | None, total_ms: float, mirror: dict | None = None) -> None:
+    def _record(
+        self,
+        cfg: RouterConfig,
+        endpoint: str,
+        probe: bool,
+        to_challenger: bool,
+        served: dict,
+        shadow: dict | None,
+        failed: dict | None,
+        total_ms: float,
+        mirror: dict | None = None,
+    ) -> None:
         """One observation per request: the challenger's call (also when it failed and the champion answered),
         the champion's served call, and the champion's shadow score of the same text."""
         fallback = failed is not None
@@ -428,12 +543,21 @@ class Router:
             return {k: call.get(k) for k in ("version", "ok", "bits", "bytes", "latency_ms", "error")}
 
         observation = {
-            "seq": self.seq, "canary_id": cfg.canary_id, "epoch": cfg.epoch, "t": time.time(), "endpoint": endpoint,
-            "probe": probe, "router_replica": self.replica_id,
+            "seq": self.seq,
+            "canary_id": cfg.canary_id,
+            "epoch": cfg.epoch,
+            "t": time.time(),
+            "endpoint": endpoint,
+            "probe": probe,
+            "router_replica": self.replica_id,
             "op": "complete" if endpoint == "completions" else "score",
             "role": "challenger" if to_challenger else "champion",
-            "challenger": slim(challenger_call), "champion": slim(champion_call),
-            "shadow": slim(shadow), "fallback": fallback, "client_ok": bool(served.get("ok")), "total_ms": total_ms,
+            "challenger": slim(challenger_call),
+            "champion": slim(champion_call),
+            "shadow": slim(shadow),
+            "fallback": fallback,
+            "client_ok": bool(served.get("ok")),
+            "total_ms": total_ms,
         }
         self.seq += 1
         if self.evidence is None:

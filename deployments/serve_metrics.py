@@ -2,6 +2,7 @@
 
 Every series carries the `model` label: the gateway merges the routers' expositions into one /metrics.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,20 +18,49 @@ class RouterMetrics:
 
         self.model = model
         self.registry = CollectorRegistry()
-        self.requests = Counter("shardline_requests", "HTTP requests answered, by the version that served them.",
-                                ["model", "version", "endpoint", "source", "outcome"], registry=self.registry)
-        self.rejects = Counter("shardline_rejected_requests", "Requests refused before reaching a model.",
-                               ["model", "endpoint", "status"], registry=self.registry)
-        self.calls = Counter("shardline_model_calls", "Model calls, served or shadow, by outcome.",
-                             ["model", "version", "kind", "op", "outcome"], registry=self.registry)
-        self.latency = Histogram("shardline_model_latency_seconds", "Model time inside the replica per call.",
-                                 ["model", "version", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.bits = Counter("shardline_bits", "Bits the model needed for the bytes it scored.", ["model", "version"],
-                            registry=self.registry)
-        self.bytes = Counter("shardline_scored_bytes", "Bytes scored (predicted), per version.", ["model", "version"],
-                             registry=self.registry)
-        self.percent = Gauge("shardline_challenger_percent", "Percent of requests routed to the challenger.",
-                             ["model"], registry=self.registry)
+        self.requests = Counter(
+            "shardline_requests",
+            "HTTP requests answered, by the version that served them.",
+            ["model", "version", "endpoint", "source", "outcome"],
+            registry=self.registry,
+        )
+        self.rejects = Counter(
+            "shardline_rejected_requests",
+            "Requests refused before reaching a model.",
+            ["model", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self.calls = Counter(
+            "shardline_model_calls",
+            "Model calls, served or shadow, by outcome.",
+            ["model", "version", "kind", "op", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "shardline_model_latency_seconds",
+            "Model time inside the replica per call.",
+            ["model", "version", "op"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.bits = Counter(
+            "shardline_bits",
+            "Bits the model needed for the bytes it scored.",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.bytes = Counter(
+            "shardline_scored_bytes",
+            "Bytes scored (predicted), per version.",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.percent = Gauge(
+            "shardline_challenger_percent",
+            "Percent of requests routed to the challenger.",
+            ["model"],
+            registry=self.registry,
+        )
 
     def set_percent(self, percent: int) -> None:
         self.percent.labels(self.model).set(percent)

@@ -3,6 +3,7 @@
 `serve_up` connects to (or starts) the configured cluster and reconciles the model's application to the registry;
 `serve_down` removes that application and the local head shardline started, and nothing else.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,19 +68,33 @@ def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
             start_proxy(config.serve)
             if done.champion is None:  # the gateway answers "waiting for a first model" until there is one
                 ensure_gateway(config.serve, token, env)
-            out = {"url": done.url or endpoint_url(config.serve), "champion": done.champion, "action": done.action,
-                   "reconciled": True}
+            out = {
+                "url": done.url or endpoint_url(config.serve),
+                "champion": done.champion,
+                "action": done.action,
+                "reconciled": True,
+            }
     except LockTimeout:
         state = read_state(app_name_for(config.serve, name))
-        out = {"url": endpoint_url(config.serve), "champion": state["config"]["champion"] if state else None,
-               "action": "a release of this model is in progress; left as it is", "reconciled": False}
+        out = {
+            "url": endpoint_url(config.serve),
+            "champion": state["config"]["champion"] if state else None,
+            "action": "a release of this model is in progress; left as it is",
+            "reconciled": False,
+        }
     others = reconcile_others(config.serve, name, tracking_uri, token, env)
-    return {**out, "app": app_name_for(config.serve, name), "ray_address": cluster.gcs_address or cluster.address,
-            "dashboard_url": cluster.dashboard_url, "others": others}
+    return {
+        **out,
+        "app": app_name_for(config.serve, name),
+        "ray_address": cluster.gcs_address or cluster.address,
+        "dashboard_url": cluster.dashboard_url,
+        "others": others,
+    }
 
 
-def reconcile_others(serve: ServeConfig, skip: str, tracking_uri: str, token_sha256: str,
-                     runtime_env: dict[str, Any] | None) -> dict[str, str]:
+def reconcile_others(
+    serve: ServeConfig, skip: str, tracking_uri: str, token_sha256: str, runtime_env: dict[str, Any] | None
+) -> dict[str, str]:
     """Serve the champion of every other model this gateway serves (per the registry) where it is not served: a
     release that failed after promotion left it so. Models whose release is in progress are left to it.
 

@@ -1,4 +1,5 @@
 """The Prefect side of `shardline canary`: the same actions on a model's live canary, from the Prefect UI."""
+
 from __future__ import annotations
 
 from typing import Annotated

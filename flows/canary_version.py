@@ -1,10 +1,11 @@
 """Canary one registered version against the current champion, on the held-out shards it was trained with."""
+
 from __future__ import annotations
 
 from prefect import flow
 
-from deployments.release_lock import release_lock
 from deployments.registry import CHAMPION, PromotionResult, client_for, read_aliases
+from deployments.release_lock import release_lock
 from flows.config import PipelineConfig
 from flows.release import FLOW_TIMEOUT_S, open_shard_set
 from flows.run_context import shardline_run
@@ -24,8 +25,13 @@ def challenge(model_name: str, version: str, aliases: dict[str, str]) -> Promoti
         raise ValueError(f"{model_name} has no champion; there is nothing to canary version {version} against")
     if champion == version:
         raise ValueError(f"{model_name} version {version} is the champion already")
-    return PromotionResult(model_name=model_name, version=version, decision="challenger",
-                           champion_version=champion, challenger_version=version)
+    return PromotionResult(
+        model_name=model_name,
+        version=version,
+        decision="challenger",
+        champion_version=champion,
+        challenger_version=version,
+    )
 
 
 @flow(name="shardline-canary", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
@@ -41,15 +47,20 @@ def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> d
         client = client_for(run.tracking_uri)
         manifest = client.get_model_version(name, str(version)).tags.get(TAG_MANIFEST_URI, "")
         if not manifest:
-            raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are "
-                             "unknown")
+            raise ValueError(f"{name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are unknown")
         shards = open_shard_set(manifest, run.lineage)
         run.cluster = provision_cluster(config.cluster, run.lineage)
         # the champion is read under the release lock: another release may move it while this one waits
         with release_lock(name, run.tracking_uri, config.canary.lock_timeout_s):
             promoted = challenge(name, str(version), read_aliases(client, name))
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
-                                   run.lineage)
+            canary = canary_deploy(
+                config.canary, config.serve, promoted, shards, run.cluster, config.registry, run.lineage
+            )
     run.logger.info("version %s of %s: %s (%s)", version, name, canary.decision, canary.reason)
-    return {"model_name": name, "model_version": str(version), "decision": canary.decision,
-            "reason": canary.reason, "parent_run_id": run.lineage.parent_run_id}
+    return {
+        "model_name": name,
+        "model_version": str(version),
+        "decision": canary.decision,
+        "reason": canary.reason,
+        "parent_run_id": run.lineage.parent_run_id,
+    }

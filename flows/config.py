@@ -1,4 +1,5 @@
 """PipelineConfig: the six stage configs in one model; the TOML file, the flow parameter and the UI form."""
+
 from __future__ import annotations
 
 import os
@@ -10,10 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.gateway_control import EndpointConflict, check_endpoint_free
+from flows.stack.config import StackConfig
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 from infra.remote import RemoteConfigError, check_remote_config
-from flows.stack.config import StackConfig
 from training.config import TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 
@@ -81,7 +82,7 @@ def describe_errors(err: ValidationError, origin: str) -> str:
 
 _WHERE_INSTEAD = {
     "registry.tracking_uri": "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or a password in "
-                             "$MLFLOW_TRACKING_URI)",
+    "$MLFLOW_TRACKING_URI)",
     "cluster.address": "the cluster's own authentication (Ray token auth: RAY_AUTH_TOKEN in the environment)",
 }
 
@@ -161,8 +162,10 @@ def check_serving(config: PipelineConfig, origin: str = "config") -> None:
     cannot host shardline's gateway (a route prefix or port held by something shardline did not start): found
     before anything trains, so nothing is registered for a model that could not be served."""
     if config.canary.enabled and not config.serve.enabled:
-        raise ConfigError(f"{origin}: canary.enabled = true needs serve.enabled = true (the canary ramps on the live "
-                          "endpoint); set canary.enabled = false to end runs at the registry")
+        raise ConfigError(
+            f"{origin}: canary.enabled = true needs serve.enabled = true (the canary ramps on the live "
+            "endpoint); set canary.enabled = false to end runs at the registry"
+        )
     if config.serve.enabled:
         try:
             check_endpoint_free(config.serve)
@@ -184,8 +187,9 @@ def check_remote_storage(config: PipelineConfig, origin: str = "config", trackin
         "registry.tracking_uri": (tracking, f"sqlite:///{home / 'mlflow.db'}"),
     }
     try:
-        check_remote_config(config.cluster, settings, data_engine=config.data.engine,
-                            canary_enabled=config.canary.enabled)
+        check_remote_config(
+            config.cluster, settings, data_engine=config.data.engine, canary_enabled=config.canary.enabled
+        )
     except RemoteConfigError as e:
         raise ConfigError(f"{origin}: {e}") from None
 

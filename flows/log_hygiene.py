@@ -6,6 +6,7 @@ misconfigured store or cluster (CredentialsError, ClusterError). Prefect's engin
 its traceback; for these types the traceback is dropped and the one-line cause stays (in the console and in
 the Prefect database). Every other exception keeps its traceback.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,8 +69,9 @@ class ThreadTimeoutNotice(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Timeout of %s seconds configured for this task, but the task is "
-                                              "running in a worker thread")
+        return not str(record.msg).startswith(
+            "Timeout of %s seconds configured for this task, but the task is running in a worker thread"
+        )
 
 
 def install() -> None:

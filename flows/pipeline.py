@@ -1,4 +1,5 @@
 """The shardline DAG: shard -> provision -> train -> validate -> promote -> canary, under one MLflow run tree."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -64,8 +65,9 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
         with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s) as lock:
             run.logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)
             promoted = promote_model(config.registry, validated, trained, shards, run.lineage)
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
-                                   run.lineage)
+            canary = canary_deploy(
+                config.canary, config.serve, promoted, shards, run.cluster, config.registry, run.lineage
+            )
 
     if promoted.decision == "first-champion":
         decision, reason, champion = "first-champion", "no champion existed", promoted.version

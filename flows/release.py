@@ -2,6 +2,7 @@
 
 The data stage is skipped: the shard set named by its prefix (or manifest) is opened and verified as published.
 """
+
 from __future__ import annotations
 
 from prefect import flow, task
@@ -40,8 +41,13 @@ def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
 
     with stage_run(lineage, "shard_dataset") as run_id:
         shards = load_shard_set(shard_set_prefix(uri))
-        mlflow.set_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri,
-                         "shardline.reused_shard_set": "true"})
+        mlflow.set_tags(
+            {
+                TAG_DATASET_DIGEST: shards.dataset_digest,
+                TAG_MANIFEST_URI: shards.manifest_uri,
+                "shardline.reused_shard_set": "true",
+            }
+        )
     return shards.model_copy(update={"data_run_id": run_id})
 
 
@@ -60,10 +66,15 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
         validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)
         with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s):
             promoted = promote_model(config.registry, validated, trained, shards, run.lineage)
-            canary = canary_deploy(config.canary, config.serve, promoted, shards, run.cluster, config.registry,
-                                   run.lineage)
-    run.logger.info("version %s of %s: %s (%s)", promoted.version, promoted.model_name, canary.decision,
-                    canary.reason)
-    return {"model_name": promoted.model_name, "model_version": promoted.version, "decision": canary.decision,
-            "reason": canary.reason, "dataset_digest": shards.dataset_digest,
-            "parent_run_id": run.lineage.parent_run_id}
+            canary = canary_deploy(
+                config.canary, config.serve, promoted, shards, run.cluster, config.registry, run.lineage
+            )
+    run.logger.info("version %s of %s: %s (%s)", promoted.version, promoted.model_name, canary.decision, canary.reason)
+    return {
+        "model_name": promoted.model_name,
+        "model_version": promoted.version,
+        "decision": canary.decision,
+        "reason": canary.reason,
+        "dataset_digest": shards.dataset_digest,
+        "parent_run_id": run.lineage.parent_run_id,
+    }

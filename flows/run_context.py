@@ -3,6 +3,7 @@
 The three flows and `shardline shard` differ only in their stages; what surrounds the stages lives here, once, so
 a new flow cannot leave out the guards (masked logs, refused credentials) that a UI run depends on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ShardlineRun:
-    """What a run's stages receive: the MLflow run tree, the tracking URI, a logger, and the cluster once provisioned."""
+    """What a run's stages receive: the MLflow run tree, the tracking URI, a logger, the cluster once provisioned."""
 
     tracking_uri: str
     lineage: Lineage
@@ -46,9 +47,11 @@ def check_parameters(origin: str, **parameters: Any) -> None:
             for i, v in enumerate(value):
                 walk(f"{name}[{i}]", v)
         elif isinstance(value, str) and (what := find_credential(value)):
-            raise ConfigError(f"{origin}: {name}={redact(value)!r} holds {what}; parameters are stored by Prefect "
-                              "and logged, so give credentials through the environment or a Prefect Secret block "
-                              "(see README)")
+            raise ConfigError(
+                f"{origin}: {name}={redact(value)!r} holds {what}; parameters are stored by Prefect "
+                "and logged, so give credentials through the environment or a Prefect Secret block "
+                "(see README)"
+            )
 
     for name, value in parameters.items():
         walk(name, value)
@@ -73,8 +76,9 @@ def _logger(name: str) -> logging.Logger | logging.LoggerAdapter:
 
 
 @contextmanager
-def shardline_run(config: PipelineConfig, name: str, *, origin: str = "flow parameter", uses_ray: bool = True,
-                  **parameters: Any) -> Iterator[ShardlineRun]:
+def shardline_run(
+    config: PipelineConfig, name: str, *, origin: str = "flow parameter", uses_ray: bool = True, **parameters: Any
+) -> Iterator[ShardlineRun]:
     """Refuse a bad config before anything starts, open the run's MLflow parent run, and close all of it after.
 
     In order: masked logs and one-line expected failures (also in a worker's process), the orphan record, the
@@ -104,8 +108,13 @@ def shardline_run(config: PipelineConfig, name: str, *, origin: str = "flow para
             import mlflow
 
             mlflow.MlflowClient(tracking_uri).set_tag(parent, TAG_STAGE, stage)
-        run = ShardlineRun(tracking_uri=tracking_uri, logger=logger, lineage=Lineage(
-            tracking_uri=tracking_uri, experiment=config.registry.experiment, parent_run_id=parent, flow_run_id=key))
+        run = ShardlineRun(
+            tracking_uri=tracking_uri,
+            logger=logger,
+            lineage=Lineage(
+                tracking_uri=tracking_uri, experiment=config.registry.experiment, parent_run_id=parent, flow_run_id=key
+            ),
+        )
         logger.info("MLflow parent run %s (%s)", parent, tracking_uri.split("://")[0])
 
         ok = False

@@ -1,4 +1,5 @@
 """Ray cluster provisioning: start Ray on this machine (one or several nodes) or connect to a running cluster."""
+
 from __future__ import annotations
 
 import time
@@ -9,8 +10,17 @@ from pydantic import BaseModel, Field
 from infra.config import ClusterConfig
 from infra.paths import quiet_telemetry
 from infra.ray_env import (  # noqa: F401 - re-exported: the names callers have always imported from here
-    RAY_MULTI_NODE_SWITCH, ClusterError, _run_ray, driver_on_loopback, forwarded_env, free_port, is_loopback,
-    loopback_node, node_env, ray_cli, use_token_auth,
+    RAY_MULTI_NODE_SWITCH,
+    ClusterError,
+    _run_ray,
+    driver_on_loopback,
+    forwarded_env,
+    free_port,
+    is_loopback,
+    loopback_node,
+    node_env,
+    ray_cli,
+    use_token_auth,
 )
 
 
@@ -64,7 +74,9 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
         _wait_for_nodes(head.nodes)
     except Exception as e:  # noqa: BLE001
         ray.shutdown()
-        raise ClusterError(f"the local Ray head at {head.gcs_address} runs but the driver could not join: {e}") from None
+        raise ClusterError(
+            f"the local Ray head at {head.gcs_address} runs but the driver could not join: {e}"
+        ) from None
     info = _describe(cfg.mode, started_here=False)
     info.gcs_address = head.gcs_address
     info.dashboard_url = head.dashboard_url
@@ -88,8 +100,15 @@ def _job_server(cfg: ClusterConfig) -> ClusterInfo:
                     resources[key] = resources.get(key, 0.0) + float(value)
     except Exception:  # noqa: BLE001 - the listing is informational; the job server answered
         pass
-    return ClusterInfo(address=cfg.address, mode=cfg.mode, resources=resources, nodes=nodes, started_here=False,
-                       dashboard_url=cfg.address, config=cfg)
+    return ClusterInfo(
+        address=cfg.address,
+        mode=cfg.mode,
+        resources=resources,
+        nodes=nodes,
+        started_here=False,
+        dashboard_url=cfg.address,
+        config=cfg,
+    )
 
 
 PACKAGES = ("flows", "tasks", "training", "deployments", "infra")

@@ -1,4 +1,5 @@
 """Configuration of the Ray cluster that training and serving run on."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -21,7 +22,8 @@ class ClusterConfig(BaseModel):
         "remote: use the running cluster at `address` and leave it running.",
     )
     address: str = Field(
-        "", description="mode=remote: a job-server URL 'http://head:8265' (training is submitted as a Ray Job "
+        "",
+        description="mode=remote: a job-server URL 'http://head:8265' (training is submitted as a Ray Job "
         "that survives this process), or a GCS address 'head:6379' (this process is a driver on the cluster). "
         "Ray Client ('ray://') is refused: a dropped connection kills a long training.",
     )
@@ -47,15 +49,11 @@ class ClusterConfig(BaseModel):
         "workers and the Serve replicas be scheduled on a 2-core machine.",
     )
     num_gpus: int = Field(0, ge=0, description="GPUs the local head advertises (0 on CPU machines).")
-    worker_nodes: int = Field(
-        1, ge=0, description="Extra worker nodes started for mode=local-multinode."
-    )
+    worker_nodes: int = Field(1, ge=0, description="Extra worker nodes started for mode=local-multinode.")
     cpus_per_worker_node: int = Field(
         2, ge=1, description="Logical CPUs each extra worker node advertises (mode=local-multinode)."
     )
-    object_store_mb: int = Field(
-        512, ge=80, description="Object store size of locally started nodes, in MiB."
-    )
+    object_store_mb: int = Field(512, ge=80, description="Object store size of locally started nodes, in MiB.")
     host: str = Field(
         "127.0.0.1", description="Address locally started nodes bind to; 127.0.0.1 unless you mean otherwise."
     )
@@ -77,8 +75,10 @@ class ClusterConfig(BaseModel):
     @classmethod
     def _no_ray_client(cls, value: str) -> str:
         if value.startswith("ray://"):
-            raise ValueError("Ray Client (ray://) is not supported: a dropped connection kills a long training; "
-                             "give the job-server URL instead, e.g. 'http://head:8265'")
+            raise ValueError(
+                "Ray Client (ray://) is not supported: a dropped connection kills a long training; "
+                "give the job-server URL instead, e.g. 'http://head:8265'"
+            )
         return value
 
     @property

@@ -6,6 +6,7 @@ with aws_access_key_id, aws_secret_access_key and optionally aws_session_token, 
 Azure Blob: AZURE_STORAGE_CONNECTION_STRING, or a Prefect Secret block named by $SHARDLINE_AZURE_SECRET_BLOCK
 holding the connection string. Never from config files; nothing here is logged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,16 @@ def _secret_block(env_name: str) -> Any:
 
 
 def _s3_settings() -> tuple[tuple[str, str], ...]:
-    keys = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-            "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_PROFILE", "SHARDLINE_S3_SECRET_BLOCK")
+    keys = (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "AWS_PROFILE",
+        "SHARDLINE_S3_SECRET_BLOCK",
+    )
     # The pid is part of the key: a forked DataLoader worker must not share the parent's connection pool.
     return (("pid", str(os.getpid())),) + tuple((k, os.environ.get(k, "")) for k in keys)
 
@@ -71,15 +80,14 @@ def _azure_service_for(conn_env: str, block_env: str, pid: int) -> Any:
         raise CredentialsError(
             "az://: no credentials: set AZURE_STORAGE_CONNECTION_STRING or SHARDLINE_AZURE_SECRET_BLOCK"
         )
-    return BlobServiceClient.from_connection_string(
-        conn, retry_total=0, connection_timeout=5, read_timeout=60
-    )
+    return BlobServiceClient.from_connection_string(conn, retry_total=0, connection_timeout=5, read_timeout=60)
 
 
 def azure_service() -> Any:
     """An azure-storage-blob BlobServiceClient for the current environment (cached per settings and process)."""
     return _azure_service_for(
-        os.environ.get("AZURE_STORAGE_CONNECTION_STRING", ""), os.environ.get("SHARDLINE_AZURE_SECRET_BLOCK", ""),
+        os.environ.get("AZURE_STORAGE_CONNECTION_STRING", ""),
+        os.environ.get("SHARDLINE_AZURE_SECRET_BLOCK", ""),
         os.getpid(),
     )
 
@@ -139,13 +147,20 @@ def arrow_filesystem(uri: str) -> tuple[Any, str] | None:
         if f.get("BlobEndpoint"):  # e.g. Azurite: http://127.0.0.1:10000/<account>
             ep_scheme, _, rest = f["BlobEndpoint"].partition("://")
             authority = rest.split("/", 1)[0]
-            kwargs.update(blob_storage_authority=authority, dfs_storage_authority=authority,
-                          blob_storage_scheme=ep_scheme, dfs_storage_scheme=ep_scheme)
+            kwargs.update(
+                blob_storage_authority=authority,
+                dfs_storage_authority=authority,
+                blob_storage_scheme=ep_scheme,
+                dfs_storage_scheme=ep_scheme,
+            )
         elif f.get("EndpointSuffix"):
             ep_scheme = f.get("DefaultEndpointsProtocol", "https")
-            kwargs.update(blob_storage_authority=f"blob.{f['EndpointSuffix']}",
-                          dfs_storage_authority=f"dfs.{f['EndpointSuffix']}",
-                          blob_storage_scheme=ep_scheme, dfs_storage_scheme=ep_scheme)
+            kwargs.update(
+                blob_storage_authority=f"blob.{f['EndpointSuffix']}",
+                dfs_storage_authority=f"dfs.{f['EndpointSuffix']}",
+                blob_storage_scheme=ep_scheme,
+                dfs_storage_scheme=ep_scheme,
+            )
         return pafs.AzureFileSystem(**kwargs), path
     return None
 

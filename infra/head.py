@@ -7,6 +7,7 @@ the served model down with it, and records the head's address and PIDs in `$SHAR
 would stop every Ray on the host; a recorded PID counts only while its start time is the recorded one
 (infra.process), so a PID reused after the head died is left alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,9 +53,14 @@ def _alive(pid: int) -> bool:
 def _node_processes(gcs_port: str) -> list[int]:
     """PIDs of the Ray processes whose command line names GCS port `gcs_port` (head and joined nodes)."""
     marks = (f"--gcs_server_port={gcs_port}", f":{gcs_port}")
-    found = [p.pid for p in process.processes()
-             if any(a.startswith(("--gcs-address=", "--address=", "--gcs_server_port=")) and a.endswith(marks)
-                    for a in p.cmdline)]
+    found = [
+        p.pid
+        for p in process.processes()
+        if any(
+            a.startswith(("--gcs-address=", "--address=", "--gcs_server_port=")) and a.endswith(marks)
+            for a in p.cmdline
+        )
+    ]
     return _descendants(found)
 
 
@@ -62,7 +68,7 @@ def _recorded_alive(info: HeadInfo) -> list[int]:
     """The recorded PIDs that are still the head's processes: same start time or, in a record written before start
     times were kept, a Ray process of this head's GCS port (or below one)."""
     if info.start_ticks:
-        return [pid for pid, ticks in zip(info.pids, info.start_ticks) if process.is_same(pid, ticks)]
+        return [pid for pid, ticks in zip(info.pids, info.start_ticks, strict=False) if process.is_same(pid, ticks)]
     ours = set(_node_processes(info.gcs_address.rsplit(":", 1)[-1]))
     return [pid for pid in info.pids if pid in ours]
 
@@ -117,9 +123,16 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     _run_ray(["get-auth-token", "--generate"])  # a fresh machine has no token file yet; output is dropped
     _owner_only(Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"))
     args = [
-        "start", "--head", f"--node-ip-address={cfg.host}", f"--port={port}", f"--num-cpus={cfg.num_cpus}",
-        f"--num-gpus={cfg.num_gpus}", "--include-dashboard=true", f"--dashboard-host={cfg.host}",
-        f"--dashboard-port={dash_port}", "--disable-usage-stats",
+        "start",
+        "--head",
+        f"--node-ip-address={cfg.host}",
+        f"--port={port}",
+        f"--num-cpus={cfg.num_cpus}",
+        f"--num-gpus={cfg.num_gpus}",
+        "--include-dashboard=true",
+        f"--dashboard-host={cfg.host}",
+        f"--dashboard-port={dash_port}",
+        "--disable-usage-stats",
         f"--object-store-memory={cfg.object_store_mb * 1024 * 1024}",
     ]
     workers = cfg.worker_nodes if cfg.mode == "local-multinode" else 0
@@ -132,18 +145,35 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
                 raise ClusterError(f"Ray head at {gcs} did not answer within 60 s")
             time.sleep(0.3)
         for _ in range(workers):
-            _run_ray(["start", f"--address={gcs}", f"--node-ip-address={cfg.host}",
-                      f"--num-cpus={cfg.cpus_per_worker_node}", "--num-gpus=0", "--disable-usage-stats",
-                      f"--object-store-memory={cfg.object_store_mb * 1024 * 1024}"], new_session=True)
+            _run_ray(
+                [
+                    "start",
+                    f"--address={gcs}",
+                    f"--node-ip-address={cfg.host}",
+                    f"--num-cpus={cfg.cpus_per_worker_node}",
+                    "--num-gpus=0",
+                    "--disable-usage-stats",
+                    f"--object-store-memory={cfg.object_store_mb * 1024 * 1024}",
+                ],
+                new_session=True,
+            )
     except ClusterError:
         _kill(_node_processes(str(port)))
         _forget_current_cluster(str(port))
         raise
     _forget_current_cluster(str(port))  # later plain ray.init() calls must not silently join our head
     procs = [p for pid in _node_processes(str(port)) if (p := process.inspect(pid)) is not None]
-    info = HeadInfo(gcs_address=gcs, dashboard_url=f"http://{cfg.host}:{dash_port}", pids=[p.pid for p in procs],
-                    start_ticks=[p.start_ticks for p in procs], host=cfg.host, num_cpus=cfg.num_cpus,
-                    worker_nodes=workers, started_at=time.time(), loopback=loopback_node(cfg))
+    info = HeadInfo(
+        gcs_address=gcs,
+        dashboard_url=f"http://{cfg.host}:{dash_port}",
+        pids=[p.pid for p in procs],
+        start_ticks=[p.start_ticks for p in procs],
+        host=cfg.host,
+        num_cpus=cfg.num_cpus,
+        worker_nodes=workers,
+        started_at=time.time(),
+        loopback=loopback_node(cfg),
+    )
     path = _record()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

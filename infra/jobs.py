@@ -8,6 +8,7 @@ file on the run's shared storage; it writes its TrainResult beside them. Credent
 env (Ray logs runtime envs): the cluster's nodes use their own environment/IAM, or the secrets file named by
 cluster.job_secrets_file.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,21 @@ from infra.names import TAG_JOB_TRAIN_RUN_ID, TAG_RAY_JOB_ID, TAG_TRAIN_KEY  # n
 ENTRY_MODULE = "training.job_entry"
 ROOT = Path(__file__).resolve().parent.parent
 # Shipped: the project's packages and top-level files. Left behind: state, data, environments, tests, VCS.
-EXCLUDES = ["/.shardline", "/.venv", "node_modules", "/tests", "/bench", "/.git", "/data", "/mlruns",
-            "/mlartifacts", "*.egg-info", "/.*_cache", "__pycache__", "*.pyc"]
+EXCLUDES = [
+    "/.shardline",
+    "/.venv",
+    "node_modules",
+    "/tests",
+    "/bench",
+    "/.git",
+    "/data",
+    "/mlruns",
+    "/mlartifacts",
+    "*.egg-info",
+    "/.*_cache",
+    "__pycache__",
+    "*.pyc",
+]
 _DRIVER_ONLY = ("SHARDLINE_HOME", "PYTHONPATH")  # paths on the driver's machine, meaningless on the cluster
 ACTIVE, DONE = ("PENDING", "RUNNING"), "SUCCEEDED"
 SUBMIT_WAIT_S = 60.0  # how long a just-started head may take before its job agent accepts submissions
@@ -42,8 +56,8 @@ def job_client(address: str) -> Any:
     Raises:
         ClusterError: the job server does not answer.
     """
-    from infra.ray_env import ClusterError, use_token_auth
     from infra.paths import quiet_telemetry
+    from infra.ray_env import ClusterError, use_token_auth
 
     quiet_telemetry()
     use_token_auth()
@@ -61,8 +75,8 @@ def job_runtime_env(cfg: ClusterConfig) -> dict[str, Any]:
     pip requirements are added only when configured: installing torch and ray into every job's env would take
     minutes and pull a second copy of what the cluster's image already has.
     """
-    from infra.ray_env import forwarded_env
     from infra.credentials import NO_SECRETS, WORKER_SECRETS_ENV, split_secrets
+    from infra.ray_env import forwarded_env
 
     plain, _secrets = split_secrets(forwarded_env())  # the secrets stay here: Ray writes runtime envs to its logs
     env = {k: v for k, v in plain.items() if k not in _DRIVER_ONLY}
@@ -85,8 +99,9 @@ def job_folder(storage_root: str, job_id: str) -> str:
     return storage.join(storage_root, "shardline-jobs", job_id)
 
 
-def submit(client: Any, cfg: ClusterConfig, job_id: str, inputs: dict[str, Any], storage_root: str,
-           metadata: dict[str, str]) -> None:
+def submit(
+    client: Any, cfg: ClusterConfig, job_id: str, inputs: dict[str, Any], storage_root: str, metadata: dict[str, str]
+) -> None:
     """Write the job's inputs next to its result-to-be and submit `python -m training.job_entry <inputs>`."""
     from infra import storage
 
@@ -95,8 +110,12 @@ def submit(client: Any, cfg: ClusterConfig, job_id: str, inputs: dict[str, Any],
     deadline = time.monotonic() + SUBMIT_WAIT_S
     while True:
         try:
-            client.submit_job(entrypoint=f"python -m {ENTRY_MODULE} {shlex.quote(inputs_uri)}",
-                              submission_id=job_id, runtime_env=job_runtime_env(cfg), metadata=metadata)
+            client.submit_job(
+                entrypoint=f"python -m {ENTRY_MODULE} {shlex.quote(inputs_uri)}",
+                submission_id=job_id,
+                runtime_env=job_runtime_env(cfg),
+                metadata=metadata,
+            )
             return
         except RuntimeError as e:
             # A head that has just started answers 500 until its node agent registered; a retry whose first
@@ -136,14 +155,19 @@ def recorded_job_ids(tracking_uri: str, experiment: str, train_key: str, address
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    runs = client.search_runs([exp.experiment_id], f"tags.`{TAG_TRAIN_KEY}` = '{train_key}'",
-                              order_by=["attributes.start_time DESC"])
-    return [r.data.tags[TAG_RAY_JOB_ID] for r in runs
-            if r.data.tags.get(TAG_RAY_JOB_ID) and r.data.tags.get(TAG_CLUSTER_ADDRESS) == address]
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.`{TAG_TRAIN_KEY}` = '{train_key}'", order_by=["attributes.start_time DESC"]
+    )
+    return [
+        r.data.tags[TAG_RAY_JOB_ID]
+        for r in runs
+        if r.data.tags.get(TAG_RAY_JOB_ID) and r.data.tags.get(TAG_CLUSTER_ADDRESS) == address
+    ]
 
 
-def follow(client: Any, job_id: str, on_log: Callable[[str], None], on_poll: Callable[[], object],
-           poll_s: float = 2.0) -> None:
+def follow(
+    client: Any, job_id: str, on_log: Callable[[str], None], on_poll: Callable[[], object], poll_s: float = 2.0
+) -> None:
     """Wait for the job to end, passing each new complete line of its log (credentials masked) to `on_log`.
 
     Raises:

@@ -4,6 +4,7 @@ MLflow tags that drive resume, re-attach, lineage and serving are written by one
 rerun, a `shardline serve`, a stack status, a remote job's follower): a typo in one copy would silently break
 recovery. Every module imports them from here; the modules that used to define them re-export them unchanged.
 """
+
 from __future__ import annotations
 
 # ----- the MLflow run tree and lineage: every stage tags what it produced with the ids of what it consumed

@@ -1,4 +1,5 @@
 """Network profiles: the NCCL/UCX environment training workers get for the fabric between their nodes."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -16,8 +17,13 @@ _TCP = {"NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "UCX_TLS": "tcp,sm,self"}
 
 # RDMA profiles. NCCL_IB_TIMEOUT 22 (about 17 s per retry instead of ~4 s) and 7 retries: large jobs on a busy
 # fabric otherwise abort on a transient stall. NCCL_IB_HCA=mlx5 takes every Mellanox/NVIDIA port (prefix match).
-_RDMA = {"NCCL_IB_DISABLE": "0", "NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5", "NCCL_IB_TIMEOUT": "22",
-         "NCCL_IB_RETRY_CNT": "7"}
+_RDMA = {
+    "NCCL_IB_DISABLE": "0",
+    "NCCL_NET": "IB",
+    "NCCL_IB_HCA": "mlx5",
+    "NCCL_IB_TIMEOUT": "22",
+    "NCCL_IB_RETRY_CNT": "7",
+}
 
 # roce: RDMA over Ethernet needs the GID of RoCE v2 on IPv4, which is index 3 on the usual mlx5 set-up
 # (0/1 are RoCE v1/v2 link-local IPv6, 2/3 v1/v2 IPv4); UCX is told the same.

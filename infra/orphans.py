@@ -7,6 +7,7 @@ process (same start time, infra.process), so a recycled PID is never touched. Th
 reading the record, not compared, so records written by earlier versions match as they did. Ray processes that
 `ray.init` starts share the driver's fate and need no record; a long-lived Ray head is meant to outlive runs.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The state directory: everything shardline keeps locally lives under $SHARDLINE_HOME."""
+
 from __future__ import annotations
 
 import os

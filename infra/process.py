@@ -13,6 +13,7 @@ for all 77 processes of the host; the float round trip errs by at most 1.2e-5 ti
 scan of all 77 processes, command lines included, took 9 ms (1.6 ms for parent pids read from /proc by hand).
 Zombies count as gone: they run nothing and cannot be stopped.
 """
+
 from __future__ import annotations
 
 import os

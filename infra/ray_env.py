@@ -3,6 +3,7 @@
 infra.head (the long-lived local head) and infra.jobs (Ray Jobs) build on these; infra.cluster (provisioning)
 builds on all three and re-exports these names for its callers.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -90,8 +91,15 @@ def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, st
         plain, secret = split_secrets(env)
         env = {**plain, **{k: v for k, v in secret.items() if k.startswith("RAY_")}}  # Ray's own auth stays
     env.setdefault("RAY_AUTH_MODE", "token")
-    proc = subprocess.run([ray_cli(), *args], capture_output=True, text=True, env=env, timeout=180,
-                          start_new_session=new_session, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [ray_cli(), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        start_new_session=new_session,
+        stdin=subprocess.DEVNULL,
+    )
     if proc.returncode != 0:
         # stderr only: stdout of `ray get-auth-token` is the token itself
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
@@ -100,8 +108,18 @@ def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, st
 
 # What a run's job on the long-lived local head needs from the driver's environment: the head's own processes were
 # started by an earlier run and have that run's environment, not this one's.
-_FORWARDED = ("AWS_", "AZURE_", "SHARDLINE_", "MLFLOW_", "PREFECT_API_", "PYTHONPATH", "OMP_NUM_THREADS",
-              "NCCL_", "GLOO_", "TORCH_")
+_FORWARDED = (
+    "AWS_",
+    "AZURE_",
+    "SHARDLINE_",
+    "MLFLOW_",
+    "PREFECT_API_",
+    "PYTHONPATH",
+    "OMP_NUM_THREADS",
+    "NCCL_",
+    "GLOO_",
+    "TORCH_",
+)
 
 
 def forwarded_env() -> dict[str, str]:

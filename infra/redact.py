@@ -5,6 +5,7 @@ One function decides what a credential looks like (`find_credential`), one rewri
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
 `SharedAccessSignature=`, `Password=`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,28 @@ from urllib.parse import parse_qsl, urlsplit
 
 MASK = "***"
 _SECRET_QUERY_KEYS = {
-    "sig", "signature", "token", "access_token", "id_token", "refresh_token", "password", "passwd", "pwd",
-    "secret", "client_secret", "api_key", "apikey", "key", "code", "awsaccesskeyid", "sharedaccesssignature",
-    "accountkey", "credential", "credentials", "auth", "authorization",
+    "sig",
+    "signature",
+    "token",
+    "access_token",
+    "id_token",
+    "refresh_token",
+    "password",
+    "passwd",
+    "pwd",
+    "secret",
+    "client_secret",
+    "api_key",
+    "apikey",
+    "key",
+    "code",
+    "awsaccesskeyid",
+    "sharedaccesssignature",
+    "accountkey",
+    "credential",
+    "credentials",
+    "auth",
+    "authorization",
 }
 _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Password", "Pwd", "AccessKey", "Secret")
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")

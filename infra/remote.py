@@ -5,6 +5,7 @@ invisible to them (Ray Train would wait on files that never appear). So with `cl
 checkpoint storage, the shard output and a file-based MLflow store must be object storage (s3://, az://)
 or a path under one of `cluster.shared_paths` (a mount every node has at the same place).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,12 @@ def _is_shared(path: Path, shared_paths: list[str]) -> bool:
     return any(path.is_relative_to(Path(p).expanduser().resolve()) for p in shared_paths)
 
 
-def check_remote_config(cluster: ClusterConfig, settings: dict[str, tuple[str, str]], data_engine: str = "local",
-                        canary_enabled: bool = False) -> None:
+def check_remote_config(
+    cluster: ClusterConfig,
+    settings: dict[str, tuple[str, str]],
+    data_engine: str = "local",
+    canary_enabled: bool = False,
+) -> None:
     """Nothing for a local cluster; for mode=remote, RemoteConfigError on the first setting its nodes cannot use.
 
     Args:
@@ -50,8 +55,10 @@ def check_remote_config(cluster: ClusterConfig, settings: dict[str, tuple[str, s
         return
     where = f"cluster.mode='remote' (cluster.address={cluster.address!r})"
     if not cluster.address:
-        raise RemoteConfigError("cluster.address is empty; mode=remote needs the job-server URL, e.g. "
-                                "'http://head:8265' (or a GCS address 'head:6379' from a node of the cluster)")
+        raise RemoteConfigError(
+            "cluster.address is empty; mode=remote needs the job-server URL, e.g. "
+            "'http://head:8265' (or a GCS address 'head:6379' from a node of the cluster)"
+        )
     for shared in cluster.shared_paths:
         if not Path(shared).expanduser().is_absolute():
             raise RemoteConfigError(f"cluster.shared_paths: {shared!r} is not an absolute path")
@@ -63,11 +70,17 @@ def check_remote_config(cluster: ClusterConfig, settings: dict[str, tuple[str, s
         if path is not None and _is_shared(path, cluster.shared_paths):
             continue
         shown = f"{field}={value!r}" + ("" if value else f" (the default, {default} on this machine)")
-        raise RemoteConfigError(f"{where}: {shown} is not shared storage the cluster's nodes can reach; use "
-                                "s3:// or az://, or a mount listed in cluster.shared_paths")
+        raise RemoteConfigError(
+            f"{where}: {shown} is not shared storage the cluster's nodes can reach; use "
+            "s3:// or az://, or a mount listed in cluster.shared_paths"
+        )
     if cluster.job_server and data_engine == "ray":
-        raise RemoteConfigError(f"{where}: data.engine='ray' needs a Ray driver on the cluster; use "
-                                "data.engine='local' with a job-server address, or the GCS address 'head:6379'")
+        raise RemoteConfigError(
+            f"{where}: data.engine='ray' needs a Ray driver on the cluster; use "
+            "data.engine='local' with a job-server address, or the GCS address 'head:6379'"
+        )
     if cluster.job_server and canary_enabled:
-        raise RemoteConfigError(f"{where}: the canary needs a Ray driver on the cluster (Ray Serve); set "
-                                "canary.enabled=false with a job-server address, or use the GCS address 'head:6379'")
+        raise RemoteConfigError(
+            f"{where}: the canary needs a Ray driver on the cluster (Ray Serve); set "
+            "canary.enabled=false with a job-server address, or use the GCS address 'head:6379'"
+        )

@@ -9,6 +9,7 @@ the run that found them and why. Runs owned on another host are left alone: thei
 here (they are ended by the next run on their own host). Without a boot id (not Linux) nothing is ended. The start
 time is in clock ticks since boot (infra.process), so owner tags written by earlier versions compare as before.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,14 +45,19 @@ def end_orphaned_runs(client: Any, experiment_id: str, found_by: str) -> list[st
     """End as KILLED the RUNNING parent runs of `experiment_id` whose owner died on this host, and their RUNNING
     stage runs; return the ids ended. `found_by` names the run that noticed (tagged on each)."""
     ended: list[str] = []
-    parents = client.search_runs([experiment_id], max_results=SCAN_LIMIT,
-                                 filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_STAGE}` = 'pipeline'")
+    parents = client.search_runs(
+        [experiment_id],
+        max_results=SCAN_LIMIT,
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_STAGE}` = 'pipeline'",
+    )
     for parent in parents:
         owner = parent.data.tags.get(TAG_OWNER, "")
         if parent.info.run_id == found_by or not owner or owner_alive(owner) is not False:
             continue
-        stages = client.search_runs([experiment_id], filter_string=(
-            f"attributes.status = 'RUNNING' and tags.`{TAG_PARENT}` = '{parent.info.run_id}'"))
+        stages = client.search_runs(
+            [experiment_id],
+            filter_string=(f"attributes.status = 'RUNNING' and tags.`{TAG_PARENT}` = '{parent.info.run_id}'"),
+        )
         for run in [*stages, parent]:
             client.set_tag(run.info.run_id, TAG_ENDED_BY, f"run {found_by}: owner process {owner} is gone")
             client.set_terminated(run.info.run_id, "KILLED")

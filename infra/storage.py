@@ -4,6 +4,7 @@ Endpoints and credentials come only from the environment or Prefect Secret block
 URIs never carry credentials; a URI with a user-info part is rejected. Every remote call is retried with
 exponential backoff on transient errors (endpoint down, timeouts, throttling, 5xx); other errors are final.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -56,7 +57,9 @@ def parse(uri: str) -> Location:
         raise StorageError(f"{uri}: unsupported scheme {scheme!r} (use a local path, s3:// or az://)")
     bucket, _, key = rest.partition("/")
     if "@" in bucket or ":" in bucket:
-        raise StorageError(f"{scheme}://<redacted>: credentials or endpoints do not belong in URIs; use the environment")
+        raise StorageError(
+            f"{scheme}://<redacted>: credentials or endpoints do not belong in URIs; use the environment"
+        )
     if not bucket:
         raise StorageError(f"{uri}: missing bucket/container name")
     return Location(scheme, bucket, key)
@@ -82,8 +85,14 @@ def join(base: str, *parts: str) -> str:
 def is_transient(err: BaseException) -> bool:
     """Endpoint down, timeouts, throttling and 5xx are worth retrying; not-found and denied are not."""
     try:
-        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError
-        from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+        from botocore.exceptions import ConnectionError as BotoConnectionError
 
         if isinstance(err, (BotoConnectionError, ReadTimeoutError)):
             return True
@@ -91,7 +100,11 @@ def is_transient(err: BaseException) -> bool:
             meta = err.response.get("ResponseMetadata", {})
             code = err.response.get("Error", {}).get("Code", "")
             return int(meta.get("HTTPStatusCode") or 0) >= 500 or code in (
-                "SlowDown", "RequestTimeout", "Throttling", "InternalError", "ServiceUnavailable"
+                "SlowDown",
+                "RequestTimeout",
+                "Throttling",
+                "InternalError",
+                "ServiceUnavailable",
             )
         if isinstance(err, (ResponseStreamingError, IncompleteReadError)):  # connection lost mid-body
             return True
@@ -110,7 +123,8 @@ def is_transient(err: BaseException) -> bool:
     except ImportError:
         pass
     try:
-        from urllib3.exceptions import ProtocolError, ReadTimeoutError as Urllib3ReadTimeout
+        from urllib3.exceptions import ProtocolError
+        from urllib3.exceptions import ReadTimeoutError as Urllib3ReadTimeout
 
         if isinstance(err, (ProtocolError, Urllib3ReadTimeout)):
             return True
@@ -160,9 +174,12 @@ def _readable_url(source: Any, minutes: int = 60) -> str:
     if not key or "?" in source.url:
         return source.url
     sas = generate_blob_sas(
-        account_name=source.account_name, container_name=source.container_name, blob_name=source.blob_name,
-        account_key=key, permission=BlobSasPermissions(read=True),
-        expiry=dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=minutes),
+        account_name=source.account_name,
+        container_name=source.container_name,
+        blob_name=source.blob_name,
+        account_key=key,
+        permission=BlobSasPermissions(read=True),
+        expiry=dt.datetime.now(dt.UTC) + dt.timedelta(minutes=minutes),
     )
     return f"{source.url}?{sas}"
 
@@ -215,8 +232,9 @@ def open_read(uri: str, retries: int | None = None) -> IO[bytes]:
 class _ResumableReader(io.RawIOBase):
     """A read(n) stream over an object that reopens at the current offset after a transient error."""
 
-    def __init__(self, uri: str, open_at: Callable[[int], tuple[Callable[[int], bytes], Callable[[], None]]],
-                 retries: int | None) -> None:
+    def __init__(
+        self, uri: str, open_at: Callable[[int], tuple[Callable[[int], bytes], Callable[[], None]]], retries: int | None
+    ) -> None:
         self.uri, self._open_at = uri, open_at
         self._retries = DEFAULT_RETRIES if retries is None else retries
         self._read, self._close = with_retries(lambda: open_at(0), uri, retries)
@@ -240,7 +258,7 @@ class _ResumableReader(io.RawIOBase):
                 except Exception:  # the broken connection may not close cleanly; it is dropped either way
                     pass
                 pos = self._received
-                self._read, self._close = with_retries(lambda: self._open_at(pos), self.uri, self._retries)
+                self._read, self._close = with_retries(lambda pos=pos: self._open_at(pos), self.uri, self._retries)
         raise AssertionError("unreachable")
 
     def readinto(self, buf: Any) -> int:
@@ -328,6 +346,7 @@ def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
     prefix = loc.key.rstrip("/") + "/" if loc.key else ""
     base = f"{loc.scheme}://{loc.bucket}/"
     if loc.scheme == "s3":
+
         def s3_list() -> list[Entry]:
             out = []
             for page in s3_client().get_paginator("list_objects_v2").paginate(Bucket=loc.bucket, Prefix=prefix):
@@ -338,8 +357,9 @@ def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
 
     def az_list() -> list[Entry]:
         container = azure_service().get_container_client(loc.bucket)
-        return [Entry(base + b.name, int(b.size), str(b.etag or ""))
-                for b in container.list_blobs(name_starts_with=prefix)]
+        return [
+            Entry(base + b.name, int(b.size), str(b.etag or "")) for b in container.list_blobs(name_starts_with=prefix)
+        ]
 
     try:
         return sorted(with_retries(az_list, uri, retries), key=lambda e: e.uri)
@@ -356,6 +376,7 @@ def delete(uri: str, retries: int | None = None) -> None:
     elif loc.scheme == "s3":
         with_retries(lambda: s3_client().delete_object(Bucket=loc.bucket, Key=loc.key), uri, retries)
     else:
+
         def az_delete() -> None:
             try:
                 _blob(loc).delete_blob()
@@ -392,9 +413,11 @@ def copy(src: str, dst: str, retries: int | None = None) -> None:
     elif s.scheme == "s3":
         with_retries(
             lambda: s3_client().copy_object(Bucket=d.bucket, Key=d.key, CopySource={"Bucket": s.bucket, "Key": s.key}),
-            dst, retries,
+            dst,
+            retries,
         )
     else:
+
         def az_copy() -> None:
             target = _blob(d)
             props = target.start_copy_from_url(_readable_url(_blob(s)), requires_sync=True)

@@ -1,4 +1,5 @@
 """The MLflow run tree: one parent run per flow run, one child run per stage, and the lineage tag names."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +11,18 @@ from typing import Any
 from pydantic import BaseModel
 
 from infra.names import (  # noqa: F401 - the lineage tags, re-exported for the stages that log them
-    TAG_CHECKPOINT_URI, TAG_CLUSTER_ADDRESS, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_GIT_COMMIT,
-    TAG_MANIFEST_URI, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_PARENT, TAG_STAGE, TAG_TRAIN_RUN_ID,
+    TAG_CHECKPOINT_URI,
+    TAG_CLUSTER_ADDRESS,
+    TAG_DATA_RUN_ID,
+    TAG_DATASET_DIGEST,
+    TAG_FLOW_RUN_ID,
+    TAG_GIT_COMMIT,
+    TAG_MANIFEST_URI,
+    TAG_MODEL_URI,
+    TAG_MODEL_VERSION,
+    TAG_PARENT,
+    TAG_STAGE,
+    TAG_TRAIN_RUN_ID,
     TAG_VALIDATION_RUN_ID,
 )
 from infra.paths import quiet_telemetry, shardline_home
@@ -110,7 +121,9 @@ def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_r
 
     experiment_id = setup_tracking(tracking_uri, experiment)
     client = mlflow.MlflowClient(tracking_uri)
-    found = _find_run(client, experiment_id, f"tags.`{TAG_FLOW_RUN_ID}` = '{flow_run_id}' and tags.`{TAG_STAGE}` = 'pipeline'")
+    found = _find_run(
+        client, experiment_id, f"tags.`{TAG_FLOW_RUN_ID}` = '{flow_run_id}' and tags.`{TAG_STAGE}` = 'pipeline'"
+    )
     if found is not None:
         run_id = found.info.run_id
         client.set_tag(run_id, TAG_OWNER, current_owner())
@@ -128,8 +141,9 @@ def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_r
         logging.getLogger(__name__).warning("could not end the runs of dead processes: %s", redact(str(err)))
     else:
         if ended:
-            logging.getLogger(__name__).info("ended %d MLflow run(s) whose process died (KILLED): %s",
-                                             len(ended), ", ".join(ended))
+            logging.getLogger(__name__).info(
+                "ended %d MLflow run(s) whose process died (KILLED): %s", len(ended), ", ".join(ended)
+            )
     return run_id
 
 
@@ -168,8 +182,11 @@ def stage_seconds(tracking_uri: str, parent_run_id: str) -> dict[str, float]:
     client = mlflow.MlflowClient(tracking_uri)
     parent = client.get_run(parent_run_id)
     runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{TAG_PARENT}` = '{parent_run_id}'")
-    spans = {r.data.tags.get(TAG_STAGE, ""): (r.info.end_time - r.info.start_time) / 1000.0
-             for r in runs if r.info.end_time and r.info.start_time}
+    spans = {
+        r.data.tags.get(TAG_STAGE, ""): (r.info.end_time - r.info.start_time) / 1000.0
+        for r in runs
+        if r.info.end_time and r.info.start_time
+    }
     order = {stage: i for i, stage in enumerate(STAGES)}
     return {k: round(spans[k], 2) for k in sorted(spans, key=lambda k: (order.get(k, len(order)), k))}
 

@@ -15,6 +15,7 @@ of an attempt that never returned a result. Registration is idempotent in the re
 from the same checkpoint is reused), and provisioning and the canary act on live systems: their "result" is
 not a value worth replaying.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,17 +48,27 @@ def validation_key(cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage:
     from training.checkpoint_manifest import manifest_name
 
     try:
-        manifests = [hashlib.sha256(storage.read_bytes(storage.join(trained.checkpoint_uri, manifest_name(rank)), 1))
-                     .hexdigest() for rank in range(max(1, trained.world_size))]
-        champion = read_aliases(client_for(lineage.tracking_uri), registry.model_name).get(CHAMPION, "") \
-            if registry is not None else ""
+        manifests = [
+            hashlib.sha256(storage.read_bytes(storage.join(trained.checkpoint_uri, manifest_name(rank)), 1)).hexdigest()
+            for rank in range(max(1, trained.world_size))
+        ]
+        champion = (
+            read_aliases(client_for(lineage.tracking_uri), registry.model_name).get(CHAMPION, "")
+            if registry is not None
+            else ""
+        )
     except (OSError, storage.StorageError, MlflowException):
         return None
     payload = {
-        "checkpoint": trained.checkpoint_uri, "manifests": manifests, "dataset": shards.dataset_digest,
-        "validation": cfg.model_dump(mode="json"), "train": train_cfg.model_dump(mode="json"),
-        "tracking": hashlib.sha256(lineage.tracking_uri.encode()).hexdigest(), "experiment": lineage.experiment,
-        "model": registry.model_name if registry is not None else "", "champion": champion,
+        "checkpoint": trained.checkpoint_uri,
+        "manifests": manifests,
+        "dataset": shards.dataset_digest,
+        "validation": cfg.model_dump(mode="json"),
+        "train": train_cfg.model_dump(mode="json"),
+        "tracking": hashlib.sha256(lineage.tracking_uri.encode()).hexdigest(),
+        "experiment": lineage.experiment,
+        "model": registry.model_name if registry is not None else "",
+        "champion": champion,
     }
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -68,10 +79,17 @@ class ValidationInputs(CachePolicy):
     to the code invalidates what it recorded). No key, no caching: not composed with `+`, which would drop a
     None key and cache on the source alone."""
 
-    def compute_key(self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any],
-                    **kwargs: Any) -> str | None:
-        key = validation_key(inputs["cfg"], inputs["train_cfg"], inputs["trained"], inputs["shards"],
-                             inputs["lineage"], inputs.get("registry"))
+    def compute_key(
+        self, task_ctx: Any, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs: Any
+    ) -> str | None:
+        key = validation_key(
+            inputs["cfg"],
+            inputs["train_cfg"],
+            inputs["trained"],
+            inputs["shards"],
+            inputs["lineage"],
+            inputs.get("registry"),
+        )
         if key is None:
             return None
         return f"{key}-{TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters, **kwargs)}"

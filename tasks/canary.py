@@ -1,4 +1,5 @@
 """canary_deploy: release the registered version into the live endpoint (ramp, judge, promote or roll back)."""
+
 from __future__ import annotations
 
 from itertools import islice
@@ -18,7 +19,13 @@ from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_t
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
 from infra.tracking import (
-    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run,
+    TAG_CLUSTER_ADDRESS,
+    TAG_DATASET_DIGEST,
+    TAG_MODEL_VERSION,
+    TAG_TRAIN_RUN_ID,
+    Lineage,
+    flat_params,
+    stage_run,
 )
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import ShardSet
@@ -27,11 +34,23 @@ from training.data.loader import iter_texts
 HELD_OUT_TEXTS = 256  # probe bodies are drawn from the first this-many validation texts
 
 
-@task(name="canary_deploy", timeout_seconds=TIMEOUT_S["canary_deploy"],
-      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE, retry_condition_fn=retry_unless(CanaryDecided, AliasChanged, ValueError))
-def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResult, shards: ShardSet,
-                  cluster: ClusterInfo, registry: RegistryConfig, lineage: Lineage) -> CanaryResult:
+@task(
+    name="canary_deploy",
+    timeout_seconds=TIMEOUT_S["canary_deploy"],
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,
+    retry_condition_fn=retry_unless(CanaryDecided, AliasChanged, ValueError),
+)
+def canary_deploy(
+    cfg: CanaryConfig,
+    serve: ServeConfig,
+    promoted: PromotionResult,
+    shards: ShardSet,
+    cluster: ClusterInfo,
+    registry: RegistryConfig,
+    lineage: Lineage,
+) -> CanaryResult:
     """Serve the champion on the live endpoint; ramp a challenger on live traffic, then promote or roll back.
 
     Args:
@@ -47,9 +66,15 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
     name, challenger, champion = registry.model_name, promoted.challenger_version, promoted.champion_version
     with stage_run(lineage, "canary_deploy") as stage_run_id:
         client = client_for(lineage.tracking_uri)
-        mlflow.set_tags({TAG_MODEL_VERSION: challenger, TAG_DATASET_DIGEST: shards.dataset_digest,
-                         TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
-                         TAG_CLUSTER_ADDRESS: cluster.address, "shardline.champion_version": str(champion)})
+        mlflow.set_tags(
+            {
+                TAG_MODEL_VERSION: challenger,
+                TAG_DATASET_DIGEST: shards.dataset_digest,
+                TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
+                TAG_CLUSTER_ADDRESS: cluster.address,
+                "shardline.champion_version": str(champion),
+            }
+        )
         mlflow.log_params(flat_params("canary", cfg) | flat_params("serve", serve))
         why_not = skip_reason(client, cfg, name, champion, challenger)
         if why_not:
@@ -67,15 +92,40 @@ def canary_deploy(cfg: CanaryConfig, serve: ServeConfig, promoted: PromotionResu
             logger.info("canary skipped (%s); endpoint %s: %s", why_not, served.url, served.action)
             return result_of(decision, 0, champion=served.champion, endpoint_url=served.url)
         texts = [text for _, text in islice(iter_texts(shards.val_shards), HELD_OUT_TEXTS)]
-        result = run_rollout(cfg, serve, name, str(champion), challenger, lineage.tracking_uri, texts, token,
-                             token_digest(token), env, log_decision=log_decision, run_id=stage_run_id,
-                             on_step=lambda i, s: logger.info(
-                                 "step %d%%: %d requests (%d probe), %d paired in %.1f s: %s", s.percent, s.requests,
-                                 s.probe_requests, s.paired, s.seconds, "; ".join(s.failures) or
-                                 ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive else "passed")))
-        logger.info("canary %s: %s; endpoint %s serves v%s", result.decision, result.reason, result.endpoint_url,
-                    result.champion_version)
+        result = run_rollout(
+            cfg,
+            serve,
+            name,
+            str(champion),
+            challenger,
+            lineage.tracking_uri,
+            texts,
+            token,
+            token_digest(token),
+            env,
+            log_decision=log_decision,
+            run_id=stage_run_id,
+            on_step=lambda i, s: logger.info(
+                "step %d%%: %d requests (%d probe), %d paired in %.1f s: %s",
+                s.percent,
+                s.requests,
+                s.probe_requests,
+                s.paired,
+                s.seconds,
+                "; ".join(s.failures) or ("inconclusive: " + "; ".join(s.inconclusive) if s.inconclusive else "passed"),
+            ),
+        )
+        logger.info(
+            "canary %s: %s; endpoint %s serves v%s",
+            result.decision,
+            result.reason,
+            result.endpoint_url,
+            result.champion_version,
+        )
         if TaskRunContext.get() is not None:  # an artifact needs a task run (not so under task.fn() in tests)
-            create_table_artifact(steps_table(result.steps), key="canary-decision",
-                                  description=f"canary {result.decision}: {result.reason}")
+            create_table_artifact(
+                steps_table(result.steps),
+                key="canary-decision",
+                description=f"canary {result.decision}: {result.reason}",
+            )
         return result

@@ -1,4 +1,5 @@
 """provision_cluster: start or connect to Ray and record what the run got."""
+
 from __future__ import annotations
 
 import mlflow
@@ -9,13 +10,17 @@ from prefect.tasks import exponential_backoff
 from infra.cluster import ClusterInfo, provision, teardown
 from infra.config import ClusterConfig
 from infra.network import network_env
-from tasks.retry import TIMEOUT_S
 from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, safe_tags, stage_run
+from tasks.retry import TIMEOUT_S
 
 
-@task(name="provision_cluster", timeout_seconds=TIMEOUT_S["provision_cluster"],
-      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE)
+@task(
+    name="provision_cluster",
+    timeout_seconds=TIMEOUT_S["provision_cluster"],
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,
+)
 def provision_cluster(cfg: ClusterConfig, lineage: Lineage) -> ClusterInfo:
     """Start (or connect to) the Ray cluster the rest of the run uses.
 

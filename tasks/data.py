@@ -1,20 +1,27 @@
 """Prefect task of stage 1: shard the corpus (content-addressed, so reruns are cache hits) and record lineage."""
+
 from __future__ import annotations
 
 import logging
 import time
 
 from prefect import get_run_logger, task
-from prefect.exceptions import MissingContextError
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo
 from infra.tracking import (
-    TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, flat_params, safe_tags, stage_run,
+    TAG_CLUSTER_ADDRESS,
+    TAG_DATASET_DIGEST,
+    TAG_MANIFEST_URI,
+    Lineage,
+    flat_params,
+    safe_tags,
+    stage_run,
 )
-from training.data import DataError, ShardSet, build_shards
 from tasks.retry import TIMEOUT_S, retry_unless
+from training.data import DataError, ShardSet, build_shards
 from training.data.config import DataConfig
 
 
@@ -59,17 +66,31 @@ def shard_dataset(cfg: DataConfig, lineage: Lineage, cluster: ClusterInfo | None
             raise
         log_dataset(shards, cfg.storage_retries)
         mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri}))
-        mlflow.log_metrics({"num_train": shards.num_train, "num_val": shards.num_val,
-                            "total_bytes": shards.total_bytes, "cache_hit": int(shards.cache_hit),
-                            "chunks": shards.chunks, "workers": shards.workers,
-                            "seconds": time.monotonic() - start,
-                            **{f"skipped_{k}": v for k, v in shards.skipped.items()}})
+        mlflow.log_metrics(
+            {
+                "num_train": shards.num_train,
+                "num_val": shards.num_val,
+                "total_bytes": shards.total_bytes,
+                "cache_hit": int(shards.cache_hit),
+                "chunks": shards.chunks,
+                "workers": shards.workers,
+                "seconds": time.monotonic() - start,
+                **{f"skipped_{k}": v for k, v in shards.skipped.items()},
+            }
+        )
         logger.info(
-            "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s; %d chunks, engine %s, %d workers, "
-            "%.1f s", shards.dataset_digest, shards.num_train, shards.num_val,
-            len(shards.train_shards) + len(shards.val_shards), shards.total_bytes / 1e6,
+            "dataset %s: %d train / %d val records, %d shards, %.1f MB, %s, skipped %s; %d chunks, engine %s, "
+            "%d workers, %.1f s",
+            shards.dataset_digest,
+            shards.num_train,
+            shards.num_val,
+            len(shards.train_shards) + len(shards.val_shards),
+            shards.total_bytes / 1e6,
             "published" if not shards.cache_hit else "cache hit" if shards.chunks else "cache hit, corpus unread",
-            shards.skipped or "none", shards.chunks, cfg.engine,
-            shards.workers, time.monotonic() - start,
+            shards.skipped or "none",
+            shards.chunks,
+            cfg.engine,
+            shards.workers,
+            time.monotonic() - start,
         )
     return shards.model_copy(update={"data_run_id": run_id})

@@ -1,4 +1,5 @@
 """promote_model: register the validated model as a new version, tag its lineage, set its aliases."""
+
 from __future__ import annotations
 
 import mlflow
@@ -8,11 +9,23 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.registry import (
-    AliasChanged, PromotionResult, apply_promotion, client_for, decide_promotion, read_aliases, register_version,
+    AliasChanged,
+    PromotionResult,
+    apply_promotion,
+    client_for,
+    decide_promotion,
+    read_aliases,
+    register_version,
     version_tags,
 )
 from infra.tracking import (
-    TAG_DATASET_DIGEST, TAG_MODEL_URI, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage, flat_params,
+    TAG_DATASET_DIGEST,
+    TAG_MODEL_URI,
+    TAG_MODEL_VERSION,
+    TAG_TRAIN_RUN_ID,
+    TAG_VALIDATION_RUN_ID,
+    Lineage,
+    flat_params,
     stage_run,
 )
 from tasks.retry import TIMEOUT_S, retry_unless
@@ -21,11 +34,17 @@ from training.evaluate import ValidationResult
 from training.trainer import TrainResult
 
 
-@task(name="promote_model", timeout_seconds=TIMEOUT_S["promote_model"],
-      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE, retry_condition_fn=retry_unless(AliasChanged, ValueError))
-def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: TrainResult, shards: ShardSet,
-                  lineage: Lineage) -> PromotionResult:
+@task(
+    name="promote_model",
+    timeout_seconds=TIMEOUT_S["promote_model"],
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,
+    retry_condition_fn=retry_unless(AliasChanged, ValueError),
+)
+def promote_model(
+    cfg: RegistryConfig, validated: ValidationResult, trained: TrainResult, shards: ShardSet, lineage: Lineage
+) -> PromotionResult:
     """Register the validated model; alias it `challenger`, and `champion` too when there is none yet.
 
     Args:
@@ -40,20 +59,29 @@ def promote_model(cfg: RegistryConfig, validated: ValidationResult, trained: Tra
         mlflow.log_params(flat_params("registry", cfg))
         client = client_for(lineage.tracking_uri)
         tags = version_tags(
-            dataset_digest=shards.dataset_digest, flow_run_id=lineage.flow_run_id,
-            train_run_id=trained.train_run_id, checkpoint_uri=trained.checkpoint_uri,
-            validation_run_id=validated.validation_run_id, model_uri=validated.model_uri,
-            data_run_id=shards.data_run_id, manifest_uri=shards.manifest_uri,
+            dataset_digest=shards.dataset_digest,
+            flow_run_id=lineage.flow_run_id,
+            train_run_id=trained.train_run_id,
+            checkpoint_uri=trained.checkpoint_uri,
+            validation_run_id=validated.validation_run_id,
+            model_uri=validated.model_uri,
+            data_run_id=shards.data_run_id,
+            manifest_uri=shards.manifest_uri,
             extra={"shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}"},
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)
         decision = decide_promotion(cfg.model_name, version, read_aliases(client, cfg.model_name))
         mlflow.log_dict(decision.model_dump(mode="json"), "promotion_decision.json")
-        mlflow.set_tags({
-            TAG_MODEL_VERSION: version, TAG_MODEL_URI: validated.model_uri, TAG_TRAIN_RUN_ID: trained.train_run_id,
-            TAG_VALIDATION_RUN_ID: validated.validation_run_id, TAG_DATASET_DIGEST: shards.dataset_digest,
-            "shardline.promotion": decision.verdict,
-        })
+        mlflow.set_tags(
+            {
+                TAG_MODEL_VERSION: version,
+                TAG_MODEL_URI: validated.model_uri,
+                TAG_TRAIN_RUN_ID: trained.train_run_id,
+                TAG_VALIDATION_RUN_ID: validated.validation_run_id,
+                TAG_DATASET_DIGEST: shards.dataset_digest,
+                "shardline.promotion": decision.verdict,
+            }
+        )
         result = apply_promotion(client, decision)
         logger.info("%s version %s: %s", cfg.model_name, version, decision.reason)
         return result

@@ -1,4 +1,5 @@
 """Retry policy shared by the stage tasks: retry transient failures, never a decision or a user error."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -1,4 +1,5 @@
 """train_fsdp: FSDP2 training on Ray Train, with a Prefect progress artifact and the loss curve in MLflow."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,15 @@ from prefect.tasks import exponential_backoff
 from infra.cluster import ClusterInfo
 from infra.names import TAG_NETWORK
 from infra.tracking import (
-    TAG_CHECKPOINT_URI, TAG_CLUSTER_ADDRESS, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage,
-    flat_params, safe_tags, stage_run,
+    TAG_CHECKPOINT_URI,
+    TAG_CLUSTER_ADDRESS,
+    TAG_DATA_RUN_ID,
+    TAG_DATASET_DIGEST,
+    TAG_MANIFEST_URI,
+    Lineage,
+    flat_params,
+    safe_tags,
+    stage_run,
 )
 from tasks.retry import TIMEOUT_S, retry_unless
 from tasks.train_job import train_as_job
@@ -32,11 +40,17 @@ from training.trainer import PlacementTimeout, TrainResult, logged_step, loss_cu
 POLL_S = 2.0
 
 
-@task(name="train_fsdp", timeout_seconds=TIMEOUT_S["train_fsdp"],
-      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), cache_policy=NO_CACHE,
-      retry_condition_fn=retry_unless(ValueError, CheckpointError, PlacementTimeout))
-def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage: Lineage,
-               model_name: str = "") -> TrainResult:
+@task(
+    name="train_fsdp",
+    timeout_seconds=TIMEOUT_S["train_fsdp"],
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,
+    retry_condition_fn=retry_unless(ValueError, CheckpointError, PlacementTimeout),
+)
+def train_fsdp(
+    cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage: Lineage, model_name: str = ""
+) -> TrainResult:
     """Train the model with FSDP2 on Ray Train; a retry or a rerun resumes from the latest checkpoint.
 
     With a remote cluster's job-server address the training runs as a Ray Job (tasks.train_job): a rerun
@@ -56,8 +70,16 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
     """
     logger = get_run_logger()
     with stage_run(lineage, "train_fsdp") as run_id:
-        mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_DATA_RUN_ID: shards.data_run_id,
-                                   TAG_MANIFEST_URI: shards.manifest_uri, TAG_CLUSTER_ADDRESS: cluster.address}))
+        mlflow.set_tags(
+            safe_tags(
+                {
+                    TAG_DATASET_DIGEST: shards.dataset_digest,
+                    TAG_DATA_RUN_ID: shards.data_run_id,
+                    TAG_MANIFEST_URI: shards.manifest_uri,
+                    TAG_CLUSTER_ADDRESS: cluster.address,
+                }
+            )
+        )
         mlflow.log_params(flat_params("train", cfg))
         # the fabric the workers were told to use: a slow or hung run is often a network profile mismatch
         mlflow.set_tag(TAG_NETWORK, cluster.network)
@@ -65,31 +87,54 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
         init = resume.resolve_init_from(cfg.init_from, model_name, lineage.tracking_uri)
         if init is not None:
             resume.check_init_checkpoint(init, cfg)
-            mlflow.set_tags(safe_tags({resume.TAG_INIT_CHECKPOINT: init.checkpoint_uri,
-                                       resume.TAG_INIT_VERSION: init.model_version}))
-        logger.info("starting from %s", init.label if init else
-                    ("scratch: no champion yet" if cfg.init_from == "champion" else "scratch"))
+            mlflow.set_tags(
+                safe_tags(
+                    {resume.TAG_INIT_CHECKPOINT: init.checkpoint_uri, resume.TAG_INIT_VERSION: init.model_version}
+                )
+            )
+        logger.info(
+            "starting from %s",
+            init.label if init else ("scratch: no champion yet" if cfg.init_from == "champion" else "scratch"),
+        )
         request = resume.request_key(cfg, shards.dataset_digest)
         done = resume.find_completed(lineage.tracking_uri, lineage.experiment, request, init)
         if done is not None:
-            mlflow.set_tags(safe_tags({resume.TAG_REUSED_FROM: done.train_run_id,
-                                       TAG_CHECKPOINT_URI: done.checkpoint_uri}))
+            mlflow.set_tags(
+                safe_tags({resume.TAG_REUSED_FROM: done.train_run_id, TAG_CHECKPOINT_URI: done.checkpoint_uri})
+            )
             logger.info("reusing finished training %s: %s", done.train_run_id, done.checkpoint_uri)
             return done
         key = resume.training_key(request, init)
         mlflow.set_tags({resume.TAG_TRAIN_REQUEST: request, resume.TAG_TRAIN_KEY: key})
         # sync context: the artifact's id, not a coroutine (Prefect's helpers are typed for both)
-        progress = cast(UUID, create_progress_artifact(0.0, key="train-progress",
-                                                       description=f"train_fsdp: {cfg.steps} steps"))
+        progress = cast(
+            UUID, create_progress_artifact(0.0, key="train-progress", description=f"train_fsdp: {cfg.steps} steps")
+        )
         metrics_run = run_id  # where rank 0 logs the loss: a re-attached job keeps the run it was submitted with
         if cluster.config.job_server:
             result, metrics_run = train_as_job(
-                cfg, shards, cluster.config, lineage, run_id, key, init.checkpoint_uri if init else "", logger,
-                lambda step: update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps)))
+                cfg,
+                shards,
+                cluster.config,
+                lineage,
+                run_id,
+                key,
+                init.checkpoint_uri if init else "",
+                logger,
+                lambda step: update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps)),
+            )
         else:  # Ray Train blocks in fit(); run it beside this thread, which moves the progress bar from MLflow.
             with ThreadPoolExecutor(max_workers=1) as pool:
-                future = pool.submit(run_training, cfg, shards, lineage.tracking_uri, run_id, f"train-{key}",
-                                     init.checkpoint_uri if init else "", cluster.network_env)
+                future = pool.submit(
+                    run_training,
+                    cfg,
+                    shards,
+                    lineage.tracking_uri,
+                    run_id,
+                    f"train-{key}",
+                    init.checkpoint_uri if init else "",
+                    cluster.network_env,
+                )
                 while not future.done():
                     time.sleep(POLL_S)
                     step = logged_step(lineage.tracking_uri, run_id)
@@ -99,10 +144,22 @@ def train_fsdp(cfg: TrainConfig, shards: ShardSet, cluster: ClusterInfo, lineage
         with tempfile.TemporaryDirectory() as tmp:
             mlflow.log_artifact(str(loss_curve_png(lineage.tracking_uri, metrics_run, Path(tmp) / "loss_curve.png")))
         mlflow.log_metrics({"final_loss": result.final_loss, "tokens_per_s": result.tokens_per_s})
-        mlflow.set_tags(safe_tags({TAG_CHECKPOINT_URI: result.checkpoint_uri,
-                                   resume.TAG_RESUMED_FROM_STEP: _resumed_from(result.checkpoint_uri)}))
-        logger.info("trained %d steps on %d workers: loss %.4f, %.0f tokens/s, checkpoint %s", result.step,
-                    result.world_size, result.final_loss, result.tokens_per_s, result.checkpoint_uri)
+        mlflow.set_tags(
+            safe_tags(
+                {
+                    TAG_CHECKPOINT_URI: result.checkpoint_uri,
+                    resume.TAG_RESUMED_FROM_STEP: _resumed_from(result.checkpoint_uri),
+                }
+            )
+        )
+        logger.info(
+            "trained %d steps on %d workers: loss %.4f, %.0f tokens/s, checkpoint %s",
+            result.step,
+            result.world_size,
+            result.final_loss,
+            result.tokens_per_s,
+            result.checkpoint_uri,
+        )
         return result
 
 

@@ -1,5 +1,6 @@
 """validate_checkpoint: verify the DCP checkpoint, gate on held-out bits per byte (absolute and against the
 champion), log the servable model and prove it runs at serving shapes before anything is registered."""
+
 from __future__ import annotations
 
 import mlflow
@@ -15,17 +16,32 @@ from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
 from training.evaluate import (
-    GateFailed, ValidationResult, check_servable, held_out_bpb, load_checkpoint_model, log_servable_model,
+    GateFailed,
+    ValidationResult,
+    check_servable,
+    held_out_bpb,
+    load_checkpoint_model,
+    log_servable_model,
 )
 from training.trainer import TrainResult
 
 
-@task(name="validate_checkpoint", timeout_seconds=TIMEOUT_S["validate_checkpoint"],
-      retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2),
-      cache_policy=NO_CACHE,  # the flows call cached() below; called directly (tests), nothing is persisted
-      retry_condition_fn=retry_unless(GateFailed, CheckpointError))
-def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: TrainResult, shards: ShardSet,
-                        lineage: Lineage, registry: RegistryConfig | None = None) -> ValidationResult:
+@task(
+    name="validate_checkpoint",
+    timeout_seconds=TIMEOUT_S["validate_checkpoint"],
+    retries=2,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    cache_policy=NO_CACHE,  # the flows call cached() below; called directly (tests), nothing is persisted
+    retry_condition_fn=retry_unless(GateFailed, CheckpointError),
+)
+def validate_checkpoint(
+    cfg: ValidationConfig,
+    train_cfg: TrainConfig,
+    trained: TrainResult,
+    shards: ShardSet,
+    lineage: Lineage,
+    registry: RegistryConfig | None = None,
+) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
     Through `cached()` (as the flows call it) Prefect caches it (tasks/cache.py): a rerun with the same checkpoint
@@ -58,8 +74,11 @@ def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: 
         bpb = score(model)
         texts = min(shards.num_val, cfg.max_texts or shards.num_val)
         mlflow.log_metrics({"val_bits_per_byte": bpb, "val_texts": texts})
-        failures = [f"val_bits_per_byte {bpb:.4f} > validation.max_bits_per_byte {cfg.max_bits_per_byte}"] \
-            if bpb > cfg.max_bits_per_byte else []
+        failures = (
+            [f"val_bits_per_byte {bpb:.4f} > validation.max_bits_per_byte {cfg.max_bits_per_byte}"]
+            if bpb > cfg.max_bits_per_byte
+            else []
+        )
         champion_version, champion_bpb = None, None
         champion = champion_model(lineage.tracking_uri, registry.model_name) if registry else None
         if champion is not None:
@@ -69,24 +88,37 @@ def validate_checkpoint(cfg: ValidationConfig, train_cfg: TrainConfig, trained: 
             mlflow.set_tag("shardline.champion_version", champion_version)
             limit = cfg.max_regression_vs_champion
             if limit is not None and bpb - champion_bpb > limit:
-                failures.append(f"val_bits_per_byte {bpb:.4f} is {bpb - champion_bpb:+.4f} against champion "
-                                f"v{champion_version}'s {champion_bpb:.4f} on the same data > "
-                                f"validation.max_regression_vs_champion {limit}")
-        logger.info("val bits/byte %.4f (gate %.4f%s): %s", bpb, cfg.max_bits_per_byte,
-                    f"; champion v{champion_version} {champion_bpb:.4f}" if champion_bpb is not None else "",
-                    "FAIL" if failures else "pass")
+                failures.append(
+                    f"val_bits_per_byte {bpb:.4f} is {bpb - champion_bpb:+.4f} against champion "
+                    f"v{champion_version}'s {champion_bpb:.4f} on the same data > "
+                    f"validation.max_regression_vs_champion {limit}"
+                )
+        logger.info(
+            "val bits/byte %.4f (gate %.4f%s): %s",
+            bpb,
+            cfg.max_bits_per_byte,
+            f"; champion v{champion_version} {champion_bpb:.4f}" if champion_bpb is not None else "",
+            "FAIL" if failures else "pass",
+        )
         if failures:
             raise GateFailed("; ".join(failures))
         model_uri = log_servable_model(model, train_cfg.seq_len)
         check_servable(model_uri, model, train_cfg.seq_len, train_cfg.model_factory)
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
-        return ValidationResult(validation_run_id=run_id, checkpoint_uri=trained.checkpoint_uri,
-                                val_bits_per_byte=bpb, champion_val_bits_per_byte=champion_bpb,
-                                champion_version=champion_version, model_uri=model_uri, seq_len=train_cfg.seq_len)
+        return ValidationResult(
+            validation_run_id=run_id,
+            checkpoint_uri=trained.checkpoint_uri,
+            val_bits_per_byte=bpb,
+            champion_val_bits_per_byte=champion_bpb,
+            champion_version=champion_version,
+            model_uri=model_uri,
+            seq_len=train_cfg.seq_len,
+        )
 
 
 def cached() -> Task[..., ValidationResult]:
     """validate_checkpoint under Prefect's cache (tasks/cache.py), results persisted as JSON (never pickle) under
     $SHARDLINE_HOME/results: resolved when a flow calls it, not at import."""
-    return validate_checkpoint.with_options(cache_policy=VALIDATION_CACHE, persist_result=True,
-                                            result_serializer="json", result_storage=results_dir())
+    return validate_checkpoint.with_options(
+        cache_policy=VALIDATION_CACHE, persist_result=True, result_serializer="json", result_storage=results_dir()
+    )

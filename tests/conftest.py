@@ -1,20 +1,6 @@
 """Shared pytest fixtures. Each part keeps its fixtures in its own clearly marked block."""
+
 from __future__ import annotations
-
-import pathlib as _pathlib
-
-TIERS = ("unit", "processes", "integration", "flows", "stack")
-
-
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
-    """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start)."""
-    import pytest
-
-    here = _pathlib.Path(__file__).resolve().parent
-    for item in items:
-        parts = _pathlib.Path(str(item.fspath)).resolve().relative_to(here).parts
-        if parts and parts[0] in TIERS:
-            item.add_marker(getattr(pytest.mark, parts[0]))
 
 # ================================================================================================================
 # data part: real object-store API servers on 127.0.0.1 (moto's S3 server, Azurite), started once per session.
@@ -26,10 +12,21 @@ import os
 import shutil  # noqa: F401  (used by the deployments block below)
 import uuid
 from collections.abc import Iterator
-from pathlib import Path  # noqa: F401  (used by the deployments block below)
+from pathlib import Path
 
 import pytest
 from store_servers import S3Service, start_azurite, stop_process  # tests/store_servers.py
+
+TIERS = ("unit", "processes", "integration", "flows", "stack")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start)."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(here).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
 
 
 @pytest.fixture(scope="session")
@@ -111,6 +108,8 @@ def mlflow_store(_mlflow_template: Path, tmp_path: Path, monkeypatch: pytest.Mon
     shutil.copy(_mlflow_template, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return uri, setup_tracking(uri, "shardline-test")
+
+
 # ========================================= end of deployments part ==============================================
 
 
@@ -122,8 +121,9 @@ def flow_run_lineage(tracking_uri: str, flow_run_id: str):
     from infra.tracking import Lineage, open_parent_run
 
     parent = open_parent_run(tracking_uri, "shardline-test", flow_run_id, f"name-of-{flow_run_id}")
-    return Lineage(tracking_uri=tracking_uri, experiment="shardline-test", parent_run_id=parent,
-                   flow_run_id=flow_run_id)
+    return Lineage(
+        tracking_uri=tracking_uri, experiment="shardline-test", parent_run_id=parent, flow_run_id=flow_run_id
+    )
 
 
 @pytest.fixture

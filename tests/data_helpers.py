@@ -1,4 +1,5 @@
 """Small corpora for the data-stage tests."""
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ reads it with strict field validation (`kubectl apply --validate=strict`):
 - `x-kubernetes-int-or-string: true` admits an integer or a string (controller-gen also writes the anyOf);
 - `nullable: true` admits null.
 """
+
 from __future__ import annotations
 
 from functools import cache
@@ -17,8 +18,11 @@ from typing import Any
 import yaml
 
 CRD_DIR = Path(__file__).parent / "fixtures" / "kuberay"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
-             "RayService": "ray.io_rayservices.yaml"}
+CRD_FILES = {
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+}
 
 
 def to_json_schema(node: Any) -> Any:
@@ -64,5 +68,7 @@ def spec_errors(manifest: dict[str, Any]) -> list[str]:
     api_group, version = manifest["apiVersion"].split("/")
     assert api_group == "ray.io", manifest["apiVersion"]
     validator = jsonschema.Draft7Validator(spec_schema(manifest["kind"], version))
-    return [f"{'.'.join(str(p) for p in e.absolute_path) or '<spec>'}: {e.message}"
-            for e in sorted(validator.iter_errors(manifest["spec"]), key=lambda e: list(map(str, e.path)))]
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<spec>'}: {e.message}"
+        for e in sorted(validator.iter_errors(manifest["spec"]), key=lambda e: list(map(str, e.path)))
+    ]

@@ -3,6 +3,7 @@
 Plain functions and classes (no pytest) so scripts and fixtures can both use them; the fixtures are in
 tests/conftest.py.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -46,15 +47,20 @@ class S3Service:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port, self.proc)
         req = urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")  # a fresh server is empty
         urllib.request.urlopen(req, timeout=10).close()
 
     def env(self) -> dict[str, str]:
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -67,17 +73,33 @@ def start_azurite() -> tuple[subprocess.Popen, str]:
     if not AZURITE.exists():
         if shutil.which("npm") is None:
             raise RuntimeError("Azurite is not installed (npm install --prefix tests/services)")
-        subprocess.run(["npm", "install", "--prefix", str(REPO / "tests" / "services"), "--no-audit", "--no-fund"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["npm", "install", "--prefix", str(REPO / "tests" / "services"), "--no-audit", "--no-fund"],
+            check=True,
+            capture_output=True,
+        )
     port = free_port()
     proc = subprocess.Popen(
-        [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-         "--skipApiVersionCheck", "--loose", "--silent", "--disableTelemetry"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(AZURITE),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--inMemoryPersistence",
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+            "--disableTelemetry",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_for_port(port, proc, timeout=60)
-    conn = (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};")
+    conn = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint=http://127.0.0.1:{port}/{AZURITE_ACCOUNT};"
+    )
     from azure.storage.blob import BlobServiceClient
 
     BlobServiceClient.from_connection_string(conn).create_container(BUCKET)

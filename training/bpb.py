@@ -5,6 +5,7 @@ its bytes after the first from the ones before, inside the window. Every byte of
 predicted exactly once, whatever the text's length, and the same text gives the same number wherever it is scored.
 Windows of equal length are batched together (the exported serving model has dynamic batch and time dimensions).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,15 +22,16 @@ def windows(text: bytes, seq_len: int) -> list[torch.Tensor]:
     """The text's windows (int64, 2..seq_len + 1 bytes each); [] for a text of fewer than 2 bytes."""
     out = []
     for start in range(0, max(0, len(text) - 1), seq_len):
-        window = text[start:start + seq_len + 1]
+        window = text[start : start + seq_len + 1]
         if len(window) >= 2:
             out.append(torch.frombuffer(bytearray(window), dtype=torch.uint8).long())
     return out
 
 
 @torch.no_grad()
-def window_bits(model: Callable[[torch.Tensor], torch.Tensor], batch: list[torch.Tensor],
-                device: torch.device | str = "cpu") -> float:
+def window_bits(
+    model: Callable[[torch.Tensor], torch.Tensor], batch: list[torch.Tensor], device: torch.device | str = "cpu"
+) -> float:
     """Total bits the model needs for the predicted bytes of equal-length windows, scored as one batch."""
     seqs = torch.stack(batch).to(device)
     logits = model(seqs[:, :-1]).float()
@@ -40,8 +42,9 @@ def window_bits(model: Callable[[torch.Tensor], torch.Tensor], batch: list[torch
 class BitsCounter:
     """Accumulates bits and predicted bytes over windows, batching windows of equal length."""
 
-    def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 8,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, model: Callable[[torch.Tensor], torch.Tensor], batch_size: int = 8, device: torch.device | str = "cpu"
+    ) -> None:
         self.model, self.batch_size, self.device = model, batch_size, device
         self.bits, self.bytes = 0.0, 0
         self._pending: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -64,8 +67,13 @@ class BitsCounter:
         return self.bits, self.bytes
 
 
-def text_bits(model: Callable[[torch.Tensor], torch.Tensor], text: bytes, seq_len: int, batch_size: int = 8,
-              device: torch.device | str = "cpu") -> tuple[float, int]:
+def text_bits(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    text: bytes,
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+) -> tuple[float, int]:
     """Bits the model needs for `text` (every byte but the first) and how many bytes it predicted."""
     counter = BitsCounter(model, batch_size, device)
     for window in windows(text, seq_len):
@@ -73,8 +81,13 @@ def text_bits(model: Callable[[torch.Tensor], torch.Tensor], text: bytes, seq_le
     return counter.flush()
 
 
-def corpus_bits(model: Callable[[torch.Tensor], torch.Tensor], texts: Iterable[bytes], seq_len: int,
-                batch_size: int = 8, device: torch.device | str = "cpu") -> tuple[float, int, int]:
+def corpus_bits(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    texts: Iterable[bytes],
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+) -> tuple[float, int, int]:
     """(bits, predicted bytes, texts) over every text; the same windows as text_bits, batched across texts."""
     counter = BitsCounter(model, batch_size, device)
     n_texts = 0

@@ -13,6 +13,7 @@ Why XXH3 (the `xxhash` package) and not sha256: these checksums guard against ac
 (bench/bench_checkpoint.py). Manifests of formats /1 and /2 (sha256 per file, CRC32 per chunk) stay readable: each
 record names its algorithm, and verification uses the one recorded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,6 +98,7 @@ def chunk_key(fqn: str, offsets: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Save side: hash files while writing, checksum tensors as DCP serialises them
 # ---------------------------------------------------------------------------------------------------------
+
 
 class _HashingStream(io.IOBase):
     """A binary file that hashes (XXH3-128) and counts every byte written through it."""
@@ -197,7 +199,8 @@ def checksum_planner() -> Any:
                     data = data.cpu()
                 chunk = write_item.tensor_data.chunk
                 self.tensors[chunk_key(write_item.index.fqn, chunk.offsets)] = {
-                    TENSOR_DIGESTS[0]: tensor_checksum(data), "sizes": [int(s) for s in chunk.sizes],
+                    TENSOR_DIGESTS[0]: tensor_checksum(data),
+                    "sizes": [int(s) for s in chunk.sizes],
                     "dtype": str(data.dtype),
                 }
             return data
@@ -206,8 +209,13 @@ def checksum_planner() -> Any:
 
 
 def write_manifest(
-    directory: str | os.PathLike, rank: int, world_size: int, step: int, resumed_from: int = 0,
-    files: dict[str, dict[str, Any]] | None = None, tensors: dict[str, dict[str, Any]] | None = None,
+    directory: str | os.PathLike,
+    rank: int,
+    world_size: int,
+    step: int,
+    resumed_from: int = 0,
+    files: dict[str, dict[str, Any]] | None = None,
+    tensors: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Write `rank`'s manifest last, atomically (tmp + rename).
 
@@ -222,8 +230,15 @@ def write_manifest(
         names.append(METADATA_FILE)
     recorded = files or {}
     entries = {n: recorded.get(n) or file_record(d / n) for n in names}
-    body = {"format": MANIFEST_FORMAT, "rank": rank, "world_size": world_size, "step": step,
-            "resumed_from": resumed_from, "files": entries, "tensors": tensors or {}}
+    body = {
+        "format": MANIFEST_FORMAT,
+        "rank": rank,
+        "world_size": world_size,
+        "step": step,
+        "resumed_from": resumed_from,
+        "files": entries,
+        "tensors": tensors or {},
+    }
     tmp = d / f".{manifest_name(rank)}.tmp"
     tmp.write_text(json.dumps(body, indent=1, sort_keys=True), encoding="utf-8")
     os.replace(tmp, d / manifest_name(rank))
@@ -233,6 +248,7 @@ def write_manifest(
 # ---------------------------------------------------------------------------------------------------------
 # Verify and check on load
 # ---------------------------------------------------------------------------------------------------------
+
 
 def read_manifests(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
     """rank -> manifest body of a checkpoint directory (format checked)."""
@@ -244,7 +260,9 @@ def read_manifests(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{m}: unreadable manifest: {e}") from None
         if not isinstance(body, dict) or body.get("format") not in _READABLE_FORMATS:
-            raise CheckpointError(f"{m}: unknown manifest format {body.get('format') if isinstance(body, dict) else body!r}")
+            raise CheckpointError(
+                f"{m}: unknown manifest format {body.get('format') if isinstance(body, dict) else body!r}"
+            )
         bodies[int(body["rank"])] = body
     return bodies
 
@@ -294,7 +312,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
                 raise CheckpointError(f"{d / manifest_name(rank)}: no checksum recorded for {name}")
             expected[name] = (rank, algorithm, rec[algorithm])
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(expected)))) as pool:  # both hashes release the GIL
-        digests = dict(zip(expected, pool.map(lambda n: file_digest(d / n, expected[n][1]), expected)))
+        digests = dict(zip(expected, pool.map(lambda n: file_digest(d / n, expected[n][1]), expected), strict=False))
     for name, (rank, algorithm, digest) in sorted(expected.items()):
         if digests[name] != digest:
             raise CheckpointError(f"{d / name}: {algorithm} does not match {manifest_name(rank)}")
@@ -343,8 +361,12 @@ def checked_load_planner(directory: str | os.PathLike) -> Any:
         def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
             index = read_item.storage_index
             rec = recorded.get(chunk_key(index.fqn, index.offset))
-            whole = (rec is not None and all(int(o) == 0 for o in read_item.storage_offsets)
-                     and [int(n) for n in read_item.lengths] == rec["sizes"] and str(tensor.dtype) == rec["dtype"])
+            whole = (
+                rec is not None
+                and all(int(o) == 0 for o in read_item.storage_offsets)
+                and [int(n) for n in read_item.lengths] == rec["sizes"]
+                and str(tensor.dtype) == rec["dtype"]
+            )
             algorithm = next((a for a in TENSOR_DIGESTS if a in (rec or {})), "")
             if rec is not None and whole and algorithm and tensor_checksum(tensor, algorithm) != rec[algorithm]:
                 info = storage.get(index)

@@ -1,4 +1,5 @@
 """Configuration of training and of checkpoint validation."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -13,7 +14,9 @@ class TrainConfig(BaseModel):
 
     workers: int = Field(2, ge=1, description="Ray Train workers (= data-parallel ranks).")
     steps: int = Field(300, ge=1, description="Optimizer steps; the run ends at exactly this step, resumes included.")
-    checkpoint_every: int = Field(100, ge=1, description="Save a DCP checkpoint every this many steps (and at the end).")
+    checkpoint_every: int = Field(
+        100, ge=1, description="Save a DCP checkpoint every this many steps (and at the end)."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints Ray Train keeps (the latest N).")
     checkpoint_threads: int = Field(
         8, ge=1, description="Files (and writer threads) per rank per checkpoint: parallel writes and checksums."
@@ -40,8 +43,10 @@ class TrainConfig(BaseModel):
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per forward pass.")
     grad_accum: int = Field(1, ge=1, description="Micro batches accumulated per optimizer step.")
     global_batch: int = Field(
-        0, ge=0, description="Sequences per optimizer step over all ranks; 0 derives it. Checked against "
-        "micro_batch x grad_accum x workers."
+        0,
+        ge=0,
+        description="Sequences per optimizer step over all ranks; 0 derives it. Checked against "
+        "micro_batch x grad_accum x workers.",
     )
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr: float = Field(3e-4, ge=0, description="Learning rate at the end of the cosine decay.")
@@ -61,7 +66,9 @@ class TrainConfig(BaseModel):
     use_gpu: bool = Field(False, description="One GPU per worker, NCCL backend.")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per CPU worker.")
     placement_timeout_s: float = Field(
-        0.0, ge=0, description="Seconds each start of the worker group (the first and every restart) may wait for "
+        0.0,
+        ge=0,
+        description="Seconds each start of the worker group (the first and every restart) may wait for "
         "the cluster to place all workers, e.g. while an autoscaler adds nodes; then the stage fails at once, naming "
         "the demand. 0: wait as long as the stage runs (Ray Train retries the start every 60 s without a limit).",
     )
@@ -99,12 +106,16 @@ class ValidationConfig(BaseModel):
         6.0, gt=0, description="Fail the stage when validation bits per byte is above this (uniform bytes = 8)."
     )
     max_texts: int = Field(
-        0, ge=0, description="Held-out texts evaluated: 0 = the whole validation split; N = a systematic sample "
+        0,
+        ge=0,
+        description="Held-out texts evaluated: 0 = the whole validation split; N = a systematic sample "
         "of about N spread over every validation shard (its size is logged).",
     )
     batch_size: int = Field(8, ge=1, description="Windows per evaluation batch.")
     max_regression_vs_champion: float | None = Field(
-        0.25, ge=0, description="Fail when held-out bits/byte exceeds the current champion's on the same data by "
+        0.25,
+        ge=0,
+        description="Fail when held-out bits/byte exceeds the current champion's on the same data by "
         "more than this (None = no relative gate); checked before any traffic is risked.",
     )
 

@@ -1,4 +1,5 @@
 """Reading DCP's .metadata (a pickle torch writes) through an allow-list unpickler: no arbitrary code on load."""
+
 from __future__ import annotations
 
 import io
@@ -13,13 +14,23 @@ METADATA_FILE = ".metadata"
 
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided etc.
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
     ("collections", "OrderedDict"),
 }
 
@@ -28,8 +39,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's .metadata allowing only the plain dataclasses, dtypes and paths it is made of."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{METADATA_FILE}: global {module}.{name} is not allowed")
 

@@ -1,4 +1,5 @@
 """Held-out evaluation in bits per byte, and the validation stage's result and gate error."""
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,7 @@ def sample_texts(texts: Iterable[bytes], total: int, max_texts: int) -> Iterator
             yield text
 
 
-def load_checkpoint_model(checkpoint_uri: str, train_cfg: "TrainConfig") -> nn.Module:
+def load_checkpoint_model(checkpoint_uri: str, train_cfg: TrainConfig) -> nn.Module:
     """The DCP checkpoint loaded into a plain model (no process group), in eval mode.
 
     Raises:
@@ -95,8 +96,9 @@ def load_checkpoint_model(checkpoint_uri: str, train_cfg: "TrainConfig") -> nn.M
     return model.eval()
 
 
-def held_out_bpb(model: object, val_shards: list[str], num_val: int, seq_len: int, batch_size: int,
-                 max_texts: int) -> float:
+def held_out_bpb(
+    model: object, val_shards: list[str], num_val: int, seq_len: int, batch_size: int, max_texts: int
+) -> float:
     """Bits per byte of `model` on the held-out split (all of it, or the documented sample of max_texts)."""
     from training.data.loader import iter_texts
 
@@ -140,8 +142,13 @@ def log_servable_model(model: nn.Module, seq_len: int, name: str = "model") -> s
             # mlflow copies extra files to extra_files/<name> inside the logged model
             metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
         info = mlflow.pytorch.log_model(
-            model.eval(), name=name, serialization_format="pt2", signature=signature, input_example=example,
-            metadata=metadata, extra_files=extra_files,
+            model.eval(),
+            name=name,
+            serialization_format="pt2",
+            signature=signature,
+            input_example=example,
+            metadata=metadata,
+            extra_files=extra_files,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"],
         )
     return info.model_uri
@@ -172,5 +179,7 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             raise NotServable(f"{who}the exported model fails at serving shape [{b}, {t}]: {first}") from None
         if tuple(got.shape) != (b, t, 256) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
-            raise NotServable(f"{who}the exported model's logits at shape [{b}, {t}] differ from the trained model's "
-                              f"(shape {tuple(got.shape)})")
+            raise NotServable(
+                f"{who}the exported model's logits at shape [{b}, {t}] differ from the trained model's "
+                f"(shape {tuple(got.shape)})"
+            )

@@ -5,6 +5,7 @@ Ray Train code as a local run (training.trainer.run_training). Its inputs are pl
 stage (infra.jobs.submit); no pickle crosses. It writes the TrainResult as JSON to the inputs' `result_uri`.
 Exit status: 0 trained, 2 a config problem (one line on stderr), 1 anything else (with its traceback).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(log_to_driver=True)  # the job's own cluster; worker output goes into the job's log
     try:
-        result = run_training(cfg, shards, inputs["tracking_uri"], inputs["train_run_id"], inputs["run_name"],
-                              inputs.get("init_checkpoint", ""), inputs.get("worker_env") or None)
+        result = run_training(
+            cfg,
+            shards,
+            inputs["tracking_uri"],
+            inputs["train_run_id"],
+            inputs["run_name"],
+            inputs.get("init_checkpoint", ""),
+            inputs.get("worker_env") or None,
+        )
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

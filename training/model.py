@@ -1,4 +1,5 @@
 """The default model: a byte-level GPT (vocab 256, nanoGPT style) and its FLOPs per token for MFU."""
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(c, dim=2)
         # [B, T, C] -> [B, H, T, C/H]
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_drop(self.c_proj(y))
 
@@ -95,8 +94,12 @@ class GPT(nn.Module):
     def config(self) -> dict[str, int]:
         """The constructor arguments that rebuild this model's shapes (dropout aside: serving runs in eval)."""
         first = cast(Block, self.blocks[0])
-        return {"seq_len": self.seq_len, "n_layer": len(self.blocks), "n_head": first.attn.n_head,
-                "d_model": self.wte.embedding_dim}
+        return {
+            "seq_len": self.seq_len,
+            "n_layer": len(self.blocks),
+            "n_head": first.attn.n_head,
+            "d_model": self.wte.embedding_dim,
+        }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -1,4 +1,5 @@
 """Data parallelism as small ordered transforms (torchtitan style): AC, then FSDP2 per block, then the root; or DDP."""
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, world_s
         # The last block's parameters are all-gathered again first thing in backward: keep them.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp,
-                offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp, offload_policy=offload)
     return model
 
 
@@ -88,4 +88,3 @@ def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device, world_
         raise ValueError(f"train.powersgd_rank={cfg.powersgd_rank} needs at least 2 workers, got {world_size}")
     # DDP keeps fp32 parameters; the loop runs its forward under autocast when compute_dtype is bf16.
     return apply_ddp(model, cfg, device)
-

@@ -3,6 +3,7 @@
 On an autoscaling cluster the nodes that train may not exist when the run starts; recording them on the training
 run lets a user see the scale-up (and which machines to look at when a rank misbehaved).
 """
+
 from __future__ import annotations
 
 import socket

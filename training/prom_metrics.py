@@ -4,6 +4,7 @@ Under Ray Train, `ray.util.metrics` gauges go to the node's metrics agent, which
 metrics port with Ray's `ray_` prefix; the stack's Prometheus finds that port through Ray's service-discovery file
 (flows/stack/prometheus.py). Under torchrun there is no agent, and `export` does nothing.
 """
+
 from __future__ import annotations
 
 import functools

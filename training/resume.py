@@ -5,6 +5,7 @@ operational fields below) and the checkpoint it starts from. Its Ray Train run i
 rerun of an interrupted training continues in the same storage from its newest complete checkpoint; a finished
 one (its MLflow train run FINISHED with a checkpoint that still verifies) is reused without starting Ray Train.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from infra.names import (  # noqa: F401 - TAG_* re-exported for the stages that log them
-    CHAMPION, TAG_CHECKPOINT_URI, TAG_INIT_CHECKPOINT, TAG_INIT_VERSION, TAG_PARENT, TAG_RESUMED_FROM_STEP,
-    TAG_REUSED_FROM, TAG_TRAIN_KEY, TAG_TRAIN_REQUEST,
+    CHAMPION,
+    TAG_CHECKPOINT_URI,
+    TAG_INIT_CHECKPOINT,
+    TAG_INIT_VERSION,
+    TAG_PARENT,
+    TAG_RESUMED_FROM_STEP,
+    TAG_REUSED_FROM,
+    TAG_TRAIN_KEY,
+    TAG_TRAIN_REQUEST,
 )
 
 if TYPE_CHECKING:
@@ -23,9 +31,19 @@ if TYPE_CHECKING:
     from training.trainer import TrainResult
 
 # Fields that change how a training runs, not what it produces.
-OPERATIONAL_FIELDS = frozenset({"max_failures", "keep_checkpoints", "checkpoint_threads", "checkpoint_every",
-                                "log_every", "storage_path", "peak_tflops", "resources_per_worker",
-                                "placement_timeout_s"})
+OPERATIONAL_FIELDS = frozenset(
+    {
+        "max_failures",
+        "keep_checkpoints",
+        "checkpoint_threads",
+        "checkpoint_every",
+        "log_every",
+        "storage_path",
+        "peak_tflops",
+        "resources_per_worker",
+        "placement_timeout_s",
+    }
+)
 
 
 class InitSource(BaseModel):
@@ -40,7 +58,7 @@ def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def request_key(cfg: "TrainConfig", dataset_digest: str) -> str:
+def request_key(cfg: TrainConfig, dataset_digest: str) -> str:
     """Key of the training the user asked for: dataset digest + the result-determining config."""
     fields = {k: v for k, v in cfg.model_dump().items() if k not in OPERATIONAL_FIELDS}
     return _digest({"dataset": dataset_digest, "train": fields})
@@ -71,7 +89,11 @@ def resolve_init_from(spec: str, model_name: str, tracking_uri: str) -> InitSour
     client = registry_client(tracking_uri)
     name, ref = (model_name, f"@{CHAMPION}") if spec == "champion" else _split_models_uri(spec)
     try:
-        mv = client.get_model_version_by_alias(name, ref[1:]) if ref.startswith("@") else client.get_model_version(name, ref)
+        mv = (
+            client.get_model_version_by_alias(name, ref[1:])
+            if ref.startswith("@")
+            else client.get_model_version(name, ref)
+        )
     except MlflowException as e:
         if spec == "champion" and e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
             return None
@@ -79,14 +101,15 @@ def resolve_init_from(spec: str, model_name: str, tracking_uri: str) -> InitSour
     checkpoint = (mv.tags or {}).get(TAG_CHECKPOINT_URI, "")
     if not checkpoint:
         raise CheckpointError(f"train.init_from={spec!r}: {name} version {mv.version} records no {TAG_CHECKPOINT_URI}")
-    return InitSource(checkpoint_uri=checkpoint, model_version=f"{name}/{mv.version}",
-                      label=f"{name} v{mv.version} ({spec})")
+    return InitSource(
+        checkpoint_uri=checkpoint, model_version=f"{name}/{mv.version}", label=f"{name} v{mv.version} ({spec})"
+    )
 
 
 def _split_models_uri(spec: str) -> tuple[str, str]:
     from training.checkpoint import CheckpointError
 
-    rest = spec[len("models:/"):].strip("/")
+    rest = spec[len("models:/") :].strip("/")
     if "@" in rest:
         name, alias = rest.split("@", 1)
         return name, f"@{alias}"
@@ -96,7 +119,7 @@ def _split_models_uri(spec: str) -> tuple[str, str]:
     return name, version
 
 
-def check_init_checkpoint(init: InitSource, cfg: "TrainConfig") -> None:
+def check_init_checkpoint(init: InitSource, cfg: TrainConfig) -> None:
     """Before any worker starts: the checkpoint is complete and intact, and fits the configured model's shapes.
 
     Raises:
@@ -114,7 +137,7 @@ def check_init_checkpoint(init: InitSource, cfg: "TrainConfig") -> None:
         check_shapes(directory, "model.", model.state_dict())
 
 
-def find_completed(tracking_uri: str, experiment: str, request: str, init: InitSource | None) -> "TrainResult | None":
+def find_completed(tracking_uri: str, experiment: str, request: str, init: InitSource | None) -> TrainResult | None:
     """The finished training of the same request whose checkpoint still verifies; None when there is none.
 
     It must start from the same weights as `init`, or be the training that produced them while its own flow run
@@ -131,8 +154,11 @@ def find_completed(tracking_uri: str, experiment: str, request: str, init: InitS
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], f"tags.`{TAG_TRAIN_REQUEST}` = '{request}' and "
-                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"])
+    runs = client.search_runs(
+        [exp.experiment_id],
+        f"tags.`{TAG_TRAIN_REQUEST}` = '{request}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+    )
     wanted = init.checkpoint_uri if init else ""
     for run in runs:
         tags = run.data.tags
@@ -151,7 +177,12 @@ def find_completed(tracking_uri: str, experiment: str, request: str, init: InitS
         except (CheckpointError, OSError):
             continue
         metrics = run.data.metrics
-        return TrainResult(train_run_id=run.info.run_id, checkpoint_uri=checkpoint, step=info.step,
-                           final_loss=float(metrics.get("final_loss", float("nan"))),
-                           tokens_per_s=float(metrics.get("tokens_per_s", 0.0)), world_size=info.world_size)
+        return TrainResult(
+            train_run_id=run.info.run_id,
+            checkpoint_uri=checkpoint,
+            step=info.step,
+            final_loss=float(metrics.get("final_loss", float("nan"))),
+            tokens_per_s=float(metrics.get("tokens_per_s", 0.0)),
+            world_size=info.world_size,
+        )
     return None

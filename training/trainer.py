@@ -1,4 +1,5 @@
 """Ray Train glue: run `training.loop.train_func` on N workers with TorchTrainer, restarts and checkpoints."""
+
 from __future__ import annotations
 
 import contextlib
@@ -71,19 +72,28 @@ def failure_policy(cfg: TrainConfig) -> Any:
     from ray.train import FailureConfig
 
     # Ray Train V2's FailureConfig (the installed stubs describe V1's, without controller_failure_limit)
-    return FailureConfig(max_failures=cfg.max_failures,  # type: ignore[call-arg]
-                         controller_failure_limit=0 if cfg.placement_timeout_s else -1)
+    return FailureConfig(
+        max_failures=cfg.max_failures,  # type: ignore[call-arg]
+        controller_failure_limit=0 if cfg.placement_timeout_s else -1,
+    )
 
 
-def worker_config(cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str,
-                  init_checkpoint: str = "") -> dict[str, Any]:
+def worker_config(
+    cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str, init_checkpoint: str = ""
+) -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
-    return {"train": cfg.model_dump(), "train_shards": list(train_shards), "tracking_uri": tracking_uri,
-            "run_id": train_run_id, "init_checkpoint": init_checkpoint}
+    return {
+        "train": cfg.model_dump(),
+        "train_shards": list(train_shards),
+        "tracking_uri": tracking_uri,
+        "run_id": train_run_id,
+        "init_checkpoint": init_checkpoint,
+    }
 
 
-def run_config(cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None,
-               worker_env: dict[str, str] | None = None) -> Any:
+def run_config(
+    cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None, worker_env: dict[str, str] | None = None
+) -> Any:
     """Ray Train's RunConfig: the run's name and storage, failure and checkpoint policy, and `worker_env` (the
     network profile's NCCL/UCX variables) in every training worker's environment, set before the worker's
     process group exists, as NCCL reads them when it starts."""
@@ -101,8 +111,13 @@ def run_config(cfg: TrainConfig, run_name: str, storage: str, arrow: Any = None,
 
 
 def run_training(
-    cfg: TrainConfig, shards: "ShardSet", tracking_uri: str, train_run_id: str, run_name: str,
-    init_checkpoint: str = "", worker_env: dict[str, str] | None = None,
+    cfg: TrainConfig,
+    shards: ShardSet,
+    tracking_uri: str,
+    train_run_id: str,
+    run_name: str,
+    init_checkpoint: str = "",
+    worker_env: dict[str, str] | None = None,
 ) -> TrainResult:
     """Train with Ray Train on the running Ray cluster (ray.init was called); resume when `run_name` has checkpoints.
 
@@ -139,8 +154,7 @@ def run_training(
     trainer = TorchTrainer(
         train_func,  # type: ignore[arg-type]  # returns its metrics for torchrun; Ray ignores the value
         train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
         run_config=run_config(cfg, run_name, storage, arrow, worker_env),
     )
     with _start_timeout(cfg.placement_timeout_s):
@@ -150,7 +164,8 @@ def run_training(
             if type(getattr(e, "controller_failure", None)).__name__ == "WorkerGroupStartupTimeoutError":
                 raise PlacementTimeout(
                     f"train.placement_timeout_s={cfg.placement_timeout_s:g}: the cluster did not place "
-                    f"{cfg.workers} workers x {resources} in time (it has {_cluster_resources()})") from None
+                    f"{cfg.workers} workers x {resources} in time (it has {_cluster_resources()})"
+                ) from None
             raise
     return summarise(result, storage, train_run_id, cfg.workers)
 
@@ -178,8 +193,11 @@ def _cluster_resources() -> dict[str, float]:
     """The cluster's logical resources, less Ray's per-node markers, for a placement error."""
     import ray
 
-    return {k: v for k, v in ray.cluster_resources().items()
-            if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+    return {
+        k: v
+        for k, v in ray.cluster_resources().items()
+        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+    }
 
 
 def summarise(result: Any, storage: str, train_run_id: str, world_size: int) -> TrainResult:

@@ -2,6 +2,7 @@
 
 `shardline` (the console script) and `python -m flows.cli` both run `main`.
 """
+
 from flows.cli.root import main
 
 __all__ = ["main"]

@@ -1,4 +1,5 @@
 """`python -m flows.cli`: the `shardline` command."""
+
 import sys
 
 from flows.cli.root import main

@@ -3,6 +3,7 @@
 Commands (flows/cli/<command>.py) and the root (flows/cli/root.py) import these; no command imports the root
 (Prefect's `cli/_utilities.py` shape).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,7 @@ from flows.config import ConfigError, load_config
 
 
 def prepare_environment() -> None:
-    """Telemetry off; use the stack `shardline up` runs here, if any; else keep Prefect's state under $SHARDLINE_HOME."""
+    """Telemetry off; use the stack `shardline up` runs here, if any; else Prefect's state under $SHARDLINE_HOME."""
     from infra.paths import quiet_telemetry, shardline_home
 
     quiet_telemetry()

@@ -5,6 +5,7 @@ any machine that reaches the tracking server, while the canary's driver runs whe
 Exit codes: 0 done; 1 refused (no canary running, or a state the action does not apply to) or MLflow failed;
 2 a bad argument or config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,19 +21,31 @@ DONE = {"pause": "paused", "resume": "resumed", "promote": "promoted", "abort": 
 def describe(status: Any) -> str:
     """One line per canary state, for people."""
     if status.state == "none":
-        last = (f"; v{status.challenger_version}'s canary ended {status.last_verdict}: {status.last_reason}"
-                if status.last_verdict else "")
+        last = (
+            f"; v{status.challenger_version}'s canary ended {status.last_verdict}: {status.last_reason}"
+            if status.last_verdict
+            else ""
+        )
         return f"{status.model}: no canary running; champion v{status.champion_version}{last}"
-    line = (f"{status.model}: {status.state} at {status.percent}% (step {status.step} of {status.steps}), "
-            f"champion v{status.champion_version}, challenger v{status.challenger_version}, mode {status.mode}, "
-            f"canary {status.canary_id}")
+    line = (
+        f"{status.model}: {status.state} at {status.percent}% (step {status.step} of {status.steps}), "
+        f"champion v{status.champion_version}, challenger v{status.challenger_version}, mode {status.mode}, "
+        f"canary {status.canary_id}"
+    )
     if status.state == "awaiting-approval" and status.approval_deadline:
         line += f"; rolls back in {max(0.0, status.approval_deadline - time.time()):.0f} s unless promoted"
     return line
 
 
-def canary_command(action: str, model_name: str, tracking_uri: str, reason: str = "", as_json: bool = False,
-                   wait_s: float = 60.0, user: str = "") -> int:
+def canary_command(
+    action: str,
+    model_name: str,
+    tracking_uri: str,
+    reason: str = "",
+    as_json: bool = False,
+    wait_s: float = 60.0,
+    user: str = "",
+) -> int:
     """Run one `shardline canary` action against the registry at `tracking_uri`; prints, returns the exit code."""
     from mlflow.exceptions import MlflowException
 
@@ -53,11 +66,16 @@ def canary_command(action: str, model_name: str, tracking_uri: str, reason: str 
         print(f"shardline: canary {action}: MLflow: {str(e.message).splitlines()[0]}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps({"command": command.model_dump(mode="json"), "status": status.model_dump(mode="json")}),
-              flush=True)
+        print(
+            json.dumps({"command": command.model_dump(mode="json"), "status": status.model_dump(mode="json")}),
+            flush=True,
+        )
     else:
-        print(f"{DONE[action]} the canary {command.canary_id} of {model_name} (by {command.user}"
-              f"{': ' + reason if reason else ''})\n{describe(status)}", flush=True)
+        print(
+            f"{DONE[action]} the canary {command.canary_id} of {model_name} (by {command.user}"
+            f"{': ' + reason if reason else ''})\n{describe(status)}",
+            flush=True,
+        )
     return 0
 
 
@@ -69,8 +87,9 @@ def tracking_uri_for(configured: str) -> str:
     from flows.stack.state import stack_environment
     from infra.tracking import resolve_tracking_uri
 
-    return resolve_tracking_uri(configured or os.environ.get("MLFLOW_TRACKING_URI")
-                                or stack_environment().get("MLFLOW_TRACKING_URI", ""))
+    return resolve_tracking_uri(
+        configured or os.environ.get("MLFLOW_TRACKING_URI") or stack_environment().get("MLFLOW_TRACKING_URI", "")
+    )
 
 
 def _cmd_canary(args: argparse.Namespace) -> int:
@@ -81,22 +100,46 @@ def _cmd_canary(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
-    return canary_command(args.action, args.model or config.registry.model_name,
-                          tracking_uri_for(config.registry.tracking_uri), args.reason, args.json, args.wait)
+    return canary_command(
+        args.action,
+        args.model or config.registry.model_name,
+        tracking_uri_for(config.registry.tracking_uri),
+        args.reason,
+        args.json,
+        args.wait,
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `canary` on the `shardline` parser."""
-    canary = sub.add_parser("canary", help="show, pause, resume, promote or abort a model's live canary",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    canary.add_argument("action", choices=ACTIONS, help="status: the canary's state; pause: hold the current step; "
-                        "resume: go on; promote: skip the remaining steps and promote now; abort: roll back now")
+    canary = sub.add_parser(
+        "canary",
+        help="show, pause, resume, promote or abort a model's live canary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    canary.add_argument(
+        "action",
+        choices=ACTIONS,
+        help="status: the canary's state; pause: hold the current step; "
+        "resume: go on; promote: skip the remaining steps and promote now; abort: roll back now",
+    )
     canary.add_argument("--model", default="", help="registered model (default: registry.model_name of the config)")
     canary.add_argument("--reason", default="", help="why; recorded with your user name and the time")
     canary.add_argument("--config", metavar="FILE.toml", help="pipeline config (its [registry] section)")
-    canary.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value, e.g. --set registry.tracking_uri=http://mlflow:5000")
-    canary.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
-                        help="how long to wait for the canary's driver to act on the command (default 60)")
+    canary.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set registry.tracking_uri=http://mlflow:5000",
+    )
+    canary.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for the canary's driver to act on the command (default 60)",
+    )
     canary.add_argument("--json", action="store_true", help="print one JSON object")
     canary.set_defaults(func=_cmd_canary)

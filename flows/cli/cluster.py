@@ -1,5 +1,6 @@
 """`shardline cluster up|down|render`: Ray cluster-launcher configs (AWS, Azure) and KubeRay manifests rendered
 from the pipeline config, checked by Ray / written for kubectl; `up`/`down` run `ray up`/`ray down` on them."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,22 @@ def render_kuberay(config: Any, out_dir: Path) -> list[Path]:
     launcher, serve = config.cluster.launcher, config.serve
     env = network_env(config.cluster.network, config.cluster.network_env)
     service_cfg = kuberay.serve_config(
-        launcher, app_name_for(serve, config.registry.model_name), config.registry.model_name,
-        config.registry.tracking_uri, serve.model_dump(exclude={"host", "port", "public_url"}))
+        launcher,
+        app_name_for(serve, config.registry.model_name),
+        config.registry.model_name,
+        config.registry.tracking_uri,
+        serve.model_dump(exclude={"host", "port", "public_url"}),
+    )
     manifests = {
         "raycluster.yaml": kuberay.ray_cluster(launcher, env),
         "rayjob.yaml": kuberay.ray_job(launcher, env, launcher.kuberay.pipeline_config),
         "rayservice.yaml": kuberay.ray_service(launcher, env, service_cfg),
     }
-    header = ("Rendered by `shardline cluster render --provider kuberay` from [cluster.launcher.kuberay].\n"
-              "Needs the KubeRay operator (>= 1.5.1) and the token Secret: kubectl create secret generic "
-              f"{launcher.kuberay.token_secret} --from-literal=auth_token=\"$(ray get-auth-token --generate)\"")
+    header = (
+        "Rendered by `shardline cluster render --provider kuberay` from [cluster.launcher.kuberay].\n"
+        "Needs the KubeRay operator (>= 1.5.1) and the token Secret: kubectl create secret generic "
+        f'{launcher.kuberay.token_secret} --from-literal=auth_token="$(ray get-auth-token --generate)"'
+    )
     return [write_yaml(m, out_dir / "kuberay" / name, header) for name, m in manifests.items()]
 
 
@@ -76,8 +83,11 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     try:
         if args.provider == "kuberay":
             if args.verb != "render" and not args.dry_run:
-                print("shardline: cluster: --provider kuberay only renders manifests (use --dry-run or `render`), "
-                      "then `kubectl apply -f` them", file=sys.stderr)
+                print(
+                    "shardline: cluster: --provider kuberay only renders manifests (use --dry-run or `render`), "
+                    "then `kubectl apply -f` them",
+                    file=sys.stderr,
+                )
                 return 2
             for path in render_kuberay(config, out):
                 print(path)
@@ -95,21 +105,32 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         return 1
     token = Path(config.cluster.launcher.token_file).expanduser()
     if args.verb == "up" and not token.is_file():
-        print(f"shardline: cluster up: no Ray auth token at {token}; create it with `ray get-auth-token --generate`",
-              file=sys.stderr)
+        print(
+            f"shardline: cluster up: no Ray auth token at {token}; create it with `ray get-auth-token --generate`",
+            file=sys.stderr,
+        )
         return 1
     return _ray_cli(args.verb, path)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    cluster = sub.add_parser("cluster", help="render, check and start/stop a Ray cluster on AWS or Azure, or "
-                                             "render KubeRay manifests")
-    cluster.add_argument("verb", choices=["up", "down", "render"],
-                         help="up: `ray up`; down: `ray down`; render: only write (same as --dry-run)")
+    cluster = sub.add_parser(
+        "cluster", help="render, check and start/stop a Ray cluster on AWS or Azure, or render KubeRay manifests"
+    )
+    cluster.add_argument(
+        "verb",
+        choices=["up", "down", "render"],
+        help="up: `ray up`; down: `ray down`; render: only write (same as --dry-run)",
+    )
     cluster.add_argument("--provider", required=True, choices=["aws", "azure", "kuberay"])
     cluster.add_argument("--config", metavar="FILE.toml", help="pipeline config (its [cluster.launcher])")
-    cluster.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                         help="override one config value, e.g. --set cluster.launcher.aws.region=us-west-2")
+    cluster.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set cluster.launcher.aws.region=us-west-2",
+    )
     cluster.add_argument("--dry-run", action="store_true", help="render and check, print the path, start nothing")
     cluster.add_argument("--out", metavar="DIR", help="where rendered files go (default $SHARDLINE_HOME/cluster)")
     cluster.set_defaults(func=_cmd_cluster)

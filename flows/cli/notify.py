@@ -1,4 +1,5 @@
 """`shardline notify-dataset SOURCE`: tell the Prefect server that a corpus changed, so `on-new-data` retrains."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,11 @@ def resolve_source(source: str) -> str:
 def dataset_resource(source: str) -> dict[str, str]:
     """The event's resource: a stable id per source, and the source itself (what the automation passes on)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return {"prefect.resource.id": f"shardline.dataset.{digest}", "prefect.resource.name": source,
-            "shardline.source": source}
+    return {
+        "prefect.resource.id": f"shardline.dataset.{digest}",
+        "prefect.resource.name": source,
+        "shardline.source": source,
+    }
 
 
 async def _emit(resource: dict[str, str], config: dict) -> str:
@@ -59,8 +63,10 @@ def _cmd_notify(args: argparse.Namespace) -> int:
         return 2
     prepare_environment()
     if not os.environ.get("PREFECT_API_URL"):
-        print("shardline: no Prefect server to notify: start one with `shardline up` or set PREFECT_API_URL",
-              file=sys.stderr)
+        print(
+            "shardline: no Prefect server to notify: start one with `shardline up` or set PREFECT_API_URL",
+            file=sys.stderr,
+        )
         return 2
     from prefect.utilities.asyncutils import run_coro_as_sync
 
@@ -78,6 +84,11 @@ def add_notify_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("notify-dataset", help=f"emit {EVENT} so the on-new-data deployment retrains on SOURCE")
     p.add_argument("source", metavar="SOURCE", help="corpus location: a local path, s3://bucket/prefix, az://...")
     p.add_argument("--config", metavar="FILE.toml", help="config the started run uses (its data.source is SOURCE)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value of the started run (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value of the started run (repeatable)",
+    )
     p.set_defaults(func=_cmd_notify)

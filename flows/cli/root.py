@@ -1,5 +1,6 @@
 """The `shardline` command: `run` the pipeline from a TOML config, `shard` the corpus alone, or show a model's
 `lineage`."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,21 @@ def _where_to_look(model_name: str, endpoint_url: str = "") -> str:
 
     tracking = redact(resolve_tracking_uri())
     # a tracking server (`shardline up` runs one) is already a UI: its URL; a file store needs `mlflow ui` on it
-    lines = [f"  runs and registry:  {tracking}" if tracking.startswith(("http://", "https://")) else
-             f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {tracking}"]
+    lines = [
+        f"  runs and registry:  {tracking}"
+        if tracking.startswith(("http://", "https://"))
+        else f"  runs and registry:  {bin_dir}/mlflow ui --backend-store-uri {tracking}"
+    ]
     if not os.environ.get("PREFECT_API_URL"):
-        lines.append(f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start")
+        lines.append(
+            f"  flow runs:          PREFECT_HOME={shardline_home() / 'prefect'} {bin_dir}/prefect server start"
+        )
     lines.append(f"  lineage:            {bin_dir}/shardline lineage --model {model_name} --alias champion")
     if endpoint_url:
-        lines.append(f"  endpoint:           curl -s {endpoint_url}/v1/completions -H 'content-type: application/json' "
-                     "-d '{\"prompt\": \"def main():\", \"max_tokens\": 32}'")
+        lines.append(
+            f"  endpoint:           curl -s {endpoint_url}/v1/completions -H 'content-type: application/json' "
+            '-d \'{"prompt": "def main():", "max_tokens": 32}\''
+        )
         lines.append(f"  stop serving:       {bin_dir}/shardline serve --stop")
     return "\n".join(lines)
 
@@ -89,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the whole pipeline once")
     run.add_argument("--config", metavar="FILE.toml", help="pipeline config (default: built-in defaults)")
     run.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override one config value, e.g. --set train.steps=50 (repeatable)",
     )
     run.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")

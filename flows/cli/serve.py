@@ -1,4 +1,5 @@
 """`shardline serve`: start (or attach to) the model's live endpoint and print its URL; `--stop` removes it."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"{config.registry.model_name} has no champion yet: nothing to serve (run the pipeline first)")
     else:
         print(f"{out['app']} serves {config.registry.model_name} v{out['champion']} at {out['url']} ({out['action']})")
-        print(f"  curl -s {out['url']}/v1/completions -H 'content-type: application/json' "
-              "-d '{\"prompt\": \"def main():\", \"max_tokens\": 32}'")
+        print(
+            f"  curl -s {out['url']}/v1/completions -H 'content-type: application/json' "
+            '-d \'{"prompt": "def main():", "max_tokens": 32}\''
+        )
         if out.get("dashboard_url"):
             print(f"  Ray dashboard: {out['dashboard_url']}")
     return 0
@@ -44,9 +47,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="start or attach to the live endpoint of the registry's champion")
     serve.add_argument("--config", metavar="FILE.toml", help="pipeline config (its [serve], [cluster], [registry])")
-    serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one config value (repeatable)")
-    serve.add_argument("--stop", action="store_true",
-                       help="remove this model's application (and the local Ray head shardline started)")
+    serve.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)"
+    )
+    serve.add_argument(
+        "--stop", action="store_true", help="remove this model's application (and the local Ray head shardline started)"
+    )
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     serve.set_defaults(func=_cmd_serve)

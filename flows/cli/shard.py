@@ -1,5 +1,6 @@
 """`shardline shard`: the data stage alone (what nanoGPT's prepare is to its train), logged to MLflow as the
 pipeline's stage is: a parent run tagged shardline.stage=shard with the shard_dataset child run under it."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,18 @@ from flows.config import ConfigError, load_config
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the `shard` subcommand to the `shardline` parser."""
     shard = sub.add_parser("shard", help="run the data stage alone: shard, validate and publish the corpus")
-    shard.add_argument("--config", metavar="FILE.toml", help="pipeline config (only [data], [cluster], [registry] "
-                       "are used; default: built-in defaults)")
-    shard.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one config value, e.g. --set data.workers=4 (repeatable)")
+    shard.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="pipeline config (only [data], [cluster], [registry] are used; default: built-in defaults)",
+    )
+    shard.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set data.workers=4 (repeatable)",
+    )
     shard.add_argument("--json", action="store_true", help="print the shard set as one JSON object, last on stdout")
     shard.set_defaults(func=cmd_shard)
 
@@ -51,15 +60,27 @@ def _run_stage(config: Any, as_json: bool) -> int:
     start = time.monotonic()
     out = _shard(config)
     out["wall_seconds"] = round(time.monotonic() - start, 3)
-    rows = [("dataset digest", out["dataset_digest"]), ("records", f"{out['num_train']} train / {out['num_val']} val"),
-            ("shards", f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, "
-                       f"{out['total_bytes'] / 1e6:.1f} MB"),
-            ("skipped", ", ".join(f"{k}={v}" for k, v in out["skipped"].items()) or "none"),
-            ("published", "yes" if not out["cache_hit"] else "cache hit (already published)" if out["chunks"]
-             else "cache hit (listing unchanged: the corpus was not read)"),
-            ("manifest", out["manifest_uri"]), ("chunks", f"{out['chunks']} on {out['engine']}, {out['workers']} "
-                                                           "workers"),
-            ("wall seconds", f"{out['wall_seconds']:.1f}"), ("MLflow run", out["parent_run_id"])]
+    rows = [
+        ("dataset digest", out["dataset_digest"]),
+        ("records", f"{out['num_train']} train / {out['num_val']} val"),
+        (
+            "shards",
+            f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, {out['total_bytes'] / 1e6:.1f} MB",
+        ),
+        ("skipped", ", ".join(f"{k}={v}" for k, v in out["skipped"].items()) or "none"),
+        (
+            "published",
+            "yes"
+            if not out["cache_hit"]
+            else "cache hit (already published)"
+            if out["chunks"]
+            else "cache hit (listing unchanged: the corpus was not read)",
+        ),
+        ("manifest", out["manifest_uri"]),
+        ("chunks", f"{out['chunks']} on {out['engine']}, {out['workers']} workers"),
+        ("wall seconds", f"{out['wall_seconds']:.1f}"),
+        ("MLflow run", out["parent_run_id"]),
+    ]
     print(table(rows), file=sys.stderr if as_json else sys.stdout, flush=True)
     if as_json:
         print(json.dumps(out), flush=True)

@@ -1,4 +1,5 @@
 """`shardline up`, `shardline down`, `shardline status`: the local service stack (flows/stack)."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,13 @@ def _configs(args: argparse.Namespace):
 def summary_lines(status: dict) -> list[str]:
     """Where to look, what to curl and how to stop: the end of `up` and of `make demo`."""
     lines = []
-    labels = {"prefect": ("Prefect UI", "ui"), "mlflow": ("MLflow UI", None), "ray": ("Ray dashboard", None),
-              "endpoint": ("model endpoint", None), "prometheus": ("Prometheus", None)}
+    labels = {
+        "prefect": ("Prefect UI", "ui"),
+        "mlflow": ("MLflow UI", None),
+        "ray": ("Ray dashboard", None),
+        "endpoint": ("model endpoint", None),
+        "prometheus": ("Prometheus", None),
+    }
     for name, (label, key) in labels.items():
         part = status.get(name)
         if part:
@@ -33,12 +39,15 @@ def summary_lines(status: dict) -> list[str]:
 
         lines.append(f"  ray dashboard token: {token_hint()}")
     if status.get("prometheus"):
-        lines.append("  Grafana:        import infra/grafana/shardline.json "
-                     f"(datasource: {status['prometheus']['url']})")
+        lines.append(
+            f"  Grafana:        import infra/grafana/shardline.json (datasource: {status['prometheus']['url']})"
+        )
     endpoint = status.get("endpoint")
     if endpoint:
-        lines.append(f"  try:            curl -s -X POST {endpoint['url']}/v1/completions "
-                     "-H 'content-type: application/json' -d '{\"prompt\": \"def \", \"max_tokens\": 32}'")
+        lines.append(
+            f"  try:            curl -s -X POST {endpoint['url']}/v1/completions "
+            '-H \'content-type: application/json\' -d \'{"prompt": "def ", "max_tokens": 32}\''
+        )
     lines.append("  stop it all:    shardline down")
     return lines
 
@@ -94,7 +103,8 @@ def models_report(report: dict) -> dict:
         for model, want in served_champions(client_for(mlflow["url"])).items():
             if served.get(model) != want["champion"]:
                 not_served[model] = f"v{want['champion']} is champion but not served: " + (
-                    want["error"] or f"no application; `shardline serve --set registry.model_name={model}` serves it")
+                    want["error"] or f"no application; `shardline serve --set registry.model_name={model}` serves it"
+                )
     return {"models": served, "not_served": not_served}
 
 
@@ -128,8 +138,13 @@ def add_stack_commands(sub: argparse._SubParsersAction) -> None:
     down = sub.add_parser("down", help="stop exactly what `shardline up` started")
     for p in (up, down):
         p.add_argument("--config", metavar="FILE.toml", help="a config file; its [stack] table configures `up`")
-        p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override a value, e.g. --set stack.prefect_port=4300 (repeatable)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override a value, e.g. --set stack.prefect_port=4300 (repeatable)",
+        )
     up.add_argument("--backend", help="postgresql://USER@HOST:PORT/NAME for MLflow and Prefect (stack.backend)")
     up.add_argument("--host", help="address the services bind to (stack.host)")
     up.add_argument("--prefect-port", type=int, help="Prefect server port (stack.prefect_port)")

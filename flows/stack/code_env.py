@@ -8,6 +8,7 @@ deleted after the run) is exactly what this replaces; see the README's section o
 
 Usage: python -m flows.stack.code_env [PYPROJECT]   (exit 0: satisfied; 1: missing or mismatched, listed)
 """
+
 from __future__ import annotations
 
 import sys
@@ -40,8 +41,10 @@ def main(argv: list[str]) -> int:
     pyproject = Path(argv[0] if argv else "pyproject.toml")
     unmet = unmet_requirements(pyproject)
     if unmet:
-        print(f"{pyproject.resolve()}: this commit needs dependencies the worker's environment ({sys.prefix}) "
-              f"lacks: {'; '.join(unmet)}. Install them there (make install) and restart the worker.")
+        print(
+            f"{pyproject.resolve()}: this commit needs dependencies the worker's environment ({sys.prefix}) "
+            f"lacks: {'; '.join(unmet)}. Install them there (make install) and restart the worker."
+        )
         return 1
     print(f"dependencies of {pyproject.resolve().parent.name} satisfied by {sys.prefix}; running from the clone")
     return 0

@@ -1,4 +1,5 @@
 """StackConfig: where the local stack's services listen and what they store; the `[stack]` table of a config file."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,15 +31,21 @@ class StackConfig(BaseModel):
     ray: bool = Field(True, description="Start (or reuse) the long-lived local Ray head training and serving use.")
     endpoint: bool = Field(True, description="Start the model endpoint (serves the registry's champion).")
     prometheus: bool = Field(
-        True, description="Start a Prometheus server scraping the endpoint's /metrics and the Ray head's nodes "
+        True,
+        description="Start a Prometheus server scraping the endpoint's /metrics and the Ray head's nodes "
         "(training's gauges). Without a `prometheus` binary `up` skips it with a note saying how to install it.",
     )
     prometheus_port: int = Field(
-        9095, ge=1, le=65535, description="Prometheus UI and API port; not Prometheus's usual 9090, where Debian's "
+        9095,
+        ge=1,
+        le=65535,
+        description="Prometheus UI and API port; not Prometheus's usual 9090, where Debian's "
         "prometheus package (which `make test-system` installs) runs a system server.",
     )
     prometheus_scrape_s: float = Field(
-        10.0, gt=0, description="How often Prometheus scrapes the endpoint and the Ray nodes (Ray's own template: 10).",
+        10.0,
+        gt=0,
+        description="How often Prometheus scrapes the endpoint and the Ray nodes (Ray's own template: 10).",
     )
     deploy: bool = Field(True, description="Deploy prefect.yaml to the Prefect server once it answers.")
     start_timeout_s: float = Field(180.0, gt=0, description="How long `up` waits for each service to answer.")

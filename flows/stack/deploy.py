@@ -1,4 +1,5 @@
 """Deploy prefect.yaml to the stack's Prefect server, stamped with the commit that workers must run."""
+
 from __future__ import annotations
 
 import os
@@ -35,10 +36,17 @@ def deploy_all(api_url: str, repo: Path = REPO, repository: str = "", commit: st
     """
     repository = repository or os.environ.get("SHARDLINE_GIT_REPOSITORY") or str(repo)
     commit = commit or os.environ.get("SHARDLINE_GIT_COMMIT") or git_head(repo)
-    env = service_env({"PREFECT_API_URL": api_url, "SHARDLINE_GIT_REPOSITORY": repository,
-                       "SHARDLINE_GIT_COMMIT": commit})
-    proc = subprocess.run([bin_path("prefect"), "--no-prompt", "deploy", "--all"], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    env = service_env(
+        {"PREFECT_API_URL": api_url, "SHARDLINE_GIT_REPOSITORY": repository, "SHARDLINE_GIT_COMMIT": commit}
+    )
+    proc = subprocess.run(
+        [bin_path("prefect"), "--no-prompt", "deploy", "--all"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
         raise StackError("deploy: `prefect deploy --all` failed:\n" + "\n".join(lines))

@@ -1,5 +1,6 @@
 """The endpoint part: the stack's gateway and the model's Ray Serve application (deployments.serving), serving the
 registry's champion."""
+
 from __future__ import annotations
 
 from flows.stack.procs import http_ok
@@ -22,9 +23,16 @@ def start(config, recorded: PartState | None) -> PartState:
     # Ours if this stack started it earlier, or if nothing served there before this call.
     started = (recorded is not None and recorded.started_by_us) or not was_serving
     # Up means Serve's HTTP proxy answers; before the first champion there is no application behind it yet.
-    return PartState(name="endpoint", url=url, started_by_us=started,
-                     detail={"app": str(info.get("app", "")), "champion": str(info.get("champion") or "none yet"),
-                             "health_url": f"{url}/-/healthz"})
+    return PartState(
+        name="endpoint",
+        url=url,
+        started_by_us=started,
+        detail={
+            "app": str(info.get("app", "")),
+            "champion": str(info.get("champion") or "none yet"),
+            "health_url": f"{url}/-/healthz",
+        },
+    )
 
 
 def stop(part: PartState, config) -> bool:

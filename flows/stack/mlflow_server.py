@@ -1,4 +1,5 @@
 """The MLflow part: tracking server and UI on host:port, backend SQLite or PostgreSQL, artifacts proxied."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,12 +22,32 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, backend: Bac
     """
     store = backend.url("psycopg2", backend.databases["mlflow"]) if backend else f"sqlite:///{home / 'mlflow.db'}"
     artifacts = cfg.artifacts or str(home / "mlartifacts")
-    argv = [bin_path("mlflow"), "server", "--host", cfg.host, "--port", str(cfg.mlflow_port),
-            "--backend-store-uri", store, "--artifacts-destination", artifacts,
-            "--workers", str(cfg.mlflow_workers)]
+    argv = [
+        bin_path("mlflow"),
+        "server",
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.mlflow_port),
+        "--backend-store-uri",
+        store,
+        "--artifacts-destination",
+        artifacts,
+        "--workers",
+        str(cfg.mlflow_workers),
+    ]
     detail = {"backend": backend.display + "_mlflow" if backend else store, "artifacts": artifacts}
     env = service_env(backend.env() if backend else {})
     return ensure_service(
-        "mlflow", recorded, tracking_url(cfg), f"{tracking_url(cfg)}/health", cfg.host, cfg.mlflow_port, argv,
-        env, home / "stack" / "logs", cfg.start_timeout_s, detail,
+        "mlflow",
+        recorded,
+        tracking_url(cfg),
+        f"{tracking_url(cfg)}/health",
+        cfg.host,
+        cfg.mlflow_port,
+        argv,
+        env,
+        home / "stack" / "logs",
+        cfg.start_timeout_s,
+        detail,
     )

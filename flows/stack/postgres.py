@@ -4,6 +4,7 @@ shardline does not run the server; it checks that it answers and creates the dat
 in the URL is moved to PGPASSWORD for the child processes (libpq and asyncpg both read it), so it never appears
 in a command line, the state file, a log or the status output.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel
@@ -53,8 +54,9 @@ def parse_backend(text: str) -> Backend:
     shown = url.render_as_string(hide_password=True)
     if url.get_backend_name() != "postgresql" or not url.username or not url.host or not url.database:
         raise StackError(f"stack.backend: expected postgresql://USER@HOST:PORT/NAME, got {shown!r}")
-    return Backend(user=url.username, host=url.host, port=url.port or 5432, name=url.database,
-                   password=url.password or "")
+    return Backend(
+        user=url.username, host=url.host, port=url.port or 5432, name=url.database, password=url.password or ""
+    )
 
 
 def ensure_databases(backend: Backend, timeout_s: float = 10.0) -> list[str]:
@@ -67,8 +69,14 @@ def ensure_databases(backend: Backend, timeout_s: float = 10.0) -> list[str]:
     from psycopg2 import sql
 
     try:
-        conn = psycopg2.connect(host=backend.host, port=backend.port, user=backend.user, dbname="postgres",
-                                password=backend.password or None, connect_timeout=int(timeout_s))
+        conn = psycopg2.connect(
+            host=backend.host,
+            port=backend.port,
+            user=backend.user,
+            dbname="postgres",
+            password=backend.password or None,
+            connect_timeout=int(timeout_s),
+        )
     except psycopg2.OperationalError as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise StackError(f"postgres: cannot log in to {backend.display} as {backend.user!r}: {first}") from None

@@ -1,4 +1,5 @@
 """Detached service processes: start in their own process group, wait until they answer, stop by recorded PID."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,12 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"{name}.log", "ab") as log:
         popen = subprocess.Popen(
-            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     ticks = _start_ticks(popen.pid)

@@ -4,6 +4,7 @@ Ray's head lists its nodes' metrics export addresses in a service-discovery file
 rendered prometheus.yml reads it with file_sd_configs, so training's gauges (training/prom_metrics.py) and Ray's own
 metrics arrive without a port being configured. The data and the rendered config live in $SHARDLINE_HOME/prometheus.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,10 @@ from flows.stack.state import PartState, part_up
 # Ray's file name (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE), not imported: `up` may run without
 # Ray imported, and the name is part of Ray's documented Prometheus set-up.
 DISCOVERY_FILE = "prom_metrics_service_discovery.json"
-INSTALL_HINT = ("install it with `sudo apt-get install -y prometheus` (or `make test-system`), or turn this part off "
-                "with --set stack.prometheus=false")
+INSTALL_HINT = (
+    "install it with `sudo apt-get install -y prometheus` (or `make test-system`), or turn this part off "
+    "with --set stack.prometheus=false"
+)
 
 
 class Unavailable(Exception):
@@ -67,7 +70,8 @@ def render_config(endpoint: tuple[str, str], discovery_file: Path, scrape_interv
         ],
     }
     return "# Rendered by `shardline up` (flows/stack/prometheus.py); rewritten on every `up`.\n" + yaml.safe_dump(
-        config, sort_keys=False)
+        config, sort_keys=False
+    )
 
 
 def write_config(path: Path, text: str) -> bool:
@@ -97,8 +101,12 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> Pa
     discovery = ray_discovery_file()
     changed = write_config(config_file, render_config(endpoint_target(serve), discovery, cfg.prometheus_scrape_s))
     url = server_url(cfg)
-    detail = {"config": str(config_file), "data": str(directory / "data"), "ray_discovery": str(discovery),
-              "health_url": f"{url}/-/ready"}
+    detail = {
+        "config": str(config_file),
+        "data": str(directory / "data"),
+        "ray_discovery": str(discovery),
+        "health_url": f"{url}/-/ready",
+    }
     if recorded is not None and recorded.port == cfg.prometheus_port and part_up(recorded):
         if changed and recorded.started_by_us:
             reload(recorded)
@@ -106,13 +114,30 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> Pa
     if recorded is not None and recorded.port != cfg.prometheus_port:
         stop_part(recorded)  # moved to another port: the old server of this stack is not left running unrecorded
     if port_open(cfg.host, cfg.prometheus_port):
-        raise Unavailable(f"port {cfg.host}:{cfg.prometheus_port} is taken by a server this stack did not start "
-                          "(Debian's prometheus.service listens on 9090); choose another with "
-                          "--set stack.prometheus_port=PORT")
-    argv = [exe, f"--config.file={config_file}", f"--storage.tsdb.path={directory / 'data'}",
-            f"--web.listen-address={cfg.host}:{cfg.prometheus_port}"]
-    return ensure_service("prometheus", None, url, detail["health_url"], cfg.host, cfg.prometheus_port, argv,
-                          service_env({}), home / "stack" / "logs", cfg.start_timeout_s, detail)
+        raise Unavailable(
+            f"port {cfg.host}:{cfg.prometheus_port} is taken by a server this stack did not start "
+            "(Debian's prometheus.service listens on 9090); choose another with "
+            "--set stack.prometheus_port=PORT"
+        )
+    argv = [
+        exe,
+        f"--config.file={config_file}",
+        f"--storage.tsdb.path={directory / 'data'}",
+        f"--web.listen-address={cfg.host}:{cfg.prometheus_port}",
+    ]
+    return ensure_service(
+        "prometheus",
+        None,
+        url,
+        detail["health_url"],
+        cfg.host,
+        cfg.prometheus_port,
+        argv,
+        service_env({}),
+        home / "stack" / "logs",
+        cfg.start_timeout_s,
+        detail,
+    )
 
 
 def reload(part: PartState) -> bool:

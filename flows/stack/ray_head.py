@@ -1,9 +1,10 @@
 """The Ray part: the long-lived local Ray head (infra.head) that runs use for training and serving."""
+
 from __future__ import annotations
 
-from infra.config import ClusterConfig
 from flows.stack.procs import Proc, _start_ticks
 from flows.stack.state import PartState
+from infra.config import ClusterConfig
 
 
 def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:
@@ -14,8 +15,9 @@ def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:
     head = ensure_head(cluster)
     started = before is None or (recorded is not None and recorded.started_by_us)
     procs = [Proc(pid=pid, start_ticks=ticks) for pid in head.pids if (ticks := _start_ticks(pid)) is not None]
-    return PartState(name="ray", url=head.dashboard_url, procs=procs, started_by_us=started,
-                     detail={"gcs_address": head.gcs_address})  # the dashboard wants Ray's token: up = PIDs alive
+    return PartState(
+        name="ray", url=head.dashboard_url, procs=procs, started_by_us=started, detail={"gcs_address": head.gcs_address}
+    )  # the dashboard wants Ray's token: up = PIDs alive
 
 
 def stop(part: PartState) -> bool:

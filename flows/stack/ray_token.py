@@ -5,6 +5,7 @@ reads the token from $RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH, else ~
 `ray get-auth-token` prints it (Ray's token-auth docs). The hint names that file and that command, so the token
 stays out of logs and of `status --json` captured elsewhere.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """One HTTP service of the stack: keep it when it already answers, else start it detached and wait for it."""
+
 from __future__ import annotations
 
 import os
@@ -17,16 +18,30 @@ def bin_path(name: str) -> str:
 
 def service_env(extra: dict[str, str]) -> dict[str, str]:
     """This process's environment with telemetry off, this interpreter's bin first on PATH, and `extra`."""
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
-           "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
     return env
 
 
 def ensure_service(
-    name: str, recorded: PartState | None, url: str, health_url: str, host: str, port: int,
-    argv: list[str], env: dict[str, str], log_dir: Path, timeout_s: float, detail: dict[str, str] | None = None,
+    name: str,
+    recorded: PartState | None,
+    url: str,
+    health_url: str,
+    host: str,
+    port: int,
+    argv: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    timeout_s: float,
+    detail: dict[str, str] | None = None,
 ) -> PartState:
     """Return the part as running: the recorded one if it answers, one already answering on the port (kept, and
     marked not ours so `down` leaves it), or a new process started here and waited for.
@@ -40,12 +55,19 @@ def ensure_service(
     if http_ok(health_url):
         return PartState(name=name, url=url, port=port, started_by_us=False, detail=detail)
     if port_open(host, port):
-        raise StackError(f"{name}: port {host}:{port} is taken by something that is not a {name} server; "
-                         f"choose another port")
+        raise StackError(
+            f"{name}: port {host}:{port} is taken by something that is not a {name} server; choose another port"
+        )
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = spawn(name, argv, env, log_dir)
-    part = PartState(name=name, url=url, port=port, procs=[proc], started_by_us=True,
-                     detail={**detail, "log": str(log_dir / f"{name}.log")})
+    part = PartState(
+        name=name,
+        url=url,
+        port=port,
+        procs=[proc],
+        started_by_us=True,
+        detail={**detail, "log": str(log_dir / f"{name}.log")},
+    )
     try:
         wait_until(name, lambda: http_ok(health_url), timeout_s, proc, log_dir / f"{name}.log")
     except StackError:

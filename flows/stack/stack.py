@@ -1,16 +1,17 @@
 """`up`, `down`, `status` of the whole local stack, in dependency order, recorded in $SHARDLINE_HOME/stack.json."""
+
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-from infra.paths import quiet_telemetry, shardline_home
 from flows.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
 from flows.stack.config import StackConfig
 from flows.stack.postgres import ensure_databases, parse_backend
 from flows.stack.procs import StackError
 from flows.stack.service import stop_part
 from flows.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
+from infra.paths import quiet_telemetry, shardline_home
 
 
 def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) -> StackState:
@@ -40,9 +41,14 @@ def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) ->
     backend = parse_backend(cfg.backend) if cfg.backend else None
     if backend is not None:
         created = ensure_databases(backend)
-        record(PartState(name="postgres", url=backend.display, port=backend.port,
-                         detail={"databases": ",".join(backend.databases.values()),
-                                 "created": ",".join(created) or "none"}))
+        record(
+            PartState(
+                name="postgres",
+                url=backend.display,
+                port=backend.port,
+                detail={"databases": ",".join(backend.databases.values()), "created": ",".join(created) or "none"},
+            )
+        )
     else:
         state.parts.pop("postgres", None)
     prefect = record(prefect_server.start(cfg, home, state.parts.get("prefect"), backend))
@@ -94,7 +100,14 @@ def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
             continue
         if done:
             stopped.append(name)
-        say(f"  {name:<9} {'stopped' if done else 'left running (not started by shardline up)' if not part.started_by_us else 'was not running'}")
+        what = (
+            "stopped"
+            if done
+            else "was not running"
+            if part.started_by_us
+            else "left running (not started by shardline up)"
+        )
+        say(f"  {name:<9} {what}")
         state.parts.pop(name)
         write_state(state)
     if not state.parts:

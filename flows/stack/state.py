@@ -1,4 +1,5 @@
 """The stack's state file, $SHARDLINE_HOME/stack.json: what `up` started (URLs, ports, PIDs) and whether it did."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from infra.paths import shardline_home
 from flows.stack.procs import Proc, http_ok, is_ours
+from infra.paths import shardline_home
 
 PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
 
@@ -84,6 +85,11 @@ def dump_status(state: StackState) -> dict:
         part = state.parts.get(name)
         if part is None:
             continue
-        out[name] = {"up": part_up(part), "url": part.url, "pids": [p.pid for p in part.procs],
-                     "started_by_us": part.started_by_us, **{k: v for k, v in part.detail.items() if k != "health_url"}}
+        out[name] = {
+            "up": part_up(part),
+            "url": part.url,
+            "pids": [p.pid for p in part.procs],
+            "started_by_us": part.started_by_us,
+            **{k: v for k, v in part.detail.items() if k != "health_url"},
+        }
     return json.loads(json.dumps(out))

@@ -1,5 +1,6 @@
 """The work pool and worker part: a process pool whose runs write to the stack's MLflow server and to a
 $SHARDLINE_HOME that outlives them, and one worker polling it."""
+
 from __future__ import annotations
 
 import time
@@ -14,9 +15,15 @@ from flows.stack.state import PartState
 def run_environment(home: Path, api_url: str, tracking_uri: str) -> dict[str, str]:
     """What every flow run of the pool gets: the stack's servers and state directory (absolute, outside the run's
     temporary clone) and telemetry off. Deployment `env` job variables are merged on top of these by Prefect."""
-    return {"SHARDLINE_HOME": str(home), "MLFLOW_TRACKING_URI": tracking_uri, "PREFECT_API_URL": api_url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "RAY_USAGE_STATS_ENABLED": "0",
-            "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1"}
+    return {
+        "SHARDLINE_HOME": str(home),
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+    }
 
 
 def base_job_template(env: dict[str, str]) -> dict:
@@ -60,18 +67,40 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, api_url: str
     if recorded is not None and recorded.procs and all(is_ours(p) for p in recorded.procs):
         return recorded
     logs = home / "stack" / "logs"
-    argv = [bin_path("prefect"), "worker", "start", "--pool", cfg.work_pool, "--type", "process", "--name", name,
-            "--limit", str(cfg.worker_limit), "--install-policy", "never"]
+    argv = [
+        bin_path("prefect"),
+        "worker",
+        "start",
+        "--pool",
+        cfg.work_pool,
+        "--type",
+        "process",
+        "--name",
+        name,
+        "--limit",
+        str(cfg.worker_limit),
+        "--install-policy",
+        "never",
+    ]
     # Poll every few seconds rather than Prefect's 10 s default: a UI run should not sit in Pending.
-    proc = spawn("worker", argv, service_env({**env, "PREFECT_HOME": str(home / "prefect"),
-                                              "PREFECT_WORKER_QUERY_SECONDS": "3"}), logs)
+    proc = spawn(
+        "worker",
+        argv,
+        service_env({**env, "PREFECT_HOME": str(home / "prefect"), "PREFECT_WORKER_QUERY_SECONDS": "3"}),
+        logs,
+    )
     deadline = time.monotonic() + cfg.start_timeout_s
     while not _worker_online(api_url, cfg.work_pool, name):
         if not is_ours(proc) or time.monotonic() > deadline:
             stop(proc)
-            raise StackError(f"worker: did not come online in pool {cfg.work_pool!r}; last log lines:\n"
-                             f"{tail(logs / 'worker.log')}")
+            raise StackError(
+                f"worker: did not come online in pool {cfg.work_pool!r}; last log lines:\n{tail(logs / 'worker.log')}"
+            )
         time.sleep(1.0)
-    return PartState(name="worker", url=f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}",
-                     procs=[proc], started_by_us=True,
-                     detail={"pool": cfg.work_pool, "worker": name, "log": str(logs / "worker.log")})
+    return PartState(
+        name="worker",
+        url=f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}",
+        procs=[proc],
+        started_by_us=True,
+        detail={"pool": cfg.work_pool, "worker": name, "log": str(logs / "worker.log")},
+    )

@@ -1,4 +1,5 @@
 """Are there cloud credentials for `ray up`? Checked on this machine, before anything is started or contacted."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,10 @@ def aws_credentials_missing() -> str:
     except botocore.exceptions.BotoCoreError as e:  # a broken profile, an expired SSO session
         return f"AWS credentials unusable: {str(e).splitlines()[0]}"
     if found is None:
-        return ("no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or run "
-                "`aws configure` / `aws sso login`")
+        return (
+            "no AWS credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or run "
+            "`aws configure` / `aws sso login`"
+        )
     return ""
 
 
@@ -46,8 +49,10 @@ def azure_credentials_missing() -> str:
     Azure CLI login), else why not."""
     if any(all(os.environ.get(v) for v in names) for names in _AZURE_ENV_SETS) or _azure_cli_logged_in():
         return ""
-    return ("no Azure credentials: run `az login`, or set AZURE_TENANT_ID, AZURE_CLIENT_ID and "
-            "AZURE_CLIENT_SECRET (or a federated token / managed identity)")
+    return (
+        "no Azure credentials: run `az login`, or set AZURE_TENANT_ID, AZURE_CLIENT_ID and "
+        "AZURE_CLIENT_SECRET (or a federated token / managed identity)"
+    )
 
 
 def credentials_missing(provider: str) -> str:

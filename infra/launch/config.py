@@ -1,4 +1,5 @@
 """`[cluster.launcher]`: what `shardline cluster up|down|render` renders for AWS, Azure and KubeRay."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,22 +53,29 @@ class AwsLauncher(BaseModel):
 
     region: str = Field("us-east-1", description="EC2 region.")
     availability_zone: str = Field(
-        "", description="Zones to launch in, comma-separated; empty lets Ray pick. GPU capacity is often in one.")
+        "", description="Zones to launch in, comma-separated; empty lets Ray pick. GPU capacity is often in one."
+    )
     image_id: str = Field(
         "resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
         description="AMI of every node. The default is AWS's SSM pointer to the current Deep Learning Base AMI "
         "(Ubuntu 22.04: NVIDIA driver, Docker with the NVIDIA runtime, EFA driver), resolved by EC2 at launch.",
     )
     iam_instance_profile: str = Field(
-        "shardline-ray", description="Instance profile of the nodes: grants S3 access to shards and checkpoints.")
-    head: NodeType = Field(default=AWS_NODES["head"],
-                           description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy.")
-    cpu_worker: NodeType = Field(default=AWS_NODES["cpu_worker"],
-                                 description="CPU workers: sharding, evaluation, Serve replicas on CPU.")
-    gpu_worker: NodeType = Field(default=AWS_NODES["gpu_worker"],
-                                 description="GPU workers for FSDP training (8x H100 each by default).")
+        "shardline-ray", description="Instance profile of the nodes: grants S3 access to shards and checkpoints."
+    )
+    head: NodeType = Field(
+        default=AWS_NODES["head"], description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy."
+    )
+    cpu_worker: NodeType = Field(
+        default=AWS_NODES["cpu_worker"], description="CPU workers: sharding, evaluation, Serve replicas on CPU."
+    )
+    gpu_worker: NodeType = Field(
+        default=AWS_NODES["gpu_worker"], description="GPU workers for FSDP training (8x H100 each by default)."
+    )
     efa_interfaces: int = Field(
-        0, ge=0, le=32,
+        0,
+        ge=0,
+        le=32,
         description="EFA network interfaces per GPU node (p5.48xlarge has 32; 0: no EFA, TCP between nodes). "
         "EFA gives NCCL OS-bypass RDMA through the aws-ofi-nccl plugin, which the node image must contain; "
         "needs subnet_id and security_group_id (the group must admit all traffic from itself).",
@@ -75,7 +83,8 @@ class AwsLauncher(BaseModel):
     subnet_id: str = Field("", description="Subnet of the EFA interfaces (one subnet, one zone).")
     security_group_id: str = Field("", description="Security group of the EFA interfaces.")
     placement_group: str = Field(
-        "", description="An existing EC2 placement group (strategy `cluster`) for the GPU nodes: all in one "
+        "",
+        description="An existing EC2 placement group (strategy `cluster`) for the GPU nodes: all in one "
         "spine of the network, the lowest latency between them. Create it first: "
         "`aws ec2 create-placement-group --group-name NAME --strategy cluster`.",
     )
@@ -86,10 +95,12 @@ class AwsLauncher(BaseModel):
         return _over_defaults(data, AWS_NODES)
 
     @model_validator(mode="after")
-    def _efa_needs_network(self) -> "AwsLauncher":
+    def _efa_needs_network(self) -> AwsLauncher:
         if self.efa_interfaces and not (self.subnet_id and self.security_group_id):
-            raise ValueError(f"efa_interfaces={self.efa_interfaces} needs subnet_id and security_group_id "
-                             "(EC2 attaches EFA interfaces only with both given)")
+            raise ValueError(
+                f"efa_interfaces={self.efa_interfaces} needs subnet_id and security_group_id "
+                "(EC2 attaches EFA interfaces only with both given)"
+            )
         return self
 
 
@@ -103,17 +114,21 @@ class AzureLauncher(BaseModel):
     subscription_id: str = Field("", description="Subscription; empty: the Azure CLI's current one.")
     image_publisher: str = Field("microsoft-dsvm", description="VM image publisher.")
     image_offer: str = Field(
-        "ubuntu-hpc", description="VM image offer: Ubuntu HPC has the NVIDIA driver, Docker, and the InfiniBand "
-        "(MOFED) stack the ND-series GPU VMs need.")
+        "ubuntu-hpc",
+        description="VM image offer: Ubuntu HPC has the NVIDIA driver, Docker, and the InfiniBand "
+        "(MOFED) stack the ND-series GPU VMs need.",
+    )
     image_sku: str = Field("2204", description="VM image SKU (Ubuntu 22.04).")
     image_version: str = Field("latest", description="VM image version.")
     ssh_public_key: str = Field("~/.ssh/id_rsa.pub", description="Public key Azure installs on the VMs.")
-    head: NodeType = Field(default=AZURE_NODES["head"],
-                           description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy.")
-    cpu_worker: NodeType = Field(default=AZURE_NODES["cpu_worker"],
-                                 description="CPU workers.")
-    gpu_worker: NodeType = Field(default=AZURE_NODES["gpu_worker"],
-                                 description="GPU workers for FSDP training (8x H100, InfiniBand, by default).")
+    head: NodeType = Field(
+        default=AZURE_NODES["head"], description="The head node: GCS, dashboard, job server, autoscaler, Serve proxy."
+    )
+    cpu_worker: NodeType = Field(default=AZURE_NODES["cpu_worker"], description="CPU workers.")
+    gpu_worker: NodeType = Field(
+        default=AZURE_NODES["gpu_worker"],
+        description="GPU workers for FSDP training (8x H100, InfiniBand, by default).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -136,15 +151,21 @@ class KubeRayLauncher(BaseModel):
         "runtime environment, on Ray's own image).",
     )
     image: str = Field(
-        "shardline:0.1.0", description="For code=image: the image built from the Dockerfile (push it to a "
-        "registry your cluster pulls from and name it here).")
+        "shardline:0.1.0",
+        description="For code=image: the image built from the Dockerfile (push it to a "
+        "registry your cluster pulls from and name it here).",
+    )
     working_dir_uri: str = Field(
-        "", description="For code=working_dir: a zip of the repository Ray can fetch (s3://, gs://, https://).")
+        "", description="For code=working_dir: a zip of the repository Ray can fetch (s3://, gs://, https://)."
+    )
     pipeline_config: str = Field(
-        "configs/demo.toml", description="The RayJob's pipeline config: a path inside the image or working_dir. "
-        "It must name shared storage and a shared MLflow server (pods have no common disk).")
+        "configs/demo.toml",
+        description="The RayJob's pipeline config: a path inside the image or working_dir. "
+        "It must name shared storage and a shared MLflow server (pods have no common disk).",
+    )
     token_secret: str = Field(
-        "shardline-ray-token", description="Kubernetes Secret holding the Ray auth token under key `auth_token`.")
+        "shardline-ray-token", description="Kubernetes Secret holding the Ray auth token under key `auth_token`."
+    )
     gpu_min_replicas: int = Field(0, ge=0, description="GPU worker pods kept running.")
     gpu_max_replicas: int = Field(4, ge=0, description="Most GPU worker pods the autoscaler starts.")
     gpus_per_pod: int = Field(8, ge=1, description="GPUs of each GPU worker pod.")
@@ -163,28 +184,39 @@ class LauncherConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cluster_name: str = Field("shardline", pattern=r"^[a-z][a-z0-9-]{0,39}$",
-                              description="Name of the Ray cluster (tags, resource names).")
+    cluster_name: str = Field(
+        "shardline", pattern=r"^[a-z][a-z0-9-]{0,39}$", description="Name of the Ray cluster (tags, resource names)."
+    )
     image: str = Field(
-        "", description="Container image every Ray node runs; empty: rayproject/ray:2.60.0-py311 on CPU nodes and "
-        "its -gpu variant on GPU nodes. Set it to an image with shardline installed to skip the pip step.")
+        "",
+        description="Container image every Ray node runs; empty: rayproject/ray:2.60.0-py311 on CPU nodes and "
+        "its -gpu variant on GPU nodes. Set it to an image with shardline installed to skip the pip step.",
+    )
     git_url: str = Field(
-        "", description="Git URL of shardline to pip-install on the nodes (no credentials in it); empty: the "
-        "nodes get only the dependencies and the code arrives with each job's runtime environment.")
+        "",
+        description="Git URL of shardline to pip-install on the nodes (no credentials in it); empty: the "
+        "nodes get only the dependencies and the code arrives with each job's runtime environment.",
+    )
     git_ref: str = Field("main", description="Branch, tag or commit of git_url to install.")
     token_file: str = Field(
-        "~/.ray/auth_token", description="Ray auth token on this machine, copied to every node (token auth is "
-        "on; create it with `ray get-auth-token --generate`).")
+        "~/.ray/auth_token",
+        description="Ray auth token on this machine, copied to every node (token auth is "
+        "on; create it with `ray get-auth-token --generate`).",
+    )
     ssh_user: str = Field("ubuntu", description="Login user of the node image.")
     ssh_private_key: str = Field(
-        "", description="Private key for SSH to the nodes; empty: Ray creates an EC2 key pair (AWS); Azure uses "
-        "the private half of azure.ssh_public_key.")
+        "",
+        description="Private key for SSH to the nodes; empty: Ray creates an EC2 key pair (AWS); Azure uses "
+        "the private half of azure.ssh_public_key.",
+    )
     idle_timeout_minutes: int = Field(10, ge=1, description="Idle workers are removed after this long.")
     dashboard_host: str = Field(
-        "127.0.0.1", description="Address the head's dashboard and job server (8265) bind to. 127.0.0.1: reach "
+        "127.0.0.1",
+        description="Address the head's dashboard and job server (8265) bind to. 127.0.0.1: reach "
         "them through `ray dashboard CONFIG` (an SSH tunnel). 0.0.0.0 opens them to the cluster's own network "
         "(Ray's security group / network security group admits SSH and traffic between members, nothing else), "
-        "for a Prefect worker inside it; token auth guards them either way.")
+        "for a Prefect worker inside it; token auth guards them either way.",
+    )
     aws: AwsLauncher = Field(default_factory=AwsLauncher, description="`--provider aws`.")
     azure: AzureLauncher = Field(default_factory=AzureLauncher, description="`--provider azure`.")
     kuberay: KubeRayLauncher = Field(default_factory=KubeRayLauncher, description="`--provider kuberay`.")

@@ -3,6 +3,7 @@
 Everything known on this machine is resolved here (image tags, the dependency list, the git URL, the token file),
 so nothing is left for a node's shell to expand except Ray's own `$RAY_HEAD_IP`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,12 +20,12 @@ PROVIDERS = ("aws", "azure")
 # Ports, all on the head unless said otherwise. Ray's security group (AWS) / network security group (Azure)
 # admits SSH from anywhere and any traffic between cluster members; nothing below is opened to the internet.
 PORTS = {
-    "gcs": 6379,            # GCS: workers join here (ray start --address)
-    "dashboard": 8265,      # dashboard and Jobs API (job submission), on launcher.dashboard_host
-    "client": 10001,        # Ray Client server, started by default; shardline submits jobs instead
-    "metrics": 8080,        # Prometheus metrics of every node (/metrics), for a scraper inside the network
-    "object_manager": 8076, # object transfers between nodes
-    "serve": 8000,          # Ray Serve HTTP proxy: the live endpoint (serve.host / serve.port)
+    "gcs": 6379,  # GCS: workers join here (ray start --address)
+    "dashboard": 8265,  # dashboard and Jobs API (job submission), on launcher.dashboard_host
+    "client": 10001,  # Ray Client server, started by default; shardline submits jobs instead
+    "metrics": 8080,  # Prometheus metrics of every node (/metrics), for a scraper inside the network
+    "object_manager": 8076,  # object transfers between nodes
+    "serve": 8000,  # Ray Serve HTTP proxy: the live endpoint (serve.host / serve.port)
 }
 
 
@@ -63,8 +64,9 @@ def _resources(node: NodeType, schedulable: bool = True) -> dict[str, int]:
 def _setup_commands(cfg: LauncherConfig) -> list[str]:
     commands = ["python -m pip install -q " + " ".join(shlex.quote(r) for r in project_requirements())]
     if cfg.git_url:  # the package itself; its dependencies came from the line above
-        commands.append("python -m pip install -q --no-deps "
-                        + shlex.quote(f"shardline @ git+{cfg.git_url}@{cfg.git_ref}"))
+        commands.append(
+            "python -m pip install -q --no-deps " + shlex.quote(f"shardline @ git+{cfg.git_url}@{cfg.git_ref}")
+        )
     return commands
 
 
@@ -74,13 +76,17 @@ def _ray_env() -> str:
 
 
 def _start_commands(cfg: LauncherConfig) -> tuple[list[str], list[str]]:
-    head = (f"{_ray_env()} ray start --head --port={PORTS['gcs']} --dashboard-host={shlex.quote(cfg.dashboard_host)} "
-            f"--dashboard-port={PORTS['dashboard']} --metrics-export-port={PORTS['metrics']} "
-            f"--object-manager-port={PORTS['object_manager']} --autoscaling-config=~/ray_bootstrap_config.yaml "
-            "--disable-usage-stats")
-    worker = (f"{_ray_env()} ray start --address=$RAY_HEAD_IP:{PORTS['gcs']} "
-              f"--metrics-export-port={PORTS['metrics']} --object-manager-port={PORTS['object_manager']} "
-              "--disable-usage-stats")
+    head = (
+        f"{_ray_env()} ray start --head --port={PORTS['gcs']} --dashboard-host={shlex.quote(cfg.dashboard_host)} "
+        f"--dashboard-port={PORTS['dashboard']} --metrics-export-port={PORTS['metrics']} "
+        f"--object-manager-port={PORTS['object_manager']} --autoscaling-config=~/ray_bootstrap_config.yaml "
+        "--disable-usage-stats"
+    )
+    worker = (
+        f"{_ray_env()} ray start --address=$RAY_HEAD_IP:{PORTS['gcs']} "
+        f"--metrics-export-port={PORTS['metrics']} --object-manager-port={PORTS['object_manager']} "
+        "--disable-usage-stats"
+    )
     # `ray stop` first, as Ray's own launcher templates do: these nodes are machines `ray up` created for this
     # cluster alone (a restarted node must not keep a half-started Ray); shardline never runs it anywhere else.
     return ["ray stop", head], ["ray stop", worker]
@@ -94,16 +100,21 @@ def _gpu_docker(cfg: LauncherConfig, rdma: bool) -> dict[str, Any]:
     return {"worker_image": image_for(cfg, gpu=True), "worker_run_options": options}
 
 
-def _common(cfg: LauncherConfig, provider: dict[str, Any], auth: dict[str, Any],
-            head_setup: list[str]) -> dict[str, Any]:
+def _common(
+    cfg: LauncherConfig, provider: dict[str, Any], auth: dict[str, Any], head_setup: list[str]
+) -> dict[str, Any]:
     head_start, worker_start = _start_commands(cfg)
     return {
         "cluster_name": cfg.cluster_name,
         "max_workers": 0,  # set from the node types below
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": cfg.idle_timeout_minutes,
-        "docker": {"image": image_for(cfg, gpu=False), "container_name": "ray_container",
-                   "pull_before_run": True, "run_options": ["--ulimit", "nofile=65536:65536"]},
+        "docker": {
+            "image": image_for(cfg, gpu=False),
+            "container_name": "ray_container",
+            "pull_before_run": True,
+            "run_options": ["--ulimit", "nofile=65536:65536"],
+        },
         "provider": provider,
         "auth": auth,
         "available_node_types": {},
@@ -153,9 +164,11 @@ def aws_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
     out = _common(cfg, provider, auth, _ray_head_setup("aws"))
 
     def ec2(node: NodeType) -> dict[str, Any]:
-        conf: dict[str, Any] = {"InstanceType": node.instance_type, "ImageId": aws.image_id,
-                                "BlockDeviceMappings": [{"DeviceName": "/dev/sda1",
-                                                         "Ebs": {"VolumeSize": 512, "VolumeType": "gp3"}}]}
+        conf: dict[str, Any] = {
+            "InstanceType": node.instance_type,
+            "ImageId": aws.image_id,
+            "BlockDeviceMappings": [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 512, "VolumeType": "gp3"}}],
+        }
         if aws.iam_instance_profile:
             conf["IamInstanceProfile"] = {"Name": aws.iam_instance_profile}
         return conf
@@ -164,16 +177,25 @@ def aws_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
     if aws.efa_interfaces:
         # One EFA interface per network card; only the first carries the node's IP (device index 0).
         gpu["NetworkInterfaces"] = [
-            {"NetworkCardIndex": i, "DeviceIndex": 0 if i == 0 else 1, "InterfaceType": "efa",
-             "SubnetId": aws.subnet_id, "Groups": [aws.security_group_id], "DeleteOnTermination": True}
-            for i in range(aws.efa_interfaces)]
+            {
+                "NetworkCardIndex": i,
+                "DeviceIndex": 0 if i == 0 else 1,
+                "InterfaceType": "efa",
+                "SubnetId": aws.subnet_id,
+                "Groups": [aws.security_group_id],
+                "DeleteOnTermination": True,
+            }
+            for i in range(aws.efa_interfaces)
+        ]
     if aws.placement_group:
         gpu["Placement"] = {"GroupName": aws.placement_group}
     gpu_node = _node(aws.gpu_worker, gpu)
     gpu_node["docker"] = _gpu_docker(cfg, rdma or aws.efa_interfaces > 0)
-    out["available_node_types"] = {"head": _node(aws.head, ec2(aws.head), head=True),
-                                   "cpu_worker": _node(aws.cpu_worker, ec2(aws.cpu_worker)),
-                                   "gpu_worker": gpu_node}
+    out["available_node_types"] = {
+        "head": _node(aws.head, ec2(aws.head), head=True),
+        "cpu_worker": _node(aws.cpu_worker, ec2(aws.cpu_worker)),
+        "gpu_worker": gpu_node,
+    }
     out["max_workers"] = aws.cpu_worker.max_workers + aws.gpu_worker.max_workers
     return out
 
@@ -181,8 +203,12 @@ def aws_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
 def azure_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
     """The `ray up` config for Azure: head, cpu_worker and gpu_worker node types with explicit resources."""
     az = cfg.azure
-    provider: dict[str, Any] = {"type": "azure", "location": az.location, "resource_group": az.resource_group,
-                                "cache_stopped_nodes": False}
+    provider: dict[str, Any] = {
+        "type": "azure",
+        "location": az.location,
+        "resource_group": az.resource_group,
+        "cache_stopped_nodes": False,
+    }
     if az.subscription_id:
         provider["subscription_id"] = az.subscription_id
     private = cfg.ssh_private_key or az.ssh_public_key.removesuffix(".pub")
@@ -190,16 +216,22 @@ def azure_config(cfg: LauncherConfig, rdma: bool = False) -> dict[str, Any]:
     out = _common(cfg, provider, auth, _ray_head_setup("azure"))
 
     def vm(node: NodeType) -> dict[str, Any]:
-        params: dict[str, Any] = {"vmSize": node.instance_type, "imagePublisher": az.image_publisher,
-                                  "imageOffer": az.image_offer, "imageSku": az.image_sku,
-                                  "imageVersion": az.image_version}
+        params: dict[str, Any] = {
+            "vmSize": node.instance_type,
+            "imagePublisher": az.image_publisher,
+            "imageOffer": az.image_offer,
+            "imageSku": az.image_sku,
+            "imageVersion": az.image_version,
+        }
         return {"azure_arm_parameters": params}
 
     gpu_node = _node(az.gpu_worker, vm(az.gpu_worker))
     gpu_node["docker"] = _gpu_docker(cfg, rdma)
-    out["available_node_types"] = {"head": _node(az.head, vm(az.head), head=True),
-                                   "cpu_worker": _node(az.cpu_worker, vm(az.cpu_worker)),
-                                   "gpu_worker": gpu_node}
+    out["available_node_types"] = {
+        "head": _node(az.head, vm(az.head), head=True),
+        "cpu_worker": _node(az.cpu_worker, vm(az.cpu_worker)),
+        "gpu_worker": gpu_node,
+    }
     out["max_workers"] = az.cpu_worker.max_workers + az.gpu_worker.max_workers
     return out
 

@@ -1,4 +1,5 @@
 """A real local Prefect server for the whole session (prefect_test_harness), shared by every flow test."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """The `canary-control` flow (the Prefect UI's way to `shardline canary ACTION`) under a real Prefect server and a
 real MLflow registry: status reads the registry, a command with no canary running fails in one line, an unknown
 action is refused."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,11 +32,14 @@ def test_status_reads_the_registry(registry):
     assert (status["model"], status["state"], status["champion_version"], status["percent"]) == ("m", "none", "1", 0)
 
 
-@pytest.mark.parametrize("action, message", [
-    ("pause", "ConfigError: canary pause: no canary of m is running; nothing to pause"),
-    ("promote", "ConfigError: canary promote: no canary of m is running; nothing to promote"),
-    ("frob", "ConfigError: action: 'frob' is not one of status, pause, resume, promote, abort"),
-])
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        ("pause", "ConfigError: canary pause: no canary of m is running; nothing to pause"),
+        ("promote", "ConfigError: canary promote: no canary of m is running; nothing to promote"),
+        ("frob", "ConfigError: action: 'frob' is not one of status, pause, resume, promote, abort"),
+    ],
+)
 def test_a_command_that_does_not_apply_fails_the_run_in_one_line(registry, action, message):
     state = canary_control(action=action, reason="testing", config=registry, return_state=True)
     exc = state.result(raise_on_failure=False)

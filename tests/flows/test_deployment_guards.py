@@ -2,6 +2,7 @@
 credential in any of its parameter fields, as a UI run would send it: the flow run fails at once with one line
 that masks it, before the MLflow run is opened, and the planted secret reaches no log (the run process's console,
 the Prefect database's logs, the flow run's state message)."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,15 @@ def _run_cases(entrypoint: str, parameters: dict) -> list[dict]:
     for field, params in _cases(flow, parameters):
         state = flow(**params, return_state=True)
         exc = state.result(raise_on_failure=False)
-        out.append({"field": field, "failed": state.is_failed(), "flow_run_id": str(state.state_details.flow_run_id),
-                    "refused": isinstance(exc, ConfigError), "error": str(exc)})
+        out.append(
+            {
+                "field": field,
+                "failed": state.is_failed(),
+                "flow_run_id": str(state.state_details.flow_run_id),
+                "refused": isinstance(exc, ConfigError),
+                "error": str(exc),
+            }
+        )
     return out
 
 
@@ -91,9 +99,14 @@ def _flow_run_logs(flow_run_id: str) -> list[str]:
 @pytest.mark.parametrize("deployment", _deployments(), ids=lambda d: d["name"])
 def test_a_credential_in_any_parameter_field_is_refused_in_one_line_and_logged_nowhere(deployment, deployment_env):
     env, home = deployment_env
-    proc = subprocess.run([sys.executable, __file__, deployment["entrypoint"],
-                           json.dumps(deployment.get("parameters") or {})],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, __file__, deployment["entrypoint"], json.dumps(deployment.get("parameters") or {})],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert results, proc.stdout[-2000:]

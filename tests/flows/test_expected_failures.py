@@ -1,5 +1,6 @@
 """Expected failures (bad input, a config mistake, a rejected checkpoint, a failed gate) end the CLI with one line
 naming the cause and print no traceback anywhere; the flow run ends Failed with that cause."""
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,25 @@ def _cli(prefect_server: str, home: Path, *sets: str) -> subprocess.CompletedPro
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
     args = [a for s in sets for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _assert_one_line_failure(proc: subprocess.CompletedProcess, code: int, cause: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == code, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
-    last = proc.stderr.strip().splitlines()[-1] if code == 2 else next(
-        line for line in proc.stderr.splitlines() if line.startswith("shardline: "))
+    last = (
+        proc.stderr.strip().splitlines()[-1]
+        if code == 2
+        else next(line for line in proc.stderr.splitlines() if line.startswith("shardline: "))
+    )
     assert cause in last, last
 
 

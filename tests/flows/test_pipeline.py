@@ -1,4 +1,5 @@
 """The whole debug pipeline, twice, on a real Prefect server, real Ray, real MLflow: first champion, then canary."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import httpx
+import pytest
 
 from flows.config import load_config
 from infra.cluster import free_port
@@ -112,9 +112,26 @@ def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, h
     texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]
     with Load(f"http://127.0.0.1:{SERVE_PORT}", texts, rps=4.0, max_seconds=900) as load:
         proc = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json", "--set", SERVE[0],
-             "--set", "data.output=s3://shardline/flow-shards", "--set", "train.storage_path=s3://shardline/flow-ckpt"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "run",
+                "--config",
+                "configs/debug.toml",
+                "--json",
+                "--set",
+                SERVE[0],
+                "--set",
+                "data.output=s3://shardline/flow-shards",
+                "--set",
+                "train.storage_path=s3://shardline/flow-ckpt",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         time.sleep(1.0)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -158,8 +175,14 @@ def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, h
     assert "testing" not in json.dumps(client.get_run(children["shard_dataset"].info.run_id).data.params)
 
     # `shardline lineage` follows the same chain from the champion back to the digest the data stage logged
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", "--model", name, "--json"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "lineage", "--model", name, "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     chain = json.loads(proc.stdout.strip().splitlines()[-1])
     assert chain["version"] == str(champion.version) and chain["consistent"] is True
@@ -177,13 +200,19 @@ def test_azure_blob_source_and_output(prefect_server, home, azurite, unique_pref
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.glob("*.py"))[:80]:
         storage.upload_file(str(path), f"az://shardline/{unique_prefix}/corpus/{path.name}")
-    cfg = load_config(REPO / "configs" / "debug.toml", [
-        f"data.source=az://shardline/{unique_prefix}/corpus",
-        f"data.output=az://shardline/{unique_prefix}/shards",
-        # from scratch on 80 files: the champion's checkpoint is on S3 (not this test's), and the relative gate
-        # would rightly refuse a model that much weaker than it
-        "canary.enabled=false", "train.init_from=", "validation.max_regression_vs_champion=100.0", *SERVE,
-    ])
+    cfg = load_config(
+        REPO / "configs" / "debug.toml",
+        [
+            f"data.source=az://shardline/{unique_prefix}/corpus",
+            f"data.output=az://shardline/{unique_prefix}/shards",
+            # from scratch on 80 files: the champion's checkpoint is on S3 (not this test's), and the relative gate
+            # would rightly refuse a model that much weaker than it
+            "canary.enabled=false",
+            "train.init_from=",
+            "validation.max_regression_vs_champion=100.0",
+            *SERVE,
+        ],
+    )
     summary = shardline_pipeline(cfg)
     assert summary.manifest_uri.startswith(f"az://shardline/{unique_prefix}/shards/{summary.dataset_digest}/")
     assert storage.exists(summary.manifest_uri)
@@ -199,8 +228,15 @@ def _cli_run(prefect_server: str, home: Path, *sets: str, new_session: bool = Fa
     args = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json", "--set", SERVE[0]]
     for s in sets:
         args += ["--set", s]
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=new_session,
+    )
 
 
 def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(prefect_server, home, s3_server):
@@ -226,8 +262,10 @@ def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(p
         while http.get(f"{url}/healthz").json()["challenger_percent"] != 0:
             assert time.monotonic() - killed_at < 8 + 5, "the lease did not run out"
             time.sleep(0.5)
-        assert {http.post(f"{url}/v1/score", json={"text": "import os"}).headers["x-shardline-model-version"]
-                for _ in range(6)} == {champion}
+        assert {
+            http.post(f"{url}/v1/score", json={"text": "import os"}).headers["x-shardline-model-version"]
+            for _ in range(6)
+        } == {champion}
     client = _client(home)
     name = load_config(REPO / "configs" / "debug.toml").registry.model_name
     assert str(client.get_model_version_by_alias(name, "champion").version) == champion  # no decision, no change
@@ -256,17 +294,19 @@ def test_three_runs_at_once_release_one_at_a_time(prefect_server, home, s3_serve
     # step keeps the test short
     procs = [_cli_run(prefect_server, home, f"train.seed={seed}", "canary.steps=[100]") for seed in (11, 12, 13)]
     results = [p.communicate(timeout=1500) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_out, err) in zip(procs, results, strict=False):
         assert p.returncode == 0, err[-3000:]
         assert "database is locked" not in err
     summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
     assert len({int(s["model_version"]) for s in summaries} - before) == 3
     # replay the releases in the order their canaries ran: each compared against the champion of its turn
-    canaries = sorted((_children(client, s["parent_run_id"])["canary_deploy"] for s in summaries),
-                      key=lambda r: r.info.start_time)
+    canaries = sorted(
+        (_children(client, s["parent_run_id"])["canary_deploy"] for s in summaries), key=lambda r: r.info.start_time
+    )
     for run in canaries:
-        assert run.info.end_time <= min((r.info.start_time for r in canaries if r.info.start_time > run.info.start_time),
-                                        default=run.info.end_time)  # no two canaries overlapped
+        assert run.info.end_time <= min(
+            (r.info.start_time for r in canaries if r.info.start_time > run.info.start_time), default=run.info.end_time
+        )  # no two canaries overlapped
         version = run.data.tags["shardline.model_version"]
         assert run.data.tags["shardline.champion_version"] == champion
         decision = client.get_model_version(name, version).tags["shardline.canary_decision"]

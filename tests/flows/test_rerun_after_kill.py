@@ -3,6 +3,7 @@ stage is running and run the same command again: it completes, the registry hold
 from the newest complete checkpoint of the killed attempt (or was reused whole), nothing of the killed run is left
 running. Continuing from the champion and the canary stage's kill are tests/flows/test_pipeline.py's, the latter
 against a live endpoint."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,26 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from train_support import kill_tree  # noqa: E402
+
 from training import checkpoint as ck  # noqa: E402
 from training import resume  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 STEPS = {"train_fsdp": 60}  # long enough to be caught between checkpoints; the other cases train the fewest steps
-COMMAND = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json",
-           "--set", "train.log_every=1", "--set", "canary.enabled=false"]
+COMMAND = [
+    sys.executable,
+    "-m",
+    "flows.cli",
+    "run",
+    "--config",
+    "configs/debug.toml",
+    "--json",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "canary.enabled=false",
+]
 
 
 def _command(stage: str) -> list[str]:
@@ -42,8 +55,9 @@ def _env(home: Path, api_url: str = "") -> dict[str, str]:
 
 
 def _run(home: Path, stage: str, api_url: str = "") -> dict:
-    proc = subprocess.run(_command(stage), cwd=REPO, env=_env(home, api_url), capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        _command(stage), cwd=REPO, env=_env(home, api_url), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -59,8 +73,11 @@ def _stages(home: Path, status: str) -> set[str]:
         return set()
     try:
         with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as con:
-            rows = con.execute("SELECT t.value FROM tags t JOIN runs r ON r.run_uuid = t.run_uuid "
-                               "WHERE t.key = 'shardline.stage' AND r.status = ?", (status,)).fetchall()
+            rows = con.execute(
+                "SELECT t.value FROM tags t JOIN runs r ON r.run_uuid = t.run_uuid "
+                "WHERE t.key = 'shardline.stage' AND r.status = ?",
+                (status,),
+            ).fetchall()
     except sqlite3.Error:  # not created yet, or a writer holds it this instant
         return set()
     return {value for (value,) in rows}
@@ -80,13 +97,17 @@ def _stage_is_running(home: Path, stage: str) -> bool:
 
 
 def _alive(pids: list[int]) -> list[int]:
-    return [p for p in pids if Path(f"/proc/{p}").exists()
-            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
+    return [
+        p
+        for p in pids
+        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
+    ]
 
 
 # With data.engine = "local" the corpus is sharded while Ray starts: one kill while both run covers both stages.
-@pytest.mark.parametrize("stage", ["shard_dataset+provision_cluster", "train_fsdp", "validate_checkpoint",
-                                   "promote_model"])
+@pytest.mark.parametrize(
+    "stage", ["shard_dataset+provision_cluster", "train_fsdp", "validate_checkpoint", "promote_model"]
+)
 def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_path, run_home, request):
     import mlflow
 
@@ -95,8 +116,7 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     api_url = "" if stage == "train_fsdp" else request.getfixturevalue("prefect_server")
     home, started = run_home, time.monotonic()
     log = (tmp_path / "killed.log").open("w")
-    killed = subprocess.Popen(_command(stage), cwd=REPO, env=_env(home, api_url), stdout=log,
-                              stderr=subprocess.STDOUT)
+    killed = subprocess.Popen(_command(stage), cwd=REPO, env=_env(home, api_url), stdout=log, stderr=subprocess.STDOUT)
     deadline, pids = time.monotonic() + 600, []
     while time.monotonic() < deadline and killed.poll() is None:
         if _stage_is_running(home, stage):
@@ -110,21 +130,37 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     assert not _alive(pids)
     uri = f"sqlite:///{home / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri, registry_uri=uri)
-    killed_train = [r for r in client.search_runs(
-        [e.experiment_id for e in client.search_experiments()], "tags.`shardline.stage` = 'train_fsdp'")]
+    killed_train = [
+        r
+        for r in client.search_runs(
+            [e.experiment_id for e in client.search_experiments()], "tags.`shardline.stage` = 'train_fsdp'"
+        )
+    ]
     trained_before = [r for r in killed_train if r.info.status == "FINISHED"]
-    validated_before = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()],
-                        "tags.`shardline.stage` = 'validate_checkpoint' and attributes.status = 'FINISHED'")]
+    validated_before = [
+        r
+        for r in client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            "tags.`shardline.stage` = 'validate_checkpoint' and attributes.status = 'FINISHED'",
+        )
+    ]
     name = "shardline-debug"
-    champion_before = client.get_registered_model(name).aliases.get("champion") \
-        if client.search_registered_models(f"name = '{name}'") else None
+    champion_before = (
+        client.get_registered_model(name).aliases.get("champion")
+        if client.search_registered_models(f"name = '{name}'")
+        else None
+    )
 
     summary = _run(home, stage, api_url)
     assert summary["model_version"] == "1" and summary["decision"] == "first-champion"
     assert [str(v.version) for v in client.search_model_versions(f"name = '{summary['model_name']}'")] == ["1"]
-    train_stage = next(r for r in client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        f"tags.`shardline.stage` = 'train_fsdp' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'"))
+    train_stage = next(
+        r
+        for r in client.search_runs(
+            [e.experiment_id for e in client.search_experiments()],
+            f"tags.`shardline.stage` = 'train_fsdp' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'",
+        )
+    )
     if trained_before:  # the killed run had finished training: reused whole, not one step trained again
         assert stage in ("validate_checkpoint", "promote_model")
         assert train_stage.data.tags[resume.TAG_REUSED_FROM] == trained_before[0].info.run_id
@@ -145,7 +181,8 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     version_tags = client.get_model_version(name, "1").tags
     rerun_validated = client.search_runs(
         [e.experiment_id for e in client.search_experiments()],
-        f"tags.`shardline.stage` = 'validate_checkpoint' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'")
+        f"tags.`shardline.stage` = 'validate_checkpoint' and tags.`mlflow.parentRunId` = '{summary['parent_run_id']}'",
+    )
     if validated_before and champion_before is None:  # same checkpoint, data and champion: Prefect's cache
         assert stage == "promote_model" and not rerun_validated
         assert version_tags["shardline.validation_run_id"] == validated_before[0].info.run_id
@@ -157,6 +194,7 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     assert [r.info.run_name for r in every_run if r.info.status == "RUNNING"] == []
     ended = [r for r in every_run if r.info.status == "KILLED"]
     assert "pipeline" in {r.data.tags.get("shardline.stage") for r in ended}  # and the stages it was running
-    assert all(r.data.tags["shardline.ended_by"].startswith(f"run {summary['parent_run_id']}: owner process ")
-               for r in ended)
+    assert all(
+        r.data.tags["shardline.ended_by"].startswith(f"run {summary['parent_run_id']}: owner process ") for r in ended
+    )
     print(f"{stage}: kill and rerun took {time.monotonic() - started:.1f} s")

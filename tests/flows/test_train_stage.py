@@ -1,6 +1,7 @@
 """train_fsdp and validate_checkpoint as real Prefect tasks on real Ray and MLflow, with a plug-in model and batch
 format defined in the test package: the progress artifact advances, the loss curve lands in MLflow, lineage tags
 are set, the logged model serves, and a failed gate is not retried."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,15 @@ def ray_cluster():
     from infra.network import network_env
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
-    yield ClusterInfo(address=ray.get_runtime_context().gcs_address, mode="local", resources={}, nodes=1,
-                      started_here=True, network="tcp", network_env=network_env("tcp"))
+    yield ClusterInfo(
+        address=ray.get_runtime_context().gcs_address,
+        mode="local",
+        resources={},
+        nodes=1,
+        started_here=True,
+        network="tcp",
+        network_env=network_env("tcp"),
+    )
     ray.shutdown()
 
 
@@ -48,8 +56,14 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
 
     import tasks.train
     from infra.tracking import (
-        TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_MANIFEST_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID,
-        Lineage, open_parent_run,
+        TAG_CHECKPOINT_URI,
+        TAG_DATA_RUN_ID,
+        TAG_DATASET_DIGEST,
+        TAG_MANIFEST_URI,
+        TAG_MODEL_URI,
+        TAG_TRAIN_RUN_ID,
+        Lineage,
+        open_parent_run,
     )
     from tasks.train import train_fsdp
     from tasks.validate import validate_checkpoint
@@ -58,12 +72,25 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(tasks.train, "POLL_S", 0.3)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    lineage = Lineage(tracking_uri=uri, experiment="train-stage", flow_run_id="fr-1",
-                      parent_run_id=open_parent_run(uri, "train-stage", "fr-1", "test"))
+    lineage = Lineage(
+        tracking_uri=uri,
+        experiment="train-stage",
+        flow_run_id="fr-1",
+        parent_run_id=open_parent_run(uri, "train-stage", "fr-1", "test"),
+    )
     shards = shard_set(tmp_path / "shards").model_copy(update={"data_run_id": "data-run-1"})
-    cfg = TrainConfig(workers=2, steps=60, checkpoint_every=30, log_every=2, seq_len=32, d_model=32, micro_batch=8,
-                      warmup_steps=5, model_factory="train_support:build_byte_mlp",
-                      batch_format="train_support:reversed_blocks")
+    cfg = TrainConfig(
+        workers=2,
+        steps=60,
+        checkpoint_every=30,
+        log_every=2,
+        seq_len=32,
+        d_model=32,
+        micro_batch=8,
+        warmup_steps=5,
+        model_factory="train_support:build_byte_mlp",
+        batch_format="train_support:reversed_blocks",
+    )
 
     @flow
     def stage_flow():
@@ -100,7 +127,10 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     assert train_run.data.tags[TAG_CHECKPOINT_URI] == trained.checkpoint_uri
     # the network profile the workers trained with is in the run's lineage
     assert train_run.data.tags["shardline.network"] == "tcp"
-    assert train_run.data.params["network.NCCL_IB_DISABLE"] == "1" and train_run.data.params["network.NCCL_NET"] == "Socket"
+    assert (
+        train_run.data.params["network.NCCL_IB_DISABLE"] == "1"
+        and train_run.data.params["network.NCCL_NET"] == "Socket"
+    )
     assert "loss_curve.png" in [a.path for a in client.list_artifacts(trained.train_run_id)]
     loss = sorted(client.get_metric_history(trained.train_run_id, "loss"), key=lambda m: m.step)
     assert loss[-1].value < loss[0].value - 0.5
@@ -117,8 +147,9 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     assert served(torch.randint(0, 256, (2, 7))).shape == (2, 7, 256)
 
     # a gate that cannot pass fails the task once: GateFailed is not retried
-    other = lineage.model_copy(update={"flow_run_id": "fr-2",
-                                       "parent_run_id": open_parent_run(uri, "train-stage", "fr-2", "test-2")})
+    other = lineage.model_copy(
+        update={"flow_run_id": "fr-2", "parent_run_id": open_parent_run(uri, "train-stage", "fr-2", "test-2")}
+    )
     failed = strict_gate_flow(trained, other)
     assert failed["failed"]
     assert "GateFailed" in failed["message"] and "> validation.max_bits_per_byte 0.01" in failed["message"]

@@ -7,6 +7,7 @@ starts with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which Ray reads once at import;
 
 Usage: python autoscaling_driver.py '{"address": ..., "tracking_uri": ..., "shards": DIR, "train": {...}}'
 """
+
 from __future__ import annotations
 
 import json
@@ -17,19 +18,23 @@ from pathlib import Path
 def main() -> None:
     args = json.loads(sys.argv[1])
     from prefect import flow
+    from train_support import shard_set
 
     from infra.cluster import teardown
     from infra.config import ClusterConfig
     from infra.tracking import Lineage, open_parent_run, setup_tracking
     from tasks.cluster import provision_cluster
     from tasks.train import train_fsdp
-    from train_support import shard_set
     from training.config import TrainConfig
 
     uri, experiment = args["tracking_uri"], "autoscaling"
     setup_tracking(uri, experiment)
-    lineage = Lineage(tracking_uri=uri, experiment=experiment, flow_run_id="autoscaling-1",
-                      parent_run_id=open_parent_run(uri, experiment, "autoscaling-1", "autoscaling"))
+    lineage = Lineage(
+        tracking_uri=uri,
+        experiment=experiment,
+        flow_run_id="autoscaling-1",
+        parent_run_id=open_parent_run(uri, experiment, "autoscaling-1", "autoscaling"),
+    )
     shards = shard_set(Path(args["shards"]))
     cfg = TrainConfig(**args["train"])
 
@@ -44,8 +49,12 @@ def main() -> None:
         try:
             at_start = alive()
             trained = train_fsdp(cfg, shards, cluster, lineage)
-            return {"nodes_at_start": at_start, "nodes_after_training": alive(), "cluster_nodes": cluster.nodes,
-                    "trained": trained.model_dump()}
+            return {
+                "nodes_at_start": at_start,
+                "nodes_after_training": alive(),
+                "cluster_nodes": cluster.nodes,
+                "trained": trained.model_dump(),
+            }
         finally:
             teardown(cluster)
 

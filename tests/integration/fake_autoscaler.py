@@ -9,6 +9,7 @@ host (other test sessions', a user's head), and in the Ray 2.60 wheel it cannot 
 port, and stops exactly the processes of that port and their descendants (the fake worker nodes are children of the
 head's autoscaler monitor).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,28 +37,52 @@ class FakeAutoscalingCluster:
         object_store_mb: object store size of the head and of every worker node.
     """
 
-    def __init__(self, head_resources: dict[str, float], worker_node_types: dict[str, dict],
-                 idle_timeout_minutes: float = 0.1, object_store_mb: int = 80) -> None:
+    def __init__(
+        self,
+        head_resources: dict[str, float],
+        worker_node_types: dict[str, dict],
+        idle_timeout_minutes: float = 0.1,
+        object_store_mb: int = 80,
+    ) -> None:
         self.head_resources = dict(head_resources)
         self.port = free_port()
         self.gcs_address = f"127.0.0.1:{self.port}"
         self.object_store_mb = object_store_mb
-        types = {name: {"node_config": {}, **spec,
-                        "resources": {**spec["resources"], "object_store_memory": object_store_mb * MB}}
-                 for name, spec in worker_node_types.items()}
+        types = {
+            name: {
+                "node_config": {},
+                **spec,
+                "resources": {**spec["resources"], "object_store_memory": object_store_mb * MB},
+            }
+            for name, spec in worker_node_types.items()
+        }
         types["ray.head.default"] = {"resources": self.head_resources, "node_config": {}, "max_workers": 0}
         self.config = {
             "cluster_name": f"shardline-fake-{self.port}",
             "max_workers": sum(spec.get("max_workers", 0) for spec in worker_node_types.values()),
-            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                         "disable_launch_config_check": True, "gcs_address": self.gcs_address},
+            "provider": {
+                "type": "fake_multinode",
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+                "gcs_address": self.gcs_address,
+            },
             "available_node_types": types,
             "head_node_type": "ray.head.default",
             "idle_timeout_minutes": idle_timeout_minutes,
             "upscaling_speed": 1.0,
-            "auth": {}, "docker": {}, "file_mounts": {}, "cluster_synced_files": [], "rsync_exclude": [],
-            "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-            "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+            "auth": {},
+            "docker": {},
+            "file_mounts": {},
+            "cluster_synced_files": [],
+            "rsync_exclude": [],
+            "rsync_filter": [],
+            "initialization_commands": [],
+            "setup_commands": [],
+            "head_setup_commands": [],
+            "worker_setup_commands": [],
+            "head_start_ray_commands": [],
+            "worker_start_ray_commands": [],
             "file_mounts_sync_continuously": False,
         }
         self.pids: list[int] = []
@@ -69,23 +94,46 @@ class FakeAutoscalingCluster:
         with os.fdopen(fd, "w") as f:
             json.dump(self.config, f)
         ray = str(Path(sys.executable).with_name("ray"))
-        env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-               "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
-               # Ray's node-IP fallback asks the default route (a LAN address); with the multi-node switch off it
-               # answers 127.0.0.1, so the nodes the autoscaler launches listen on loopback only, like the head.
-               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        env = {
+            **os.environ,
+            "RAY_FAKE_CLUSTER": "1",
+            "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "token",
+            # Ray's node-IP fallback asks the default route (a LAN address); with the multi-node switch off it
+            # answers 127.0.0.1, so the nodes the autoscaler launches listen on loopback only, like the head.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        }
         subprocess.run([ray, "get-auth-token", "--generate"], env=env, capture_output=True, check=True, timeout=60)
         custom = {k: v for k, v in self.head_resources.items() if k not in ("CPU", "GPU")}
-        cmd = [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.port}",
-               f"--autoscaling-config={self._config_file}", f"--num-cpus={int(self.head_resources.get('CPU', 0))}",
-               f"--num-gpus={int(self.head_resources.get('GPU', 0))}", f"--resources={json.dumps(custom)}",
-               f"--object-store-memory={self.object_store_mb * MB}", "--include-dashboard=false",
-               # ports of their own: Ray's fixed defaults would collide with other heads on this host
-               f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
-               f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"]
+        cmd = [
+            ray,
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.port}",
+            f"--autoscaling-config={self._config_file}",
+            f"--num-cpus={int(self.head_resources.get('CPU', 0))}",
+            f"--num-gpus={int(self.head_resources.get('GPU', 0))}",
+            f"--resources={json.dumps(custom)}",
+            f"--object-store-memory={self.object_store_mb * MB}",
+            "--include-dashboard=false",
+            # ports of their own: Ray's fixed defaults would collide with other heads on this host
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--disable-usage-stats",
+        ]
         try:
-            subprocess.run(cmd, env=env, capture_output=True, check=True, timeout=120, start_new_session=True,
-                           stdin=subprocess.DEVNULL)
+            subprocess.run(
+                cmd,
+                env=env,
+                capture_output=True,
+                check=True,
+                timeout=120,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             self.pids = _node_processes(str(self.port))
             _forget_current_cluster(str(self.port))  # a later plain ray.init() must not join this cluster
@@ -122,7 +170,7 @@ class FakeAutoscalingCluster:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                     raw = bytes.fromhex(fields[1].split(":")[0])  # 32-bit words in host (little-endian) order
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                     found.add(socket.inet_ntop(family, raw))
         return found
 

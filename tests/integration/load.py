@@ -1,4 +1,5 @@
 """A bounded load generator for the live endpoint: loopback only, a fixed rate, a hard stop in count and time."""
+
 from __future__ import annotations
 
 import threading
@@ -52,14 +53,18 @@ class Load:
                     return
                 t0 = time.monotonic()
                 text = next(bodies)
-                endpoint, body = (("score", {"text": text}) if i % 2 == 0 else
-                                  ("completions", {"prompt": text[:200], "max_tokens": 4, "temperature": 0}))
+                endpoint, body = (
+                    ("score", {"text": text})
+                    if i % 2 == 0
+                    else ("completions", {"prompt": text[:200], "max_tokens": 4, "temperature": 0})
+                )
                 if self.model is not None:
                     body["model"] = self.model
                 try:
                     r = http.post(f"{self.url}/v1/{endpoint}", json=body, headers=self.headers)
-                    self.answers.append(Answer(time.time(), r.status_code,
-                                               r.headers.get("x-shardline-model-version", ""), endpoint))
+                    self.answers.append(
+                        Answer(time.time(), r.status_code, r.headers.get("x-shardline-model-version", ""), endpoint)
+                    )
                 except httpx.HTTPError:
                     self.answers.append(Answer(time.time(), 0, "", endpoint))
                 self._stop.wait(max(0.0, 1.0 / self.rps - (time.monotonic() - t0)))

@@ -1,5 +1,6 @@
 """Small, honest byte-level models for serving tests: bigram tables logged and registered as the validation stage
 does (pt2, seq_len metadata), plus test model factories of known quality, speed and failure."""
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def bigram_logits(texts: list[bytes], smoothing: float):
     import torch
 
     counts = torch.full((256, 256), smoothing)
-    pairs = Counter((a, b) for t in texts for a, b in zip(t, t[1:]))
+    pairs = Counter((a, b) for t in texts for a, b in zip(t, t[1:], strict=False))
     for (a, b), c in pairs.items():
         counts[a, b] += c
     return torch.log(counts / counts.sum(dim=1, keepdim=True))
@@ -74,8 +75,13 @@ def log_model(table, run_name: str, exp: str, client, behaviour: str = "plain") 
     train_run = client.create_run(exp, run_name=f"train-{run_name}").info.run_id
     with mlflow.start_run(experiment_id=exp, run_name=f"validate-{run_name}"):
         info = mlflow.pytorch.log_model(
-            model, name="model", signature=signature, input_example=np.zeros((2, SEQ_LEN), dtype=np.int64),
-            serialization_format="pt2", metadata={"seq_len": SEQ_LEN}, pip_requirements=["torch"],
+            model,
+            name="model",
+            signature=signature,
+            input_example=np.zeros((2, SEQ_LEN), dtype=np.int64),
+            serialization_format="pt2",
+            metadata={"seq_len": SEQ_LEN},
+            pip_requirements=["torch"],
         )
     return train_run, info.model_uri
 
@@ -94,5 +100,3 @@ def heldout_bpb(table, texts: list[bytes]) -> float:
         bits -= float(torch.log_softmax(table[x], -1)[torch.arange(len(y)), y].sum()) / math.log(2)
         n += len(y)
     return bits / n
-
-

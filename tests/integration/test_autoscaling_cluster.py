@@ -3,6 +3,7 @@ ray.cluster_utils.AutoscalingCluster) runs Ray's real autoscaler, which launches
 processes. The cluster starts as a head alone; the training stage's demand for workers that only the worker node
 type can host makes the autoscaler add nodes, training runs on them (the run's lineage names them), and the idle
 nodes are removed afterwards."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -16,7 +17,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from fake_autoscaler import FakeAutoscalingCluster
 
 HERE = Path(__file__).resolve().parent
@@ -28,8 +28,9 @@ TRAINER = {"trainer": 1}  # the resource only the worker node type advertises: t
 def cluster():
     c = FakeAutoscalingCluster(
         head_resources={"CPU": 1},  # room for Ray Train's controller, none for a training worker
-        worker_node_types={"ray.worker.train": {"resources": {"CPU": 1, **TRAINER}, "min_workers": 0,
-                                                "max_workers": 2}},
+        worker_node_types={
+            "ray.worker.train": {"resources": {"CPU": 1, **TRAINER}, "min_workers": 0, "max_workers": 2}
+        },
         idle_timeout_minutes=0.1,
         object_store_mb=80,
     )
@@ -40,8 +41,9 @@ def cluster():
         assert c.shutdown() == [], "processes of the fake cluster survived its shutdown"
 
 
-def _watch(cluster: FakeAutoscalingCluster, stop: threading.Event, seen: dict[str, bool], peak: list[int],
-           listening: set[str]) -> None:
+def _watch(
+    cluster: FakeAutoscalingCluster, stop: threading.Event, seen: dict[str, bool], peak: list[int], listening: set[str]
+) -> None:
     while not stop.is_set():
         nodes = cluster.raylets()
         seen.update(nodes)
@@ -68,21 +70,36 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
     head_id = next(iter(before))
 
     train = tomllib.loads((ROOT / "configs" / "debug.toml").read_text())["train"]
-    train.update(init_from="", resources_per_worker={"CPU": 1, **TRAINER}, placement_timeout_s=120,
-                 storage_path=str(tmp_path / "checkpoints"))  # the nodes share this machine's disk
+    train.update(
+        init_from="",
+        resources_per_worker={"CPU": 1, **TRAINER},
+        placement_timeout_s=120,
+        storage_path=str(tmp_path / "checkpoints"),
+    )  # the nodes share this machine's disk
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = {"address": cluster.gcs_address, "tracking_uri": uri, "shards": str(tmp_path / "shards"), "train": train}
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "SHARDLINE_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "token",
+        "SHARDLINE_HOME": str(tmp_path / "home"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+    }
     env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server
 
     stop, seen, peak, listening = threading.Event(), {}, [0], set()
     watcher = threading.Thread(target=_watch, args=(cluster, stop, seen, peak, listening), daemon=True)
     watcher.start()
     try:
-        proc = subprocess.run([sys.executable, str(HERE / "autoscaling_driver.py"), json.dumps(args)], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / "autoscaling_driver.py"), json.dumps(args)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         stop.set()
         watcher.join()
@@ -114,14 +131,23 @@ def test_a_demand_no_node_can_meet_fails_after_the_placement_timeout_naming_it(t
     """Without an autoscaler that could add `trainer` nodes, the bounded wait ends in one clear error (Ray Train alone
     would retry the start forever)."""
     import ray
-
     from train_support import shard_set
+
     from training.config import TrainConfig
     from training.trainer import PlacementTimeout, run_training
 
-    cfg = TrainConfig(workers=2, steps=2, seq_len=16, d_model=16, n_layer=1, n_head=1, micro_batch=2,
-                      resources_per_worker={"CPU": 1, **TRAINER}, placement_timeout_s=3,
-                      storage_path=str(tmp_path / "checkpoints"))
+    cfg = TrainConfig(
+        workers=2,
+        steps=2,
+        seq_len=16,
+        d_model=16,
+        n_layer=1,
+        n_head=1,
+        micro_batch=2,
+        resources_per_worker={"CPU": 1, **TRAINER},
+        placement_timeout_s=3,
+        storage_path=str(tmp_path / "checkpoints"),
+    )
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(PlacementTimeout) as err:
@@ -129,7 +155,9 @@ def test_a_demand_no_node_can_meet_fails_after_the_placement_timeout_naming_it(t
     finally:
         ray.shutdown()
     message = str(err.value)
-    assert message.startswith("train.placement_timeout_s=3: the cluster did not place 2 workers x "
-                              "{'CPU': 1.0, 'trainer': 1.0} in time (it has {")
+    assert message.startswith(
+        "train.placement_timeout_s=3: the cluster did not place 2 workers x "
+        "{'CPU': 1.0, 'trainer': 1.0} in time (it has {"
+    )
     assert "'CPU': 2.0" in message and "trainer" not in message.split("(it has", 1)[1]
     assert "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S" not in os.environ  # set for that fit() only

@@ -5,6 +5,7 @@ In file order: a canary is paused (its weight holds across more than a step's ba
 and no step is judged), resumed, then promoted early; a shadow-mode canary with manual approval waits in
 awaiting-approval, the challenger answering no client, until an operator promotes it.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,18 @@ from infra.tracking import setup_tracking
 
 pytestmark = pytest.mark.slow
 
-CFG = CanaryConfig(steps=[10, 50, 100], min_requests=6, bake_seconds=4.0, step_timeout_s=90, probe_rps=6.0,
-                   min_paired=5, seed=5, lease_s=10.0, latency_floor_ms=25.0, control_poll_s=0.3)
+CFG = CanaryConfig(
+    steps=[10, 50, 100],
+    min_requests=6,
+    bake_seconds=4.0,
+    step_timeout_s=90,
+    probe_rps=6.0,
+    min_paired=5,
+    seed=5,
+    lease_s=10.0,
+    latency_floor_ms=25.0,
+    control_poll_s=0.3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +53,26 @@ def world(tmp_path_factory):
     exp = setup_tracking(uri, "canary-control-it")
     client = client_for(uri)
     fit, heldout = corpus()
-    tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": bigram_logits(fit, smoothing=0.05),
-              "good2": bigram_logits(fit, smoothing=0.04)}
+    tables = {
+        "weak": bigram_logits(fit, smoothing=50.0),
+        "good": bigram_logits(fit, smoothing=0.05),
+        "good2": bigram_logits(fit, smoothing=0.04),
+    }
     assert register(client, *log_model(tables["weak"], "weak", exp, client)).decision == "first-champion"
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     serve = ServeConfig(port=free_port())
     try:
         url = endpoint.reconcile(serve, NAME, uri).url
-        yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout, "serve": serve,
-               "url": url, "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout]}
+        yield {
+            "uri": uri,
+            "exp": exp,
+            "client": client,
+            "tables": tables,
+            "heldout": heldout,
+            "serve": serve,
+            "url": url,
+            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
+        }
     finally:
         endpoint.remove(serve, NAME)
         ray.shutdown()
@@ -73,8 +95,9 @@ class Driver(threading.Thread):
     def __init__(self, world, cfg: CanaryConfig, champion: str, challenger: str):
         super().__init__(daemon=True)
         client = world["client"]
-        self.run_id = client.create_run(world["exp"], run_name=f"canary-v{challenger}",
-                                        tags={"shardline.stage": "canary_deploy"}).info.run_id
+        self.run_id = client.create_run(
+            world["exp"], run_name=f"canary-v{challenger}", tags={"shardline.stage": "canary_deploy"}
+        ).info.run_id
         self.args = (cfg, world["serve"], NAME, champion, challenger, world["uri"], world["heldout"])
         self.client, self.steps, self.result, self.error = client, [], None, None
 
@@ -83,8 +106,12 @@ class Driver(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.result = run_rollout(*self.args, run_id=self.run_id, log_decision=self.log_decision,
-                                      on_step=lambda i, s: self.steps.append(s))
+            self.result = run_rollout(
+                *self.args,
+                run_id=self.run_id,
+                log_decision=self.log_decision,
+                on_step=lambda i, s: self.steps.append(s),
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
 
@@ -96,24 +123,33 @@ def wait_for(predicate, timeout: float, what: str, driver: Driver):
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"gave up waiting for {what}: driver error {driver.error!r}, result "
-                         f"{driver.result.reason if driver.result else None}, steps "
-                         f"{[(s.percent, s.failures, s.inconclusive) for s in driver.steps]}")
+    raise AssertionError(
+        f"gave up waiting for {what}: driver error {driver.error!r}, result "
+        f"{driver.result.reason if driver.result else None}, steps "
+        f"{[(s.percent, s.failures, s.inconclusive) for s in driver.steps]}"
+    )
 
 
 def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, capsys, monkeypatch):
     monkeypatch.setenv("SHARDLINE_USER", "ana")
-    client, uri = world["client"], world["uri"]
+    client, _uri = world["client"], world["uri"]
     assert register(client, *log_model(world["tables"]["good"], "good", world["exp"], client)).version == "2"
     code, status, err = shardline_canary(capsys, world, "pause", "--reason", "nothing runs")
-    assert code == 1 and status is None and err.strip() == (
-        f"shardline: canary pause: no canary of {NAME} is running; nothing to pause")
+    assert (
+        code == 1
+        and status is None
+        and err.strip() == (f"shardline: canary pause: no canary of {NAME} is running; nothing to pause")
+    )
     app = endpoint.app_name_for(world["serve"], NAME)
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
         driver = Driver(world, CFG, "1", "2")
         driver.start()
-        wait_for(lambda: read_status(client, NAME).state == "running" and read_status(client, NAME).percent > 0,
-                 120, "the canary to run", driver)
+        wait_for(
+            lambda: read_status(client, NAME).state == "running" and read_status(client, NAME).percent > 0,
+            120,
+            "the canary to run",
+            driver,
+        )
         code, out, err = shardline_canary(capsys, world, "pause", "--reason", "checking the dashboards")
         assert code == 0, err
         assert out["status"]["state"] == "paused" and out["command"]["user"] == "ana"
@@ -127,16 +163,20 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
             time.sleep(0.5)
         assert set(samples) == {(held, "paused")} and len(samples) > 10 and len(driver.steps) == judged
         code, status, _ = shardline_canary(capsys, world, "status")
-        assert code == 0 and {k: status[k] for k in ("model", "state", "champion_version", "challenger_version",
-                                                      "percent")} == {
-            "model": NAME, "state": "paused", "champion_version": "1", "challenger_version": "2", "percent": held}
+        assert code == 0 and {
+            k: status[k] for k in ("model", "state", "champion_version", "challenger_version", "percent")
+        } == {"model": NAME, "state": "paused", "champion_version": "1", "challenger_version": "2", "percent": held}
         assert status["step"] == CFG.steps.index(held) + 1 and status["steps"] == 3
         code, _, err = shardline_canary(capsys, world, "pause")
         assert code == 1 and "is paused; only a running canary can be paused" in err
         code, out, err = shardline_canary(capsys, world, "resume", "--reason", "dashboards fine")
         assert code == 0 and out["status"]["state"] == "running", err
-        wait_for(lambda: read_status(client, NAME).percent == 50 or read_status(client, NAME).state == "none",
-                 120, "the 50% step", driver)
+        wait_for(
+            lambda: read_status(client, NAME).percent == 50 or read_status(client, NAME).state == "none",
+            120,
+            "the 50% step",
+            driver,
+        )
         code, out, err = shardline_canary(capsys, world, "promote", "--reason", "ship it before the freeze")
         assert code == 0, err
         driver.join(timeout=120)
@@ -144,7 +184,8 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
     assert driver.error is None, driver.error
     result = driver.result
     assert result.decision == "promoted" and result.reason.startswith(
-        "promoted by ana at 50% (running): ship it before the freeze; evidence so far: "), result.reason
+        "promoted by ana at 50% (running): ship it before the freeze; evidence so far: "
+    ), result.reason
     assert [s["percent"] for s in result.steps][-1] == 50  # 100% was skipped: the operator promoted early
     assert out["status"]["state"] == "none" and out["status"]["champion_version"] == "2"
     assert not load.failed and load.answers, load.failed[:5]
@@ -164,20 +205,32 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
     assert [p.rsplit("-", 2)[1] for p in recorded] == ["pause", "resume", "promote"]
     decision = json.loads(open(client.download_artifacts(driver.run_id, "canary_decision.json")).read())
     assert [(c["action"], c["user"], c["reason"]) for c in decision["commands"]] == [
-        ("pause", "ana", "checking the dashboards"), ("resume", "ana", "dashboards fine"),
-        ("promote", "ana", "ship it before the freeze")]
+        ("pause", "ana", "checking the dashboards"),
+        ("resume", "ana", "dashboards fine"),
+        ("promote", "ana", "ship it before the freeze"),
+    ]
     assert decision["decided_by"] == "operator" and all(c["applied_at"] >= c["at"] for c in decision["commands"])
     code, status, _ = shardline_canary(capsys, world, "status")
     assert code == 0 and (status["state"], status["champion_version"], status["challenger_version"]) == (
-        "none", "2", None)
+        "none",
+        "2",
+        None,
+    )
 
 
 def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(world, capsys, monkeypatch):
     monkeypatch.setenv("SHARDLINE_USER", "bo")
     client = world["client"]
     assert register(client, *log_model(world["tables"]["good2"], "good2", world["exp"], client)).version == "3"
-    cfg = CFG.model_copy(update={"steps": [20, 50, 100], "approval": "manual", "approval_timeout_s": 120.0,
-                                 "mode": "shadow", "bake_seconds": 2.0})
+    cfg = CFG.model_copy(
+        update={
+            "steps": [20, 50, 100],
+            "approval": "manual",
+            "approval_timeout_s": 120.0,
+            "mode": "shadow",
+            "bake_seconds": 2.0,
+        }
+    )
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
         driver = Driver(world, cfg, "2", "3")
         driver.start()
@@ -197,8 +250,9 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
         time.sleep(1.0)
     assert driver.error is None, driver.error
     result = driver.result
-    assert result.decision == "promoted" and result.reason.startswith("promoted by bo at 50% (awaiting-approval): "
-                                                                      "approved"), result.reason
+    assert result.decision == "promoted" and result.reason.startswith(
+        "promoted by bo at 50% (awaiting-approval): approved"
+    ), result.reason
     assert [s["percent"] for s in result.steps] == [20, 50]
     # shadow: the challenger's answers were evidence, never a client's answer
     for step in result.steps:
@@ -213,8 +267,9 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
 def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, capsys):
     client = world["client"]
     assert register(client, *log_model(world["tables"]["good"], "good-again", world["exp"], client)).version == "4"
-    cfg = CFG.model_copy(update={"steps": [30, 100], "approval": "manual", "approval_timeout_s": 4.0,
-                                 "bake_seconds": 2.0})
+    cfg = CFG.model_copy(
+        update={"steps": [30, 100], "approval": "manual", "approval_timeout_s": 4.0, "bake_seconds": 2.0}
+    )
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
         driver = Driver(world, cfg, "3", "4")
         driver.start()
@@ -223,7 +278,8 @@ def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, 
     assert driver.error is None, driver.error
     result = driver.result
     assert result.decision == "aborted" and result.reason.startswith(
-        "no approval within canary.approval_timeout_s=4 s at 30%; rolled back"), result.reason
+        "no approval within canary.approval_timeout_s=4 s at 30%; rolled back"
+    ), result.reason
     assert not load.failed, load.failed[:5]
     aliases = read_aliases(client, NAME)
     assert aliases["champion"] == "3" and CHALLENGER not in aliases

@@ -1,4 +1,5 @@
 """Parquet files and a save_to_disk directory in S3 (moto server) and Azure Blob (Azurite): the same set as local."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,17 +41,26 @@ def test_parquet_in_a_store_gives_the_local_set(tmp_path, store):
     local.mkdir()
     texts = _texts()
     for f in range(3):
-        pq.write_table(pa.table({"text": texts[f * 30:(f + 1) * 30]}), local / f"p{f}.parquet", row_group_size=8)
+        pq.write_table(pa.table({"text": texts[f * 30 : (f + 1) * 30]}), local / f"p{f}.parquet", row_group_size=8)
     here = build_shards(config(local, tmp_path / "out", format="parquet", chunk_bytes=1024))
-    there = build_shards(config(_upload(local, storage.join(store, "pq")), storage.join(store, "out"),
-                                format="parquet", chunk_bytes=1024, workers=2))
+    there = build_shards(
+        config(
+            _upload(local, storage.join(store, "pq")),
+            storage.join(store, "out"),
+            format="parquet",
+            chunk_bytes=1024,
+            workers=2,
+        )
+    )
     assert there.dataset_digest == here.dataset_digest and there.chunks == 3 and there.skipped == {}
 
 
 def test_saved_dataset_dict_in_a_store_gives_the_local_set(tmp_path, store):
     texts = _texts()
-    splits = {"train": datasets.Dataset.from_dict({"text": texts[:70]}),
-              "test": datasets.Dataset.from_dict({"text": texts[70:]})}
+    splits = {
+        "train": datasets.Dataset.from_dict({"text": texts[:70]}),
+        "test": datasets.Dataset.from_dict({"text": texts[70:]}),
+    }
     datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dd"), num_shards={"train": 3, "test": 1})
     here = build_shards(config(tmp_path / "dd", tmp_path / "out", format="hf_dataset", chunk_bytes=1024))
     source = _upload(tmp_path / "dd", storage.join(store, "dd"))

@@ -1,5 +1,6 @@
 """data.engine='ray': the same chunks as Ray tasks on a real (local) Ray cluster give the same bytes as one local
 process; with an S3 output (moto server) the tasks upload the shards themselves."""
+
 from __future__ import annotations
 
 import os
@@ -56,14 +57,16 @@ def test_ray_tasks_read_an_s3_corpus_and_upload_the_shards(ray_cluster, s3_serve
     for path in sorted(p for p in corpus.rglob("*") if p.is_file()):
         storage.upload_file(path, storage.join(base, "corpus", str(path.relative_to(corpus))))
     local = build_shards(config(corpus, tmp_path / "local", workers=1, **SMALL_CHUNKS))
-    remote = build_shards(config(storage.join(base, "corpus"), storage.join(base, "out"), engine="ray", workers=2,
-                                 **SMALL_CHUNKS))
+    remote = build_shards(
+        config(storage.join(base, "corpus"), storage.join(base, "out"), engine="ray", workers=2, **SMALL_CHUNKS)
+    )
     assert remote.dataset_digest == local.dataset_digest and not remote.cache_hit
     assert _contents(remote.train_shards + remote.val_shards) == _contents(local.train_shards + local.val_shards)
     assert storage.list_prefix(storage.join(base, "out", "_staging")) == []
     assert load_shard_set(remote.uri, verify="sha256").num_train == local.num_train
-    again = build_shards(config(storage.join(base, "corpus"), storage.join(base, "out"), engine="ray", workers=2,
-                                **SMALL_CHUNKS))
+    again = build_shards(
+        config(storage.join(base, "corpus"), storage.join(base, "out"), engine="ray", workers=2, **SMALL_CHUNKS)
+    )
     assert again.cache_hit and storage.list_prefix(storage.join(base, "out", "_staging")) == []
 
 

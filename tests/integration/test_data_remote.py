@@ -1,4 +1,5 @@
 """The data stage with S3 (moto server) and Azure Blob (Azurite): sources, outputs, loader, outage, bad names."""
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,13 @@ def test_publish_to_store_then_cache_hit_rewrites_nothing(tmp_path, store):
     first = build_shards(config(corpus, storage.join(store, "out")))
     assert first.dataset_digest == local.dataset_digest and not first.cache_hit
     assert first.manifest_uri == storage.join(store, "out", first.dataset_digest, "manifest.json")
-    names = sorted(e.uri.rsplit("/", 1)[1] for e in storage.list_prefix(storage.join(store, "out"))
-                   if "/_index/" not in e.uri)
-    assert names == sorted(["manifest.json", "validation.json"] +
-                           [u.rsplit("/", 1)[1] for u in first.train_shards + first.val_shards])  # no _staging
-    for uri, local_uri in zip(first.train_shards, local.train_shards):
+    names = sorted(
+        e.uri.rsplit("/", 1)[1] for e in storage.list_prefix(storage.join(store, "out")) if "/_index/" not in e.uri
+    )
+    assert names == sorted(
+        ["manifest.json", "validation.json"] + [u.rsplit("/", 1)[1] for u in first.train_shards + first.val_shards]
+    )  # no _staging
+    for uri, local_uri in zip(first.train_shards, local.train_shards, strict=False):
         assert storage.read_bytes(uri) == storage.read_bytes(local_uri)
     before = _stamps(store)
     time.sleep(1.1)  # object stores stamp whole seconds
@@ -165,14 +168,18 @@ def test_s3_outage_mid_run_is_retried_and_the_stage_completes(tmp_path, monkeypa
     The outage is triggered at the third shard upload (a wrapper around storage.upload_file) so it always falls
     mid-run, however fast or loaded the machine is.
     """
-    from store_servers import free_port
     from moto.server import ThreadedMotoServer
+    from store_servers import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket="outage")
     events: dict[str, float] = {}

@@ -5,6 +5,7 @@ model; v2 (good) is released into live traffic with zero failed requests; slow (
 challengers are each rolled back; a restarted router keeps its weights; a canary whose driver died stops getting
 traffic when its lease runs out, and the next reconcile removes it.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,15 @@ def world(tmp_path_factory):
     ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
     serve = ServeConfig(port=free_port())
     try:
-        yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout, "serve": serve,
-               "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout]}
+        yield {
+            "uri": uri,
+            "exp": exp,
+            "client": client,
+            "tables": tables,
+            "heldout": heldout,
+            "serve": serve,
+            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
+        }
     finally:
         endpoint.remove(serve, NAME)
         ray.shutdown()
@@ -79,17 +87,24 @@ def test_the_endpoint_serves_the_champion_and_refuses_bad_input(world):
         assert answer["usage"] == {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
         assert len(answer["choices"][0]["text"].encode("utf-8", "surrogatepass")) >= 1
         # greedy decoding is deterministic
-        again = http.post(f"{url}/v1/completions", json={"prompt": "import os\n", "max_tokens": 12,
-                                                         "temperature": 0}).json()
+        again = http.post(
+            f"{url}/v1/completions", json={"prompt": "import os\n", "max_tokens": 12, "temperature": 0}
+        ).json()
         assert again["choices"][0]["text"] == answer["choices"][0]["text"]
         assert http.get(f"{url}/v1/models").json()["data"][0] | {"created": 0} == {
-            "id": NAME, "object": "model", "created": 0, "owned_by": "shardline", "champion_version": "1"}
+            "id": NAME,
+            "object": "model",
+            "created": 0,
+            "owned_by": "shardline",
+            "champion_version": "1",
+        }
         text = world["texts"][0]
         s = http.post(f"{url}/v1/score", json={"text": text})
         assert s.status_code == 200 and s.headers["x-shardline-model-version"] == "1"
         # the endpoint's bits per byte are the model's real bits per byte on that text (same windowing rule)
         assert s.json()["bits_per_byte"] == pytest.approx(
-            heldout_bpb(world["tables"]["weak"], [text.encode()]), rel=2e-3)
+            heldout_bpb(world["tables"]["weak"], [text.encode()]), rel=2e-3
+        )
         calls_before = _metric(url, "shardline_model_calls_total")
         limit = world["serve"].max_request_bytes
         bad = [
@@ -124,10 +139,16 @@ def test_a_bearer_token_guards_the_api(world):
     try:
         with httpx.Client(timeout=60) as http:
             assert http.post(f"{url}/v1/score", json={"text": "ab"}).status_code == 401
-            assert http.post(f"{url}/v1/score", json={"text": "ab"},
-                             headers={"authorization": "Bearer wrong"}).status_code == 401
-            assert http.post(f"{url}/v1/score", json={"text": "ab"},
-                             headers={"authorization": "Bearer s3cret"}).status_code == 200
+            assert (
+                http.post(f"{url}/v1/score", json={"text": "ab"}, headers={"authorization": "Bearer wrong"}).status_code
+                == 401
+            )
+            assert (
+                http.post(
+                    f"{url}/v1/score", json={"text": "ab"}, headers={"authorization": "Bearer s3cret"}
+                ).status_code
+                == 200
+            )
             assert http.get(f"{url}/healthz").status_code == 200
     finally:
         endpoint.reconcile(world["serve"], NAME, world["uri"])
@@ -136,12 +157,24 @@ def test_a_bearer_token_guards_the_api(world):
 def _describe(version: str) -> dict:
     from ray import serve
 
-    return serve.get_deployment_handle(f"v{version}", endpoint.app_name_for(ServeConfig(), NAME)) \
-        .describe.remote().result(timeout_s=30)
+    return (
+        serve.get_deployment_handle(f"v{version}", endpoint.app_name_for(ServeConfig(), NAME))
+        .describe.remote()
+        .result(timeout_s=30)
+    )
 
 
-CFG = CanaryConfig(steps=[10, 50, 100], min_requests=6, bake_seconds=2.0, step_timeout_s=90, probe_rps=6.0,
-                   min_paired=5, seed=3, lease_s=15.0, latency_floor_ms=25.0)  # this box is shared: hiccups
+CFG = CanaryConfig(
+    steps=[10, 50, 100],
+    min_requests=6,
+    bake_seconds=2.0,
+    step_timeout_s=90,
+    probe_rps=6.0,
+    min_paired=5,
+    seed=3,
+    lease_s=15.0,
+    latency_floor_ms=25.0,
+)  # this box is shared: hiccups
 
 
 def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(world):
@@ -153,8 +186,16 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
     steps_seen = []
     with Load(url, world["texts"], rps=6.0, max_seconds=400) as load:
         time.sleep(1.0)
-        result = run_rollout(CFG, world["serve"], NAME, "1", "2", world["uri"], world["heldout"],
-                             on_step=lambda i, s: steps_seen.append((s.percent, _describe("1")["pid"])))
+        result = run_rollout(
+            CFG,
+            world["serve"],
+            NAME,
+            "1",
+            "2",
+            world["uri"],
+            world["heldout"],
+            on_step=lambda i, s: steps_seen.append((s.percent, _describe("1")["pid"])),
+        )
         time.sleep(1.5)  # a few requests after the promotion
     print(result.model_dump_json(indent=1))
     assert result.decision == "promoted", result.reason
@@ -180,11 +221,14 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
     assert httpx.get(f"{url}/healthz", timeout=30).json()["champion"] == "2"
 
 
-@pytest.mark.parametrize("kind, behaviour, table, gate", [
-    ("slow", "slow", "good", "latency"),
-    ("erroring", "erroring", "good", "error rate"),
-    ("worse", "plain", "bad", "bits/byte"),
-])
+@pytest.mark.parametrize(
+    "kind, behaviour, table, gate",
+    [
+        ("slow", "slow", "good", "latency"),
+        ("erroring", "erroring", "good", "error rate"),
+        ("worse", "plain", "bad", "bits/byte"),
+    ],
+)
 def test_a_bad_challenger_is_rolled_back_with_zero_failed_requests(world, kind, behaviour, table, gate):
     client = world["client"]
     promoted = register(client, *log_model(world["tables"][table], kind, world["exp"], client, behaviour))
@@ -209,8 +253,11 @@ def test_a_bad_challenger_is_rolled_back_with_zero_failed_requests(world, kind, 
 def _router_actor():
     import ray
 
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "router" in a["name"] and endpoint.app_name_for(ServeConfig(), NAME) in a["name"]]
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "router" in a["name"] and endpoint.app_name_for(ServeConfig(), NAME) in a["name"]
+    ]
     assert len(names) == 1, names
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
@@ -225,10 +272,13 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
     app = endpoint.app_name_for(serve, NAME)
     endpoint.reconcile(serve, NAME, world["uri"])
     lease = time.time() + 45
-    router = endpoint.router_config(serve, NAME, "2", challenger=promoted.version, challenger_percent=100,
-                                    epoch=7, lease_expires_at=lease)
-    endpoint.apply(endpoint.AppSpec(app_name=app, tracking_uri=world["uri"], versions=["2", promoted.version],
-                                    router=router), serve)
+    router = endpoint.router_config(
+        serve, NAME, "2", challenger=promoted.version, challenger_percent=100, epoch=7, lease_expires_at=lease
+    )
+    endpoint.apply(
+        endpoint.AppSpec(app_name=app, tracking_uri=world["uri"], versions=["2", promoted.version], router=router),
+        serve,
+    )
     before = endpoint.read_state(app)
     ray.kill(_router_actor(), no_restart=False)
     deadline = time.monotonic() + 120
@@ -241,13 +291,15 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
     assert state["config"]["challenger_percent"] == 100 and state["config"]["epoch"] == 7
     url = endpoint.endpoint_url(serve)
     with httpx.Client(timeout=60) as http:
-        assert {http.post(f"{url}/v1/score", json={"text": "abcdef"}).headers["x-shardline-model-version"]
-                for _ in range(4)} == {promoted.version}
+        assert {
+            http.post(f"{url}/v1/score", json={"text": "abcdef"}).headers["x-shardline-model-version"] for _ in range(4)
+        } == {promoted.version}
         # the dead man's switch: nobody renews the lease, the router sends everything to the champion by itself
         while time.time() < lease + 0.5:
             time.sleep(0.5)
-        assert {http.post(f"{url}/v1/score", json={"text": "abcdef"}).headers["x-shardline-model-version"]
-                for _ in range(4)} == {"2"}
+        assert {
+            http.post(f"{url}/v1/score", json={"text": "abcdef"}).headers["x-shardline-model-version"] for _ in range(4)
+        } == {"2"}
     done = endpoint.reconcile(serve, NAME, world["uri"])  # the next run or `shardline serve` removes the orphan
     assert done.removed == [promoted.version]
     assert endpoint.served_versions(app) == ["2"]

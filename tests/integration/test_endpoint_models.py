@@ -5,6 +5,7 @@ into live traffic at the same time, each under load, with zero failed requests f
 an address it cannot host before anything else happens: a route prefix held by an application shardline did not
 start, or a port held by a process that is not Ray Serve.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -42,13 +43,21 @@ def world(tmp_path_factory):
     fit, heldout = corpus()
     tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": bigram_logits(fit, smoothing=0.05)}
     for name in MODELS:
-        assert register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == \
-            "first-champion"
+        assert (
+            register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == "first-champion"
+        )
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     serve = ServeConfig(port=free_port())
     try:
-        yield {"uri": uri, "exp": exp, "client": client, "tables": tables, "heldout": heldout, "serve": serve,
-               "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout]}
+        yield {
+            "uri": uri,
+            "exp": exp,
+            "client": client,
+            "tables": tables,
+            "heldout": heldout,
+            "serve": serve,
+            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
+        }
     finally:
         for name in MODELS:
             endpoint.remove(serve, name)
@@ -84,8 +93,16 @@ def test_two_models_answer_by_model_behind_one_route(world):
     done = client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0)
     assert done.model == MODELS[0] and done.usage.completion_tokens == 6
     assert done.choices[0].finish_reason == "length"
-    pieces = list(client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    pieces = list(
+        client.completions.create(
+            model=MODELS[0],
+            prompt="import os",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
     assert pieces[-1].usage.completion_tokens == 6 and not pieces[-1].choices
     with pytest.raises(openai.BadRequestError, match="n: only 1 is supported"):
@@ -99,14 +116,25 @@ def test_two_models_answer_by_model_behind_one_route(world):
     assert r.status_code == 200 and r.json()["model"] == MODELS[1]
 
 
-CFG = CanaryConfig(steps=[50, 100], min_requests=6, bake_seconds=2.0, step_timeout_s=120, probe_rps=4.0,
-                   min_paired=5, seed=5, lease_s=20.0, latency_floor_ms=25.0)
+CFG = CanaryConfig(
+    steps=[50, 100],
+    min_requests=6,
+    bake_seconds=2.0,
+    step_timeout_s=120,
+    probe_rps=4.0,
+    min_paired=5,
+    seed=5,
+    lease_s=20.0,
+    latency_floor_ms=25.0,
+)
 
 
 def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
     client, serve = world["client"], world["serve"]
-    promoted = {name: register(client, *log_model(world["tables"]["good"], f"{name}-good", world["exp"], client),
-                               name) for name in MODELS}
+    promoted = {
+        name: register(client, *log_model(world["tables"]["good"], f"{name}-good", world["exp"], client), name)
+        for name in MODELS
+    }
     assert {p.version for p in promoted.values()} == {"2"}
     url = endpoint.reconcile(serve, MODELS[0], world["uri"]).url
     results: dict[str, object] = {}
@@ -129,7 +157,7 @@ def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
     finally:
         for load in loads:
             load.__exit__(None, None, None)
-    for name, load in zip(MODELS, loads):
+    for name, load in zip(MODELS, loads, strict=False):
         result = results[name]
         assert not isinstance(result, Exception), (name, result)
         assert result.decision == "promoted", (name, result.reason)
@@ -186,8 +214,15 @@ def test_a_canary_with_two_autoscaled_router_replicas_counts_the_evidence_of_bot
     app = endpoint.app_name_for(serve, name)
     assert rs.status().applications[app].deployments["router"].replica_states.get("RUNNING") == 2
     with Load(url, world["texts"], rps=6.0, max_seconds=300, model=name) as load:
-        result = run_rollout(CFG.model_copy(update={"steps": [100]}), serve, name, champion, promoted.version,
-                             world["uri"], world["heldout"])
+        result = run_rollout(
+            CFG.model_copy(update={"steps": [100]}),
+            serve,
+            name,
+            champion,
+            promoted.version,
+            world["uri"],
+            world["heldout"],
+        )
     assert result.decision == "promoted", result.reason
     assert load.answers and not load.failed, load.failed[:5]
     # both router replicas routed requests of the canary, and the driver judged the evidence of both
@@ -208,24 +243,28 @@ def test_overload_gets_fast_503s_with_retry_after_and_a_trickled_body_times_out(
     async def flood(n: int) -> list[httpx.Response | Exception]:
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-            return await asyncio.gather(*(http.post(f"{url}/v1/score", json=body) for _ in range(n)),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                *(http.post(f"{url}/v1/score", json=body) for _ in range(n)), return_exceptions=True
+            )
 
     answers = asyncio.run(flood(1000))  # 1,000 concurrent connections to 127.0.0.1, once
     statuses = [a.status_code if isinstance(a, httpx.Response) else type(a).__name__ for a in answers]
     assert set(statuses) <= {200, 503}, sorted(set(map(str, statuses)))
     refused = [a for a in answers if isinstance(a, httpx.Response) and a.status_code == 503]
     assert statuses.count(200) >= 40 and refused, (statuses.count(200), len(refused))
-    assert all(a.headers.get("retry-after") for a in refused), \
-        {(a.text[:200], tuple(a.headers)) for a in refused if not a.headers.get("retry-after")}
+    assert all(a.headers.get("retry-after") for a in refused), {
+        (a.text[:200], tuple(a.headers)) for a in refused if not a.headers.get("retry-after")
+    }
     assert httpx.post(f"{url}/v1/score", json=body, timeout=60).status_code == 200  # and it still serves
 
     # a body sent one byte a second gets 408 once serve.body_timeout_s has passed, not a held connection
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         payload = b'{"text": "abcdefghijklmnopqrstuvwxyz"}'
-        sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload))
+        sock.sendall(
+            b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(payload)
+        )
         start = time.monotonic()
         reply = b""
         for byte in payload:

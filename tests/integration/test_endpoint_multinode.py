@@ -1,5 +1,6 @@
 """The live endpoint and a canary on a local multi-node Ray (head + worker node as separate processes), with the
 project's code shipped to the replicas as Ray `py_modules`, the way a remote cluster gets it."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,19 +30,23 @@ def test_serve_and_canary_on_local_multinode(tmp_path, monkeypatch):
     fit, heldout = corpus()
     register(client, *log_model(bigram_logits(fit, 50.0), "weak", exp, client))
     register(client, *log_model(bigram_logits(fit, 0.05), "good", exp, client))
-    info = provision(ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=2,
-                                   object_store_mb=100))
+    info = provision(
+        ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=2, object_store_mb=100)
+    )
     serve = ServeConfig(port=free_port())
     try:
         import ray
 
         env = replica_runtime_env("local-multinode")  # the packages this driver's job uploaded
-        assert env is not None and len(env["py_modules"]) == 5 and all(u.startswith("gcs://") for u in env["py_modules"])
+        assert (
+            env is not None and len(env["py_modules"]) == 5 and all(u.startswith("gcs://") for u in env["py_modules"])
+        )
 
         assert sum(1 for n in ray.nodes() if n["Alive"]) == 2
         url = endpoint.reconcile(serve, NAME, uri, runtime_env=env).url
-        cfg = CanaryConfig(steps=[50, 100], min_requests=5, min_paired=4, bake_seconds=1.0, probe_rps=6.0,
-                           latency_floor_ms=25.0)
+        cfg = CanaryConfig(
+            steps=[50, 100], min_requests=5, min_paired=4, bake_seconds=1.0, probe_rps=6.0, latency_floor_ms=25.0
+        )
         texts = [t.decode("utf-8", "ignore")[:400] for t in heldout]
         with Load(url, texts, rps=4.0, max_seconds=300) as load:
             result = run_rollout(cfg, serve, NAME, "1", "2", uri, heldout, runtime_env=env)

@@ -1,12 +1,13 @@
 """The network profile's variables reach the Ray Train workers (a real local Ray cluster, one CPU worker)."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from train_support import ray_runtime_env
 
 from infra.network import network_env
-from train_support import ray_runtime_env
 from training.config import TrainConfig
 from training.trainer import run_config
 
@@ -30,8 +31,10 @@ def _report_env() -> None:
 
     import ray.train
 
-    seen = {k: os.environ.get(k, "<unset>") for k in
-            ("NCCL_IB_DISABLE", "NCCL_NET", "UCX_TLS", "NCCL_SOCKET_IFNAME", "SHARDLINE_PROBE")}
+    seen = {
+        k: os.environ.get(k, "<unset>")
+        for k in ("NCCL_IB_DISABLE", "NCCL_NET", "UCX_TLS", "NCCL_SOCKET_IFNAME", "SHARDLINE_PROBE")
+    }
     with tempfile.TemporaryDirectory() as tmp:  # Train V2 keeps only metrics reported with a checkpoint
         ray.train.report(seen, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
@@ -41,9 +44,12 @@ def test_training_workers_see_the_tcp_profile(ray_cluster, tmp_path):
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env = network_env("tcp", {"NCCL_SOCKET_IFNAME": "lo"})
-    trainer = TorchTrainer(_report_env, scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
-                           torch_config=TorchConfig(backend="gloo"),
-                           run_config=run_config(TrainConfig(), "network-env", str(tmp_path), worker_env=env))
+    trainer = TorchTrainer(
+        _report_env,
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=run_config(TrainConfig(), "network-env", str(tmp_path), worker_env=env),
+    )
     seen = trainer.fit().metrics
     assert seen["NCCL_IB_DISABLE"] == "1" and seen["NCCL_NET"] == "Socket" and seen["UCX_TLS"] == "tcp,sm,self"
     assert seen["NCCL_SOCKET_IFNAME"] == "lo"  # a per-variable override from cluster.network_env

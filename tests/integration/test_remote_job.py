@@ -6,6 +6,7 @@ project's dependencies but not the project: the code arrives by the job's runtim
 same command again re-attaches to the same job id (the cluster holds exactly one training job), completes, and
 the run's lineage names the job. A credential planted in the driver's environment reaches no job metadata.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,10 +39,19 @@ def _cluster_python(root: Path) -> Path:
 
 
 def _cluster_env(python: Path, home: Path) -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("PYTHON", "SHARDLINE_", "MLFLOW_", "PREFECT_", "VIRTUAL_ENV", "AWS_"))}
-    return {**keep, "PATH": f"{python.parent}{os.pathsep}{keep.get('PATH', '')}", "PYTHONNOUSERSITE": "1",
-            "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "HOME": os.environ.get("HOME", str(home))}
+    keep = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "SHARDLINE_", "MLFLOW_", "PREFECT_", "VIRTUAL_ENV", "AWS_"))
+    }
+    return {
+        **keep,
+        "PATH": f"{python.parent}{os.pathsep}{keep.get('PATH', '')}",
+        "PYTHONNOUSERSITE": "1",
+        "RAY_AUTH_MODE": "token",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HOME": os.environ.get("HOME", str(home)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +68,30 @@ def bare_head(tmp_path_factory):
     port, dash, agent, agent_grpc, metrics, client_port = (free_port() for _ in range(6))
     # every port chosen free: Ray's fixed defaults (agent 52365, ...) collide with other heads on a shared host
     started = subprocess.run(
-        [*ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--metrics-export-port={metrics}", f"--ray-client-server-port={client_port}",
-         "--disable-usage-stats", f"--object-store-memory={256 * 1024 * 1024}"],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=180, start_new_session=True)
+        [
+            *ray_cli,
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--ray-client-server-port={client_port}",
+            "--disable-usage-stats",
+            f"--object-store-memory={256 * 1024 * 1024}",
+        ],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,
+    )
     pids = _node_processes(str(port))
     _forget_current_cluster(str(port))
     try:
@@ -75,9 +103,23 @@ def bare_head(tmp_path_factory):
 
 
 def _command(address: str, shared: Path) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "run", "--config", "configs/debug.toml", "--json",
-            "--set", "cluster.mode=remote", "--set", f"cluster.address={address}",
-            "--set", f'cluster.shared_paths=["{shared}"]', "--set", "canary.enabled=false"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--config",
+        "configs/debug.toml",
+        "--json",
+        "--set",
+        "cluster.mode=remote",
+        "--set",
+        f"cluster.address={address}",
+        "--set",
+        f'cluster.shared_paths=["{shared}"]',
+        "--set",
+        "canary.enabled=false",
+    ]
 
 
 def _driver_env(home: Path) -> dict[str, str]:
@@ -96,8 +138,14 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     from training.checkpoint import verify_checkpoint
 
     address, cluster_python, cluster_env = bare_head
-    probe = subprocess.run([str(cluster_python), "-c", "import training"], env=cluster_env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [str(cluster_python), "-c", "import training"],
+        env=cluster_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode != 0 and "No module named 'training'" in probe.stderr  # the cluster lacks the code
     shared = tmp_path / "shared"  # the head runs on this machine: a local folder every node sees
     home = shared / "home"
@@ -105,16 +153,18 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
     before = {j.submission_id for j in _training_jobs(client)}
 
     log = (tmp_path / "killed.log").open("w")
-    killed = subprocess.Popen(_command(address, shared), cwd=REPO, env=_driver_env(home), stdout=log,
-                              stderr=subprocess.STDOUT)
+    killed = subprocess.Popen(
+        _command(address, shared), cwd=REPO, env=_driver_env(home), stdout=log, stderr=subprocess.STDOUT
+    )
     job_id = _running_job(client, before, killed)
     pids = kill_tree(killed.pid) if job_id else []
     killed.wait(timeout=30)
     assert job_id, f"no training job ran before the follower ended: {(tmp_path / 'killed.log').read_text()[-3000:]}"
     assert pids
 
-    rerun = subprocess.run(_command(address, shared), cwd=REPO, env=_driver_env(home), capture_output=True,
-                           text=True, timeout=400)
+    rerun = subprocess.run(
+        _command(address, shared), cwd=REPO, env=_driver_env(home), capture_output=True, text=True, timeout=400
+    )
     (tmp_path / "rerun.log").write_text(rerun.stderr)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
@@ -135,8 +185,9 @@ def test_training_runs_as_a_job_on_a_cluster_without_shardline_and_a_rerun_reatt
 
     # nothing planted in the driver's environment reached the job's metadata, runtime env or log
     info = client.get_job_info(job_id)
-    assert PLANTED not in json.dumps({"runtime_env": info.runtime_env, "metadata": info.metadata,
-                                      "entrypoint": info.entrypoint}, default=str)
+    assert PLANTED not in json.dumps(
+        {"runtime_env": info.runtime_env, "metadata": info.metadata, "entrypoint": info.entrypoint}, default=str
+    )
     assert "working_dir" in info.runtime_env and "training.job_entry" in info.entrypoint
     assert PLANTED not in client.get_job_logs(job_id)
 
@@ -145,8 +196,9 @@ def _running_job(client, before: set[str], follower: subprocess.Popen) -> str:
     """The id of the first new training job seen RUNNING while `follower` lives (up to 240 s); '' if none."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and follower.poll() is None:
-        running = [j for j in _training_jobs(client) if str(j.status).endswith("RUNNING")
-                   and j.submission_id not in before]
+        running = [
+            j for j in _training_jobs(client) if str(j.status).endswith("RUNNING") and j.submission_id not in before
+        ]
         if running:
             return running[0].submission_id
         time.sleep(0.3)
@@ -162,9 +214,14 @@ def test_cancelling_the_run_stops_its_job(bare_head, tmp_path):
     before = {j.submission_id for j in _training_jobs(client)}
     shared = tmp_path / "shared"
     log_path = tmp_path / "cancelled.log"
-    follower = subprocess.Popen([*_command(address, shared), "--set", "train.steps=100000"], cwd=REPO,
-                                env=_driver_env(shared / "home"), stdout=subprocess.DEVNULL,
-                                stderr=log_path.open("w"), text=True)
+    follower = subprocess.Popen(
+        [*_command(address, shared), "--set", "train.steps=100000"],
+        cwd=REPO,
+        env=_driver_env(shared / "home"),
+        stdout=subprocess.DEVNULL,
+        stderr=log_path.open("w"),
+        text=True,
+    )
     job_id = _running_job(client, before, follower)
     if not job_id:
         kill_tree(follower.pid)

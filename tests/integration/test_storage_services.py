@@ -1,4 +1,5 @@
 """infra.storage against real S3 (moto server) and Azure Blob (Azurite) APIs on 127.0.0.1."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,10 @@ def test_round_trip_list_copy_delete(base, tmp_path):
     storage.copy(storage.join(base, "b/two.bin"), storage.join(base, "c/three.bin"))
     entries = storage.list_prefix(base)
     assert [(e.uri.removeprefix(base), e.size) for e in entries] == [
-        ("/a/one.bin", 10), ("/b/two.bin", 70000), ("/c/three.bin", 70000)]
+        ("/a/one.bin", 10),
+        ("/b/two.bin", 70000),
+        ("/c/three.bin", 70000),
+    ]
     assert storage.read_bytes(storage.join(base, "c/three.bin")) == b"2" * 70000
     with storage.open_read(storage.join(base, "b/two.bin")) as fh:
         assert fh.read(5) == b"22222" and len(fh.read()) == 69995

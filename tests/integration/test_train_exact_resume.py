@@ -1,6 +1,7 @@
 """Exact resume: a torchrun training SIGKILLed mid-run and relaunched ends with the same weights and the same loss
 history as an uninterrupted run (CPU, one thread per rank, same world size); another world size follows the
 documented rule (model and optimizer resharded, a fresh data stream seeded by the resume step)."""
+
 from __future__ import annotations
 
 import json
@@ -13,27 +14,51 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from train_support import kill_tree, make_shards
+
 from training import checkpoint as ck
 from training.config import TrainConfig
 from training.model import build_gpt
 
-CFG = TrainConfig(workers=2, steps=40, checkpoint_every=8, keep_checkpoints=5, log_every=1, seq_len=32, n_layer=2,
-                  n_head=2, d_model=32, micro_batch=4, grad_accum=2, lr=6e-3, warmup_steps=2, dropout=0.1,
-                  threads_per_worker=1)
+CFG = TrainConfig(
+    workers=2,
+    steps=40,
+    checkpoint_every=8,
+    keep_checkpoints=5,
+    log_every=1,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    micro_batch=4,
+    grad_accum=2,
+    lr=6e-3,
+    warmup_steps=2,
+    dropout=0.1,
+    threads_per_worker=1,
+)
 
 
-def _launch(tmp_path: Path, cfg: TrainConfig, root: str, tracking_uri: str, run_id: str, nproc: int) -> subprocess.Popen:
+def _launch(
+    tmp_path: Path, cfg: TrainConfig, root: str, tracking_uri: str, run_id: str, nproc: int
+) -> subprocess.Popen:
     train, _ = make_shards(tmp_path / "shards")
-    config = {"train": cfg.model_dump(), "train_shards": train, "checkpoint_root": str(tmp_path / root),
-              "tracking_uri": tracking_uri, "run_id": run_id}
+    config = {
+        "train": cfg.model_dump(),
+        "train_shards": train,
+        "checkpoint_root": str(tmp_path / root),
+        "tracking_uri": tracking_uri,
+        "run_id": run_id,
+    }
     path = tmp_path / f"{root}-{run_id}.json"
     path.write_text(json.dumps(config))
     torchrun = Path(sys.executable).with_name("torchrun")
     return subprocess.Popen(
         [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", "-m", "training.loop", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -113,15 +138,16 @@ def test_resume_at_another_world_size_follows_the_documented_rule(tmp_path, runs
 
 def test_data_stream_rule():
     from train_support import make_shards as _make  # noqa: F401 - same shards helper as above
-    from training.loop import data_stream
+
     from training.data.loader import train_batches
+    from training.loop import data_stream
 
     shards, _ = make_shards(Path(os.environ.get("TMPDIR", "/tmp")) / f"shardline-rule-{os.getpid()}")
     cfg = CFG.model_copy(update={"steps": 6})
     whole = [x for x, _ in train_batches(shards, 0, 2, cfg, 0)]
     resumed = [x for x, _ in data_stream(shards, 0, 2, cfg, 3, 3 * cfg.grad_accum)]
-    assert len(resumed) == len(whole) - 6 and all(torch.equal(a, b) for a, b in zip(resumed, whole[6:]))
+    assert len(resumed) == len(whole) - 6 and all(torch.equal(a, b) for a, b in zip(resumed, whole[6:], strict=False))
     fresh = [x for x, _ in data_stream(shards, 0, 2, cfg, 3, -1)]
     expected = [x for x, _ in train_batches(shards, 0, 2, cfg, 3)]
-    assert len(fresh) == 6 and all(torch.equal(a, b) for a, b in zip(fresh, expected))
+    assert len(fresh) == 6 and all(torch.equal(a, b) for a, b in zip(fresh, expected, strict=False))
     assert not torch.equal(fresh[0], whole[6])  # another world size: not the uninterrupted sequence

@@ -1,4 +1,5 @@
 """bench/gpu_fsdp_h200.py (the H200 throughput script) runs end to end on CPU at its tiny size."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,10 @@ def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_fsdp_h200.py"), "--tiny", "--steps", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -1,17 +1,29 @@
 """Multi-node for real: infra.cluster's local-multinode mode starts a Ray head and a worker node as separate
 `ray start` processes on 127.0.0.1; the training stage places one worker on each node and checkpoints as one run."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from train_support import HERE, RECORD_DIR_ENV, shard_set, worker_records
+
 from training import checkpoint as ck
 from training.config import TrainConfig
 
-CFG = TrainConfig(workers=2, steps=12, checkpoint_every=6, log_every=3, seq_len=32, n_layer=2, n_head=2, d_model=32,
-                  micro_batch=8, warmup_steps=2, model_factory="train_support:recording_gpt")
+CFG = TrainConfig(
+    workers=2,
+    steps=12,
+    checkpoint_every=6,
+    log_every=3,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    micro_batch=8,
+    warmup_steps=2,
+    model_factory="train_support:recording_gpt",
+)
 
 
 @pytest.fixture()
@@ -27,8 +39,9 @@ def two_node_cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv(RECORD_DIR_ENV, str(records))
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))  # the head's record lives there
-    info = provision(ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=1,
-                                   object_store_mb=100))
+    info = provision(
+        ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=1, object_store_mb=100)
+    )
     try:
         yield records
     finally:

@@ -1,5 +1,6 @@
 """A real 2-worker Ray Train run: loss goes down, sharded checkpoints merge into one, the last N are kept,
 a finished run resumes to itself, and the checkpoint validates and serves as an exported MLflow model."""
+
 from __future__ import annotations
 
 import os
@@ -8,16 +9,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from train_support import ray_runtime_env, shard_set
+
 from training import checkpoint as ck
 from training.config import TrainConfig
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-CFG = TrainConfig(workers=2, steps=24, checkpoint_every=8, keep_checkpoints=2, log_every=2, seq_len=32, n_layer=2,
-                  n_head=2, d_model=48, micro_batch=8, lr=3e-3, warmup_steps=4)
+CFG = TrainConfig(
+    workers=2,
+    steps=24,
+    checkpoint_every=8,
+    keep_checkpoints=2,
+    log_every=2,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=48,
+    micro_batch=8,
+    lr=3e-3,
+    warmup_steps=4,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Fault tolerance for real: SIGKILL a Ray Train worker mid-run; the group restarts, every rank resumes from the
 latest complete checkpoint, the run ends at exactly train.steps and the loss curve continues."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,30 @@ import time
 from pathlib import Path
 
 import pytest
-
 from train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
+
 from training import checkpoint as ck
 from training.config import TrainConfig
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-CFG = TrainConfig(workers=2, steps=40, checkpoint_every=10, keep_checkpoints=2, max_failures=2, log_every=1,
-                  seq_len=32, n_layer=2, n_head=2, d_model=32, micro_batch=8, lr=3e-3, warmup_steps=4,
-                  model_factory="train_support:recording_gpt")
+CFG = TrainConfig(
+    workers=2,
+    steps=40,
+    checkpoint_every=10,
+    keep_checkpoints=2,
+    max_failures=2,
+    log_every=1,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    micro_batch=8,
+    lr=3e-3,
+    warmup_steps=4,
+    model_factory="train_support:recording_gpt",
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +42,13 @@ def records(tmp_path_factory):
     import ray
 
     out = tmp_path_factory.mktemp("workers")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env=ray_runtime_env(**{RECORD_DIR_ENV: str(out)}))
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=ray_runtime_env(**{RECORD_DIR_ENV: str(out)}),
+    )
     yield out
     ray.shutdown()
 

@@ -1,4 +1,5 @@
 """The same train_func under torchrun (no Ray): FSDP2 and DDP + PowerSGD on 2 processes, checkpoints, resume."""
+
 from __future__ import annotations
 
 import json
@@ -9,14 +10,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from train_support import make_shards
+
 from training import checkpoint as ck
 from training.config import TrainConfig
 from training.model import build_gpt
 
-CFG = TrainConfig(workers=2, steps=16, checkpoint_every=8, keep_checkpoints=1, log_every=4, seq_len=32, n_layer=2,
-                  n_head=2, d_model=32, micro_batch=4, grad_accum=2, lr=6e-3, warmup_steps=2)
+CFG = TrainConfig(
+    workers=2,
+    steps=16,
+    checkpoint_every=8,
+    keep_checkpoints=1,
+    log_every=4,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    micro_batch=4,
+    grad_accum=2,
+    lr=6e-3,
+    warmup_steps=2,
+)
 
 
 def torchrun(tmp_path: Path, cfg: TrainConfig, name: str) -> dict:
@@ -27,14 +41,20 @@ def torchrun(tmp_path: Path, cfg: TrainConfig, name: str) -> dict:
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node=2", "-m", "training.loop", str(path)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("update", [{"parallelism": "fsdp", "activation_checkpointing": True},
-                                    {"parallelism": "ddp", "powersgd_rank": 2}], ids=["fsdp-ac", "ddp-powersgd"])
+@pytest.mark.parametrize(
+    "update",
+    [{"parallelism": "fsdp", "activation_checkpointing": True}, {"parallelism": "ddp", "powersgd_rank": 2}],
+    ids=["fsdp-ac", "ddp-powersgd"],
+)
 def test_torchrun_trains_and_checkpoints(tmp_path, update):
     cfg = CFG.model_copy(update=update)
     summary = torchrun(tmp_path, cfg, "run")

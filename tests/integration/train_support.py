@@ -3,6 +3,7 @@
 Ray workers import this module by name (`train_support:...` in train.model_factory), so the tests put this
 directory on the workers' PYTHONPATH.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def make_shards(root: Path, n_train: int = 4, n_val: int = 1, n_bytes: int = 60_
     import webdataset as wds
 
     records = corpus(n_bytes)
-    val, train = records[: max(1, len(records) // 10)], records[max(1, len(records) // 10):]
+    val, train = records[: max(1, len(records) // 10)], records[max(1, len(records) // 10) :]
     root.mkdir(parents=True, exist_ok=True)
 
     def write(prefix: str, recs: list[bytes], shards: int) -> list[str]:
@@ -52,9 +53,18 @@ def shard_set(root: Path, **kw: int):
     from training.data import ShardSet
 
     train, val = make_shards(root, **kw)
-    return ShardSet(dataset_digest="0" * 32, uri=str(root), manifest_uri=str(root / "manifest.json"),
-                    train_shards=train, val_shards=val, num_train=len(train), num_val=len(val),
-                    total_bytes=sum(os.path.getsize(p) for p in train + val), cache_hit=False, data_run_id="")
+    return ShardSet(
+        dataset_digest="0" * 32,
+        uri=str(root),
+        manifest_uri=str(root / "manifest.json"),
+        train_shards=train,
+        val_shards=val,
+        num_train=len(train),
+        num_val=len(val),
+        total_bytes=sum(os.path.getsize(p) for p in train + val),
+        cache_hit=False,
+        data_run_id="",
+    )
 
 
 def ray_runtime_env(**env: str) -> dict:
@@ -64,6 +74,7 @@ def ray_runtime_env(**env: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ plug-in models
+
 
 class ByteMLP(nn.Module):
     """Not a GPT: a causal byte model that sees only the previous 2 bytes (embedding concat + MLP)."""

@@ -1,4 +1,5 @@
 """The `shardline` command: user mistakes give one line and a non-zero exit, never a traceback."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _shardline(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDLINE_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_unknown_key_exits_2_with_one_line(tmp_path):

@@ -1,4 +1,5 @@
 """`shardline cluster`: --dry-run renders and checks; without it, missing cloud credentials stop it in one line."""
+
 from __future__ import annotations
 
 import os
@@ -16,20 +17,38 @@ def _no_cloud_env(home: Path) -> dict[str, str]:
     """This environment without any cloud credential: no AWS/Azure variables, an empty home (no ~/.aws, ~/.azure),
     and no instance-metadata lookup (nothing may contact a cloud)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AZURE_", "IDENTITY_", "MSI_"))}
-    env.update(HOME=str(home), SHARDLINE_HOME=str(home / "state"), AWS_EC2_METADATA_DISABLED="true",
-               AWS_CONFIG_FILE=str(home / "none"), AWS_SHARED_CREDENTIALS_FILE=str(home / "none"))
+    env.update(
+        HOME=str(home),
+        SHARDLINE_HOME=str(home / "state"),
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE=str(home / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(home / "none"),
+    )
     return env
 
 
 def _shardline(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", "cluster", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "cluster", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("provider", ["aws", "azure"])
 def test_dry_run_prints_the_checked_config(provider, tmp_path):
-    proc = _shardline("up", "--provider", provider, "--dry-run", "--set", "cluster.launcher.cluster_name=team-a",
-                      env=_no_cloud_env(tmp_path))
+    proc = _shardline(
+        "up",
+        "--provider",
+        provider,
+        "--dry-run",
+        "--set",
+        "cluster.launcher.cluster_name=team-a",
+        env=_no_cloud_env(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())
     assert path == tmp_path / "state" / "cluster" / f"{provider}.yaml"
@@ -47,8 +66,9 @@ def test_missing_credentials_stop_before_ray_up(provider, cause, tmp_path):
 
 
 def test_bad_launcher_value_is_one_line_exit_2(tmp_path):
-    proc = _shardline("render", "--provider", "aws", "--set", "cluster.launcher.aws.gpu_worker.gpus=-1",
-                      env=_no_cloud_env(tmp_path))
+    proc = _shardline(
+        "render", "--provider", "aws", "--set", "cluster.launcher.aws.gpu_worker.gpus=-1", env=_no_cloud_env(tmp_path)
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "cluster.launcher.aws.gpu_worker.gpus" in proc.stderr
 

@@ -1,4 +1,5 @@
 """`shardline shard`: the data stage alone, from the command line, logged to MLflow like the pipeline's stage."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,31 @@ REPO = Path(__file__).resolve().parents[2]
 def _shardline(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "SHARDLINE_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run([sys.executable, "-m", "flows.cli", "shard", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "shard", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_shard_publishes_logs_and_prints_the_set_then_hits_the_cache(tmp_path):
     corpus = make_corpus(tmp_path / "c", n=60)
-    args = ["--set", f"data.source={corpus}", "--set", f"data.output={tmp_path / 'out'}", "--set",
-            "data.val_fraction=0.25", "--set", "data.workers=2", "--set", "data.chunk_bytes=2048", "--json"]
+    args = [
+        "--set",
+        f"data.source={corpus}",
+        "--set",
+        f"data.output={tmp_path / 'out'}",
+        "--set",
+        "data.val_fraction=0.25",
+        "--set",
+        "data.workers=2",
+        "--set",
+        "data.chunk_bytes=2048",
+        "--json",
+    ]
     proc = _shardline(*args, home=tmp_path / "home")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -61,10 +79,13 @@ def test_config_mistakes_exit_2_with_one_line(tmp_path):
 
 def test_a_failed_stage_exits_1_with_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = _shardline("--set", f"data.source={tmp_path / 'empty'}", "--set", f"data.output={tmp_path / 'out'}",
-                      home=tmp_path / "home")
+    proc = _shardline(
+        "--set", f"data.source={tmp_path / 'empty'}", "--set", f"data.output={tmp_path / 'out'}", home=tmp_path / "home"
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"shardline: shard failed: DataError: {tmp_path / 'empty'}: no files matching '*' " \
-                   "(empty directory? data.include)"
+    assert (
+        last == f"shardline: shard failed: DataError: {tmp_path / 'empty'}: no files matching '*' "
+        "(empty directory? data.include)"
+    )
     assert "Traceback" not in proc.stderr

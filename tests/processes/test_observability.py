@@ -1,6 +1,7 @@
 """Observability without servers: the rendered prometheus.yml, the Grafana dashboard's PromQL against the metric
 names the code really exports, training's gauges staying off (and Ray unloaded) outside Ray, and the Ray
 dashboard token hint that names the file and the command but never prints the token."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,10 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def test_test_helper_finds_metric_names_not_labels_or_functions():
-    expr = ('histogram_quantile(0.95, sum by (model, le) (rate(a_bucket{model=~"$model", x="y z"}'
-            '[$__rate_interval]))) / on (model) max without (job) (b_total offset 5m)')
+    expr = (
+        'histogram_quantile(0.95, sum by (model, le) (rate(a_bucket{model=~"$model", x="y z"}'
+        "[$__rate_interval]))) / on (model) max without (job) (b_total offset 5m)"
+    )
     assert metric_names(expr) == {"a_bucket", "b_total"}
 
 
@@ -72,13 +75,20 @@ def test_every_dashboard_query_names_metrics_the_code_exports():
     for title, expr in queries:
         names = metric_names(expr)
         assert names, f"{title}: no metric in {expr!r}"
-        assert names <= known, f"{title}: {sorted(names - known)} exported by neither deployments/serve_metrics.py " \
-                               f"nor training/prom_metrics.py"
+        assert names <= known, (
+            f"{title}: {sorted(names - known)} exported by neither deployments/serve_metrics.py "
+            f"nor training/prom_metrics.py"
+        )
         used |= names
     # every training gauge has a panel, and so has each serving number the issue asks for
     assert prom_metrics.exported_names() <= used
-    assert {"shardline_requests_total", "shardline_model_latency_seconds_bucket", "shardline_bits_total",
-            "shardline_scored_bytes_total", "shardline_challenger_percent"} <= used
+    assert {
+        "shardline_requests_total",
+        "shardline_model_latency_seconds_bucket",
+        "shardline_bits_total",
+        "shardline_scored_bytes_total",
+        "shardline_challenger_percent",
+    } <= used
 
 
 def test_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variable():
@@ -136,9 +146,11 @@ def test_stack_table_takes_the_prometheus_fields(tmp_path):
 
 
 def test_training_gauges_are_a_no_op_under_torchrun_and_never_import_ray():
-    code = ("import sys; from training import prom_metrics\n"
-            "prom_metrics.export({'loss': 2.0, 'tokens_per_s': 1.0, 'mfu': 0.1, 'step_time_s': 0.2}, 5, 'r')\n"
-            "assert prom_metrics._ray_gauges() is None and 'ray' not in sys.modules, sorted(sys.modules)\n")
+    code = (
+        "import sys; from training import prom_metrics\n"
+        "prom_metrics.export({'loss': 2.0, 'tokens_per_s': 1.0, 'mfu': 0.1, 'step_time_s': 0.2}, 5, 'r')\n"
+        "assert prom_metrics._ray_gauges() is None and 'ray' not in sys.modules, sorted(sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -1,4 +1,5 @@
 """A killed run's recorded children are stopped by the next run; nothing else is, not even a recycled PID."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def test_children_of_a_killed_run_are_reaped_by_recorded_pid(tmp_path, monkeypat
         assert not _alive(child) and _alive(bystander.pid)
         assert not list((tmp_path / "runs").glob("*.json"))
     finally:
-        for p in (bystander, ):
+        for p in (bystander,):
             p.kill()
         try:
             os.kill(child, signal.SIGKILL)
@@ -55,8 +56,10 @@ def test_a_recycled_pid_is_not_touched(tmp_path, monkeypatch):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         me = orphans._identity(other.pid)
-        record = {"owner": {"pid": 999_999_999, "start": 1, "cmdline": "gone"},
-                  "children": [{**me, "start": me["start"] - 1}]}  # same PID, another process
+        record = {
+            "owner": {"pid": 999_999_999, "start": 1, "cmdline": "gone"},
+            "children": [{**me, "start": me["start"] - 1}],
+        }  # same PID, another process
         (tmp_path / "runs").mkdir()
         (tmp_path / "runs" / "1.json").write_text(json.dumps(record))
         assert orphans.reap_orphans() == []

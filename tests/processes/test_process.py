@@ -1,5 +1,6 @@
 """Process identity with real processes (infra/process.py): a live process is itself, a dead, zombie or reused pid
 is not, start times match what older versions recorded from /proc by hand, and stopping touches only the recorded."""
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from flows.stack.procs import Proc, is_ours, stop
 from infra import process
 from infra.head import HeadInfo, _recorded_alive, stop_head
 from infra.run_owner import owner_alive
-from flows.stack.procs import Proc, is_ours, stop
 
 
 def _kernel_ticks(pid: int) -> int:
@@ -119,9 +120,15 @@ def test_descendants_follow_the_tree_and_leave_the_caller_out():
 
 
 def test_terminate_kills_what_ignores_sigterm_and_nothing_else(sleeper):
-    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
-                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"],
-                                stdout=subprocess.PIPE)
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     stubborn.stdout.readline()  # SIGTERM is ignored from here on
     started = time.monotonic()
     assert process.terminate([stubborn.pid], wait_s=0.5) == []
@@ -130,8 +137,15 @@ def test_terminate_kills_what_ignores_sigterm_and_nothing_else(sleeper):
 
 
 def _head_record(pids: list[int], start_ticks: list[int]) -> HeadInfo:
-    return HeadInfo(gcs_address="127.0.0.1:1", dashboard_url="http://127.0.0.1:2", pids=pids, start_ticks=start_ticks,
-                    host="127.0.0.1", num_cpus=1, started_at=0.0)
+    return HeadInfo(
+        gcs_address="127.0.0.1:1",
+        dashboard_url="http://127.0.0.1:2",
+        pids=pids,
+        start_ticks=start_ticks,
+        host="127.0.0.1",
+        num_cpus=1,
+        started_at=0.0,
+    )
 
 
 def test_head_record_counts_a_pid_only_while_it_is_the_recorded_process(sleeper, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """The embedded release lock (a file lock beside the SQLite store) excludes across processes, per model."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -46,7 +47,7 @@ def test_the_file_lock_excludes_across_processes(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0, 0]
     intervals = sorted(tuple(map(float, r.read_text().split())) for r in records)
     assert all(left - entered >= 0.29 for entered, left in intervals)
-    for (_, left), (entered, _) in zip(intervals, intervals[1:]):
+    for (_, left), (entered, _) in zip(intervals, intervals[1:], strict=False):
         assert entered >= left, f"two holders overlapped: {intervals}"
     assert (tmp_path / "mlflow.db.release-m.lock").exists()  # beside the store it guards
 
@@ -59,8 +60,11 @@ def test_a_lock_held_elsewhere_times_out(tmp_path):
     holder.start()
     try:
         assert held.wait(60)
-        with pytest.raises(LockTimeout, match=r"release lock .*release-my-model\.lock of model 'my/model' still held "
-                                              r"after 0\.2 s"):
+        with pytest.raises(
+            LockTimeout,
+            match=r"release lock .*release-my-model\.lock of model 'my/model' still held "
+            r"after 0\.2 s",
+        ):
             with release_lock("my/model", uri, 0.2):
                 pytest.fail("entered a lock another process holds")
         # another model's release is not blocked by it

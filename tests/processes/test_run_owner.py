@@ -1,5 +1,6 @@
 """Runs of dead processes: a flow's parent run records its owner; the next flow on the host ends, as KILLED, the
 RUNNING runs whose owner process is gone, and nothing else."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _dead_owner() -> str:
     """The owner string of a process that has exited (a real one: its pid and start time were real)."""
-    out = subprocess.run([sys.executable, "-c", "from infra.run_owner import current_owner; print(current_owner())"],
-                         cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "from infra.run_owner import current_owner; print(current_owner())"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -59,10 +65,20 @@ def test_next_flow_ends_the_runs_of_a_dead_process_and_only_those(mlflow_store):
 
     new = open_parent_run(uri, "shardline-test", "flow-run-next", "next")
 
-    status = {r: client.get_run(r).info.status for r in (killed, killed_train, killed_data, alive, alive_stage,
-                                                           remote, unowned, new)}
-    assert status == {killed: "KILLED", killed_train: "KILLED", killed_data: "FINISHED", alive: "RUNNING",
-                      alive_stage: "RUNNING", remote: "RUNNING", unowned: "RUNNING", new: "RUNNING"}
+    status = {
+        r: client.get_run(r).info.status
+        for r in (killed, killed_train, killed_data, alive, alive_stage, remote, unowned, new)
+    }
+    assert status == {
+        killed: "KILLED",
+        killed_train: "KILLED",
+        killed_data: "FINISHED",
+        alive: "RUNNING",
+        alive_stage: "RUNNING",
+        remote: "RUNNING",
+        unowned: "RUNNING",
+        new: "RUNNING",
+    }
     for run in (killed, killed_train):
         assert client.get_run(run).data.tags[TAG_ENDED_BY] == f"run {new}: owner process {dead} is gone"
     assert TAG_ENDED_BY not in client.get_run(alive).data.tags

@@ -1,5 +1,6 @@
 """Pure parts of the stack: backend URLs keep passwords out, the [stack] table, dataset sources, the dependency
 check, the on-new-data trigger's match, and stopping only the process that was recorded."""
+
 from __future__ import annotations
 
 import subprocess
@@ -35,11 +36,11 @@ def test_bad_backend_is_one_line_without_the_password(text):
 
 def test_stack_table_sits_beside_the_pipeline_sections(tmp_path):
     cfg = tmp_path / "ops.toml"
-    cfg.write_text('[stack]\nprefect_port = 4300\n[train]\nsteps = 7\n')
+    cfg.write_text("[stack]\nprefect_port = 4300\n[train]\nsteps = 7\n")
     stack, pipeline = load_stack_config(cfg, ["stack.mlflow_port=5100"])
     assert (stack.prefect_port, stack.mlflow_port, pipeline.train.steps) == (4300, 5100, 7)
     assert load_config(cfg).train.steps == 7  # `shardline run` takes the same file
-    cfg.write_text('[stack]\nprefect_prot = 4300\n')
+    cfg.write_text("[stack]\nprefect_prot = 4300\n")
     with pytest.raises(ConfigError, match=r"unknown key 'stack.prefect_prot'"):
         load_config(cfg)
 
@@ -68,7 +69,8 @@ def test_on_new_data_trigger_needs_a_source_label():
 
 def test_dependency_check_names_what_the_worker_lacks(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
-        '[project]\nname = "x"\ndependencies = ["pydantic>=2", "pydantic<1", "no-such-package-shardline>=1"]\n')
+        '[project]\nname = "x"\ndependencies = ["pydantic>=2", "pydantic<1", "no-such-package-shardline>=1"]\n'
+    )
     unmet = unmet_requirements(tmp_path / "pyproject.toml")
     assert [u.split(" (")[0] for u in unmet] == ["pydantic<1", "no-such-package-shardline>=1"]
     assert unmet_requirements(REPO / "pyproject.toml") == []

@@ -1,4 +1,5 @@
 """Fixtures of the stack tests: a `shardline up` stack on free ports for the module, always brought down."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +11,6 @@ from stack_support import REPO, shardline, small_config, stack_env, status
 
 from infra.cluster import free_port
 
-
 # The Ray head and endpoint parts call infra.head / flows.cli.serve (the live-endpoint work); until those are
 # on this branch the stack is brought up without them.
 SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.find_spec("flows.cli.serve") is not None
@@ -19,11 +19,25 @@ SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.
 def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int = 0, serve_port: int = 0) -> list[str]:
     """`shardline up` on free ports with the debug config, its endpoint serving `model_name`. Runs must use the
     same `serve.port` (one Serve HTTP proxy per Ray cluster)."""
-    return ["up", "--config", str(REPO / "configs" / "debug.toml"), "--prefect-port", str(prefect_port or free_port()),
-            "--mlflow-port", str(free_port()), "--set", f"registry.model_name={model_name}",
-            "--set", f"serve.port={serve_port or free_port()}",
-            "--set", "stack.mlflow_workers=1", "--set", f"stack.prometheus_port={free_port()}",
-            *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]), *(extra or [])]
+    return [
+        "up",
+        "--config",
+        str(REPO / "configs" / "debug.toml"),
+        "--prefect-port",
+        str(prefect_port or free_port()),
+        "--mlflow-port",
+        str(free_port()),
+        "--set",
+        f"registry.model_name={model_name}",
+        "--set",
+        f"serve.port={serve_port or free_port()}",
+        "--set",
+        "stack.mlflow_workers=1",
+        "--set",
+        f"stack.prometheus_port={free_port()}",
+        *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]),
+        *(extra or []),
+    ]
 
 
 def serve_of(model_name: str, serve_port: int) -> dict:
@@ -34,7 +48,8 @@ def serve_of(model_name: str, serve_port: int) -> dict:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """One running stack for the stack tests (session-wide: starting one takes ~50 s): {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
+    """One running stack for the stack tests (session-wide: starting one takes ~50 s):
+    {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
     home = tmp_path_factory.mktemp("stack-home")
     env = stack_env(home)
     serve_port = free_port()
@@ -42,10 +57,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     try:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = status(env)
-        yield {"env": env, "home": home, "api": report["prefect"]["url"], "tracking_uri": report["mlflow"]["url"],
-               "status": report, "log": Path(report["worker"]["log"]), "up_output": proc.stdout,
-               "serve_port": serve_port,
-               "config": lambda name, steps=10: small_config(name, steps, serve=serve_of(name, serve_port))}
+        yield {
+            "env": env,
+            "home": home,
+            "api": report["prefect"]["url"],
+            "tracking_uri": report["mlflow"]["url"],
+            "status": report,
+            "log": Path(report["worker"]["log"]),
+            "up_output": proc.stdout,
+            "serve_port": serve_port,
+            "config": lambda name, steps=10: small_config(name, steps, serve=serve_of(name, serve_port)),
+        }
     finally:
         down = shardline(["down"], env, timeout=300)
         print(down.stdout, down.stderr)

@@ -1,5 +1,6 @@
 """A throwaway PostgreSQL server on 127.0.0.1 for the tests: the system's initdb/pg_ctl, run as `postgres` when
 the tests run as root (initdb refuses root), trust authentication, data in a temporary directory."""
+
 from __future__ import annotations
 
 import glob
@@ -44,8 +45,9 @@ class PostgresServer:
         self._run(str(self.bin / "initdb"), "-D", str(self.data), "-U", self.user, "-A", "trust", "--no-sync")
         # fsync off: a test database that is thrown away; socket in the data dir, TCP on loopback only
         opts = f"-h 127.0.0.1 -p {self.port} -k {self.data} -F -c max_connections=200"
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w",
-                  "start")
+        self._run(
+            str(self.bin / "pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"
+        )
         return f"postgresql://{self.user}@127.0.0.1:{self.port}/shardline"
 
     def stop(self) -> None:

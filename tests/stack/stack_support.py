@@ -1,4 +1,5 @@
 """Helpers for the stack tests: run the `shardline` command, talk to the stack's Prefect REST API, wait for runs."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,20 @@ SHARDLINE = str(Path(sys.executable).with_name("shardline"))
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def shardline(args: list[str], env: dict[str, str], timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def shardline(
+    args: list[str], env: dict[str, str], timeout: float = 600, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Run the shardline command with `env`; output captured."""
     return subprocess.run([SHARDLINE, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def stack_env(home: Path) -> dict[str, str]:
     """An environment whose $SHARDLINE_HOME is `home` and that points at no other Prefect or MLflow."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "RAY_ADDRESS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "RAY_ADDRESS")
+    }
     return {**env, "SHARDLINE_HOME": str(home)}
 
 
@@ -57,8 +63,7 @@ def create_run(api: str, deployment_id: str, parameters: dict) -> dict:
 
 
 def runs_of(api: str, deployment_id: str) -> list[dict]:
-    body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC",
-            "limit": 200}
+    body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200}
     r = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=30)
     r.raise_for_status()
     return r.json()

@@ -1,5 +1,6 @@
 """The Prefect UI, driven in a real browser (Debian's chromium through Playwright): open the `manual` deployment,
 Run -> Custom run, change train.steps in the parameter form, submit; the worker runs it with that value."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,15 @@ from stack_support import REPO, assert_completed, deployment, runs_of, wait_for_
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
 # Debian's build, headless; no Playwright browser download, no calls home.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = REPO / "tests" / "artifacts"
 STEPS = 7
 
@@ -72,7 +80,9 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
 
     client = mlflow.MlflowClient(stack["tracking_uri"], registry_uri=stack["tracking_uri"])
     experiments = [e.experiment_id for e in client.search_experiments()]
-    train_run = client.search_runs(experiments, filter_string=f"tags.`shardline.prefect_flow_run_id` = '{run_id}' "
-                                                              "and tags.`shardline.stage` = 'train_fsdp'")[0]
+    train_run = client.search_runs(
+        experiments,
+        filter_string=f"tags.`shardline.prefect_flow_run_id` = '{run_id}' and tags.`shardline.stage` = 'train_fsdp'",
+    )[0]
     assert train_run.data.params["train.steps"] == str(STEPS)
     assert Path(ARTIFACTS / "prefect-ui-custom-run.png").stat().st_size > 10_000

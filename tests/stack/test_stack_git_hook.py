@@ -1,13 +1,13 @@
 """git push deploys: a bare repository with infra/git/post-receive redeploys on push, and the next worker run
 executes the pushed commit, not the branch head at run time."""
+
 from __future__ import annotations
 
 import shutil
 import subprocess
 
 import pytest
-from stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, \
-    wait_for_run
+from stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 IDENTITY = ["-c", "user.email=ci@shardline.invalid", "-c", "user.name=shardline-ci"]
@@ -56,8 +56,11 @@ def test_push_redeploys_and_the_worker_runs_the_pushed_commit(stack, tmp_path):
         run = create_run(stack["api"], manual["id"], {"config": stack["config"]("stack-git")})
         done = wait_for_run(stack["api"], run["id"], 420, stack["log"])
         assert_completed(done, stack["log"])
-        commits = {r.data.tags.get("shardline.git_commit") for r in mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])
-                   if r.data.tags.get("shardline.stage") == "pipeline"}
+        commits = {
+            r.data.tags.get("shardline.git_commit")
+            for r in mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])
+            if r.data.tags.get("shardline.stage") == "pipeline"
+        }
         assert commits == {pushed}
     finally:  # the other stack tests expect the deployments of this checkout
         from flows.stack.deploy import deploy_all

@@ -1,4 +1,5 @@
 """`shardline up` is idempotent and `shardline down` stops exactly what it started: no process, no port left."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import pytest
 from conftest import up_args
 from stack_support import shardline, stack_env, status
 
-from infra.cluster import free_port
 from flows.stack.procs import http_ok, port_open
+from infra.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,9 +45,21 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
     # A Prefect server somebody else runs: `up` uses it, and `down` must leave it running.
     foreign_port = free_port()
     foreign = subprocess.Popen(
-        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port",
-         str(foreign_port), "--analytics-off"], env={**env, "PREFECT_HOME": str(tmp_path / "foreign")},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(Path(sys.executable).with_name("prefect")),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(foreign_port),
+            "--analytics-off",
+        ],
+        env={**env, "PREFECT_HOME": str(tmp_path / "foreign")},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         args = up_args("stack-lifecycle", ["--set", "stack.deploy=false"], prefect_port=foreign_port)
         deadline = time.monotonic() + 120
@@ -72,8 +85,11 @@ def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_pa
 
         ours = [p for part in after.values() if part["started_by_us"] for p in part["pids"]]
         members = set(ours).union(*(group_members(pid) for pid in ours))  # with servers' worker processes
-        ports = [int(part["url"].split(":")[2].split("/")[0]) for name, part in after.items()
-                 if part["started_by_us"] and name in ("mlflow",)]
+        ports = [
+            int(part["url"].split(":")[2].split("/")[0])
+            for name, part in after.items()
+            if part["started_by_us"] and name in ("mlflow",)
+        ]
 
         down = shardline(["down"], env, timeout=300)
         assert down.returncode == 0, down.stderr

@@ -2,6 +2,7 @@
 and the Ray head's node through Ray's service-discovery file, and a gauge that training's helper sets inside a Ray
 worker arrives in Prometheus under the name the Grafana dashboard queries. `status` names the Ray token's file.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,14 @@ def test_stack_prometheus_scrapes_the_gateway_ray_and_training_gauges(stack, tmp
     wait_for(url, 'up{job="ray"} == 1', 120)  # the head's node, found through Ray's service-discovery file
 
     done = tmp_path / "done"
-    probe = subprocess.Popen([sys.executable, "-c", PROBE, str(done)], cwd=REPO, env=stack["env"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    probe = subprocess.Popen(
+        [sys.executable, "-c", PROBE, str(done)],
+        cwd=REPO,
+        env=stack["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         loss = wait_for(url, 'ray_shardline_train_loss{run_id="probe-run"}', 150)
         assert float(loss[0]["value"][1]) == 1.25

@@ -1,5 +1,6 @@
 """`shardline up --backend postgresql://...`: MLflow's store and Prefect's database on one PostgreSQL server
 (separate databases, created), and three pipeline runs at once against it."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ import subprocess
 
 import pytest
 from conftest import up_args
-
-from infra.cluster import free_port
 from postgres_server import PostgresServer, pg_bin
 from stack_support import REPO, SHARDLINE, shardline, stack_env, status
+
+from infra.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -30,8 +31,9 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
 
     env = stack_env(tmp_path / "home")
     serve_port = free_port()
-    up = shardline(up_args("stack-pg", ["--backend", postgres, "--set", "stack.deploy=false"], serve_port=serve_port),
-                   env)
+    up = shardline(
+        up_args("stack-pg", ["--backend", postgres, "--set", "stack.deploy=false"], serve_port=serve_port), env
+    )
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         report = status(env)
@@ -41,18 +43,38 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
 
         # Three `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases
         # of one model serialising is the release lock's test; these register three models side by side.)
-        cmd = [SHARDLINE, "run", "--config", str(REPO / "configs" / "debug.toml"), "--json",
-               "--set", "train.steps=10", "--set", "train.checkpoint_every=5", "--set", f"serve.port={serve_port}"]
-        procs = [subprocess.Popen([*cmd, "--set", f"registry.model_name=stack-pg-{i}",
-                                   "--set", f"serve.route_prefix=/stack-pg-{i}"], env=env, cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+        cmd = [
+            SHARDLINE,
+            "run",
+            "--config",
+            str(REPO / "configs" / "debug.toml"),
+            "--json",
+            "--set",
+            "train.steps=10",
+            "--set",
+            "train.checkpoint_every=5",
+            "--set",
+            f"serve.port={serve_port}",
+        ]
+        procs = [
+            subprocess.Popen(
+                [*cmd, "--set", f"registry.model_name=stack-pg-{i}", "--set", f"serve.route_prefix=/stack-pg-{i}"],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(3)
+        ]
         outs = [p.communicate(timeout=900) for p in procs]
-        for p, (out, err) in zip(procs, outs):
+        for p, (_out, err) in zip(procs, outs, strict=False):
             assert p.returncode == 0, err[-3000:]
             assert "database is locked" not in err
         summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-        assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == \
-            [(f"stack-pg-{i}", "1", "first-champion") for i in range(3)]
+        assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == [
+            (f"stack-pg-{i}", "1", "first-champion") for i in range(3)
+        ]
 
         # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
         base = dict(host="127.0.0.1", port=int(postgres.rsplit(":", 1)[1].split("/")[0]), user="shardline")

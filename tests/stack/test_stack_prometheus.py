@@ -4,6 +4,7 @@ second `up` keeps the server and reloads a changed config, and stopping leaves n
 
 Needs Debian's prometheus (`make test-system` installs it): missing, the test fails under CI=true, skips otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,11 @@ import pytest
 
 from deployments.config import ServeConfig
 from deployments.serve_metrics import RouterMetrics
-from infra.cluster import free_port
 from flows.stack import prometheus
 from flows.stack.config import StackConfig
 from flows.stack.procs import is_ours
 from flows.stack.service import stop_part
+from infra.cluster import free_port
 from training import prom_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,8 +93,9 @@ def targets(tmp_path: Path) -> Iterator[dict]:
         while not stop.is_set():
             for version, latency in (("1", 20.0), ("2", 80.0)):
                 router.request(version, "completions", "live", ok=True)
-                router.model_call(version, "served", "generate",
-                                  {"ok": True, "latency_ms": latency, "bits": 100.0, "bytes": 40})
+                router.model_call(
+                    version, "served", "generate", {"ok": True, "latency_ms": latency, "bits": 100.0, "bytes": 40}
+                )
             router.request("2", "completions", "live", ok=False)
             router.rejected("completions", 429)
             router.set_percent(25)
@@ -123,14 +125,16 @@ def wait_for(url: str, expr: str, timeout_s: float = 40.0) -> list[dict]:
 
 
 def test_prometheus_part_scrapes_endpoint_and_ray_nodes_and_every_panel_has_data(
-        prometheus_binary, targets, tmp_path, monkeypatch):
+    prometheus_binary, targets, tmp_path, monkeypatch
+):
     monkeypatch.setattr(prometheus, "ray_discovery_file", lambda: targets["discovery"])
     cfg = StackConfig(prometheus_port=free_port(), prometheus_scrape_s=1, start_timeout_s=60)
     home = tmp_path / "home"
     if shutil.which("promtool"):  # Debian's package ships it beside the server
         rendered = prometheus.render_config(prometheus.endpoint_target(targets["serve"]), targets["discovery"], 1)
-        check = subprocess.run(["promtool", "check", "config", "/dev/stdin"], capture_output=True, text=True,
-                               input=rendered)
+        check = subprocess.run(
+            ["promtool", "check", "config", "/dev/stdin"], capture_output=True, text=True, input=rendered
+        )
         assert check.returncode == 0, check.stdout + check.stderr
     part = prometheus.start(cfg, home, None, targets["serve"])
     try:
@@ -147,14 +151,23 @@ def test_prometheus_part_scrapes_endpoint_and_ray_nodes_and_every_panel_has_data
                 expr = target["expr"].replace("$__rate_interval", "10s").replace("$model", ".*")
                 result = wait_for(part.url, expr)
                 assert any(v["value"][1] not in ("NaN", "+Inf", "-Inf") for v in result), (panel["title"], result)
-        bpb = query(part.url, "sum by (version) (rate(shardline_bits_total[10s])) / "
-                              "sum by (version) (rate(shardline_scored_bytes_total[10s]))")
+        bpb = query(
+            part.url,
+            "sum by (version) (rate(shardline_bits_total[10s])) / "
+            "sum by (version) (rate(shardline_scored_bytes_total[10s]))",
+        )
         # 100 bits per 40 bytes (approx: a scrape may fall between a call's two increments)
-        assert {r["metric"]["version"]: float(r["value"][1]) for r in bpb} == {"1": pytest.approx(2.5, rel=0.05),
-                                                                              "2": pytest.approx(2.5, rel=0.05)}
-        p99 = {r["metric"]["version"]: float(r["value"][1]) for r in query(
-            part.url, "histogram_quantile(0.99, sum by (version, le) "
-                      "(rate(shardline_model_latency_seconds_bucket[10s])))")}
+        assert {r["metric"]["version"]: float(r["value"][1]) for r in bpb} == {
+            "1": pytest.approx(2.5, rel=0.05),
+            "2": pytest.approx(2.5, rel=0.05),
+        }
+        p99 = {
+            r["metric"]["version"]: float(r["value"][1])
+            for r in query(
+                part.url,
+                "histogram_quantile(0.99, sum by (version, le) (rate(shardline_model_latency_seconds_bucket[10s])))",
+            )
+        }
         assert p99["1"] <= 0.025 and 0.05 <= p99["2"] <= 0.1  # 20 ms and 80 ms calls land in their buckets
 
         # A second `up` with the endpoint elsewhere: the same server, told to re-read its config.

@@ -1,5 +1,6 @@
 """Deployments that really run: the stack's worker executes runs started the ways users start them (REST/UI
 "Custom run", the schedule, a dataset event) and they write to the stack's MLflow server and $SHARDLINE_HOME."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -8,7 +9,12 @@ import time
 import httpx
 import pytest
 from stack_support import (
-    assert_completed, create_run, deployment, mlflow_runs_of_flow_run, runs_of, shardline,
+    assert_completed,
+    create_run,
+    deployment,
+    mlflow_runs_of_flow_run,
+    runs_of,
+    shardline,
     wait_for_run,
 )
 
@@ -27,8 +33,15 @@ def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack)
     # The MLflow server holds the run tree of this flow run: the parent and one child per stage.
     runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])
     stages = {r.data.tags.get("shardline.stage") for r in runs}
-    assert stages == {"pipeline", "shard_dataset", "provision_cluster", "train_fsdp", "validate_checkpoint",
-                      "promote_model", "canary_deploy"}
+    assert stages == {
+        "pipeline",
+        "shard_dataset",
+        "provision_cluster",
+        "train_fsdp",
+        "validate_checkpoint",
+        "promote_model",
+        "canary_deploy",
+    }
     parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
     # ...and the code that ran is the deployed commit, from the run's clone.
     assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]
@@ -38,7 +51,9 @@ def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack)
     assert any((home / "checkpoints").iterdir())
     import mlflow
 
-    champion = mlflow.MlflowClient(stack["tracking_uri"], registry_uri=stack["tracking_uri"]).get_model_version_by_alias("stack-test", "champion")
+    champion = mlflow.MlflowClient(
+        stack["tracking_uri"], registry_uri=stack["tracking_uri"]
+    ).get_model_version_by_alias("stack-test", "champion")
     assert champion.tags["shardline.prefect_flow_run_id"] == run["id"]
     endpoint = stack["status"].get("endpoint")
     if endpoint is not None:  # the endpoint part (issue 7's serving app) serves the new champion
@@ -59,17 +74,24 @@ def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(s
     assert len({t.date() for t in times}) == len(times)  # one per night
 
     first = scheduled[0]
-    httpx.patch(f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}},
-                timeout=30).raise_for_status()
-    now = dt.datetime.now(dt.timezone.utc).isoformat()
-    httpx.post(f"{api}/flow_runs/{first['id']}/set_state", timeout=30, json={
-        "state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}},
-        "force": True}).raise_for_status()
+    httpx.patch(
+        f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}}, timeout=30
+    ).raise_for_status()
+    now = dt.datetime.now(dt.UTC).isoformat()
+    httpx.post(
+        f"{api}/flow_runs/{first['id']}/set_state",
+        timeout=30,
+        json={
+            "state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}},
+            "force": True,
+        },
+    ).raise_for_status()
     done = wait_for_run(api, first["id"], RUN_TIMEOUT_S, stack["log"])
     assert_completed(done, stack["log"])
     assert done["deployment_id"] == nightly["id"]
-    assert {r.data.tags.get("shardline.stage") for r in mlflow_runs_of_flow_run(stack["tracking_uri"], first["id"])} \
-        >= {"pipeline", "train_fsdp", "promote_model"}
+    assert {
+        r.data.tags.get("shardline.stage") for r in mlflow_runs_of_flow_run(stack["tracking_uri"], first["id"])
+    } >= {"pipeline", "train_fsdp", "promote_model"}
 
 
 def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_starts_none(stack, tmp_path):
@@ -87,18 +109,34 @@ def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_start
 
     async def emit_sourceless():
         async with get_events_client() as client:
-            await client.emit(Event(event="shardline.dataset.updated",
-                                    resource={"prefect.resource.id": "shardline.dataset.nosource"}))
+            await client.emit(
+                Event(event="shardline.dataset.updated", resource={"prefect.resource.id": "shardline.dataset.nosource"})
+            )
 
     with temporary_settings({PREFECT_API_URL: api}):
         run_coro_as_sync(emit_sourceless())
 
     corpus = make_corpus(tmp_path / "new-corpus", n=120)
-    proc = shardline(["notify-dataset", str(corpus), "--config", "configs/debug.toml",
-                      "--set", "train.steps=10", "--set", "train.checkpoint_every=5",
-                      "--set", "registry.model_name=stack-event", "--set", f"serve.port={stack['serve_port']}",
-                      "--set", "serve.route_prefix=/stack-event"],
-                     stack["env"], timeout=120)
+    proc = shardline(
+        [
+            "notify-dataset",
+            str(corpus),
+            "--config",
+            "configs/debug.toml",
+            "--set",
+            "train.steps=10",
+            "--set",
+            "train.checkpoint_every=5",
+            "--set",
+            "registry.model_name=stack-event",
+            "--set",
+            f"serve.port={stack['serve_port']}",
+            "--set",
+            "serve.route_prefix=/stack-event",
+        ],
+        stack["env"],
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"for {corpus}" in proc.stdout
 
@@ -113,6 +151,9 @@ def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_start
     assert runs[0]["parameters"]["config"]["train"]["steps"] == 10
     done = wait_for_run(api, runs[0]["id"], RUN_TIMEOUT_S, stack["log"])
     assert_completed(done, stack["log"])
-    shard_run = next(r for r in mlflow_runs_of_flow_run(stack["tracking_uri"], runs[0]["id"])
-                     if r.data.tags.get("shardline.stage") == "shard_dataset")
+    shard_run = next(
+        r
+        for r in mlflow_runs_of_flow_run(stack["tracking_uri"], runs[0]["id"])
+        if r.data.tags.get("shardline.stage") == "shard_dataset"
+    )
     assert shard_run.data.params["data.source"] == str(corpus)

@@ -1,5 +1,6 @@
 """Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict,
 what follows an inconclusive step, manual approval and operator commands."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,40 +8,86 @@ import pytest
 from deployments.config import CanaryConfig, PromQLGate
 from deployments.promql import PromQLError, render, value_of
 from deployments.rollout_policy import (
-    MIN_SAMPLES_P99, OperatorCommand, StepMetrics, VersionStats, apply_promql, command_error, decide_canary, gate_step,
-    hold_percent, judge_promql, next_move, p95, paired_upper_bound, ramp_steps, result_of, skipped, steps_table,
+    MIN_SAMPLES_P99,
+    OperatorCommand,
+    StepMetrics,
+    VersionStats,
+    apply_promql,
+    command_error,
+    decide_canary,
+    gate_step,
+    hold_percent,
+    judge_promql,
+    next_move,
+    p95,
+    paired_upper_bound,
+    ramp_steps,
+    result_of,
+    skipped,
+    steps_table,
     summarize_step,
 )
 
-CFG = CanaryConfig(min_paired=4, max_error_rate_increase=0.0, max_p95_latency_ratio=3.0, max_p99_latency_ratio=5.0,
-                   max_bpb_regression=0.05, latency_floor_ms=5.0, confidence=0.95)
+CFG = CanaryConfig(
+    min_paired=4,
+    max_error_rate_increase=0.0,
+    max_p95_latency_ratio=3.0,
+    max_p99_latency_ratio=5.0,
+    max_bpb_regression=0.05,
+    latency_floor_ms=5.0,
+    confidence=0.95,
+)
 
 
 def _call(version, bpb=2.0, nbytes=100, ms=10.0, ok=True):
     """A model call as Router._record slims it."""
     if not ok:
-        return {"version": version, "ok": False, "bits": None, "bytes": None, "latency_ms": None,
-                "error": "RuntimeError: boom"}
+        return {
+            "version": version,
+            "ok": False,
+            "bits": None,
+            "bytes": None,
+            "latency_ms": None,
+            "error": "RuntimeError: boom",
+        }
     return {"version": version, "ok": True, "bits": bpb * nbytes, "bytes": nbytes, "latency_ms": ms, "error": None}
 
 
 def _ob(op, role, challenger=None, champion=None, shadow=None, fallback=False, client_ok=True, probe=False):
-    return {"seq": 0, "canary_id": "c", "epoch": 1, "t": 0.0, "endpoint": "score" if op == "score" else "completions",
-            "probe": probe, "op": op, "role": role, "challenger": challenger, "champion": champion, "shadow": shadow,
-            "fallback": fallback, "client_ok": client_ok, "total_ms": 12.0}
+    return {
+        "seq": 0,
+        "canary_id": "c",
+        "epoch": 1,
+        "t": 0.0,
+        "endpoint": "score" if op == "score" else "completions",
+        "probe": probe,
+        "op": op,
+        "role": role,
+        "challenger": challenger,
+        "champion": champion,
+        "shadow": shadow,
+        "fallback": fallback,
+        "client_ok": client_ok,
+        "total_ms": 12.0,
+    }
 
 
-def to_challenger(ch_bpb=2.0, base_bpb=2.0, nbytes=100, ch_ms=10.0, base_ms=10.0, op="score", shadow=True,
-                  probe=False):
+def to_challenger(ch_bpb=2.0, base_bpb=2.0, nbytes=100, ch_ms=10.0, base_ms=10.0, op="score", shadow=True, probe=False):
     """A request the challenger answered, scored again by the champion (shadow) unless shadow=False."""
-    return _ob(op, "challenger", challenger=_call("2", ch_bpb, nbytes, ch_ms),
-               shadow=_call("1", base_bpb, nbytes, base_ms) if shadow else None, probe=probe)
+    return _ob(
+        op,
+        "challenger",
+        challenger=_call("2", ch_bpb, nbytes, ch_ms),
+        shadow=_call("1", base_bpb, nbytes, base_ms) if shadow else None,
+        probe=probe,
+    )
 
 
 def challenger_failed():
     """A completion the challenger failed; the champion answered the client instead (a fallback)."""
-    return _ob("complete", "challenger", challenger=_call("2", ok=False), champion=_call("1"), shadow=_call("1"),
-               fallback=True)
+    return _ob(
+        "complete", "challenger", challenger=_call("2", ok=False), champion=_call("1"), shadow=_call("1"), fallback=True
+    )
 
 
 def to_champion(bpb=2.0, ms=10.0, ok=True):
@@ -64,9 +111,12 @@ def test_p95_is_nearest_rank():
 
 
 def test_challenger_requests_are_paired_with_the_champion_shadow():
-    obs = [to_challenger(2.0, 2.5, nbytes=100), to_challenger(3.0, 3.5, nbytes=300, probe=True),
-           to_challenger(2.0, 2.0, nbytes=100, ch_ms=500.0, op="complete"),  # paired bits, latency not comparable
-           to_challenger(9.0, shadow=False)]  # not shadow-scored: no pair
+    obs = [
+        to_challenger(2.0, 2.5, nbytes=100),
+        to_challenger(3.0, 3.5, nbytes=300, probe=True),
+        to_challenger(2.0, 2.0, nbytes=100, ch_ms=500.0, op="complete"),  # paired bits, latency not comparable
+        to_challenger(9.0, shadow=False),
+    ]  # not shadow-scored: no pair
     obs += [to_champion(9.0)] * 3
     step = _step(50, obs, CFG.model_copy(update={"min_paired": 2}))
     assert (step.requests, step.probe_requests, step.paired) == (7, 1, 3)
@@ -133,8 +183,10 @@ def test_too_few_paired_requests_make_the_step_inconclusive_not_failed():
     assert step.inconclusive == ["only 3 paired requests < canary.min_paired=4: too little evidence to judge quality"]
     decision = decide_canary("m", "2", "1", [step], CFG)
     assert decision.verdict == "inconclusive"
-    assert decision.reason == ("step 10% inconclusive: only 3 paired requests < canary.min_paired=4: too little "
-                               "evidence to judge quality (canary.on_inconclusive=rollback); the champion stays")
+    assert decision.reason == (
+        "step 10% inconclusive: only 3 paired requests < canary.min_paired=4: too little "
+        "evidence to judge quality (canary.on_inconclusive=rollback); the champion stays"
+    )
     assert result_of(decision, 0).champion_version == "1"
 
 
@@ -159,8 +211,9 @@ def test_error_rate_increase_rejects():
     assert (step.fallbacks, step.failed_requests) == (1, 0)  # the client was answered
     assert step.error_rate_increase == pytest.approx(0.2)
     assert step.failures == ["error rate 0.200 (n=5) exceeds champion's 0.000 (n=9) by 0.200 > 0.0"]
-    allowed = _step(50, [challenger_failed()] + _noisy(4, 2.0, 2.0),
-                    CFG.model_copy(update={"max_error_rate_increase": 0.25}))
+    allowed = _step(
+        50, [challenger_failed()] + _noisy(4, 2.0, 2.0), CFG.model_copy(update={"max_error_rate_increase": 0.25})
+    )
     assert allowed.failures == []
 
 
@@ -195,8 +248,9 @@ def test_p99_is_judged_only_from_enough_pooled_samples():
     earlier = [_step(10, normal * (MIN_SAMPLES_P99 - 40))]  # pooled: exactly MIN_SAMPLES_P99
     judged = _step(50, spiky, earlier=earlier)
     assert judged.p99_ratio == pytest.approx(10.0) and judged.p95_ratio == pytest.approx(1.0)
-    assert judged.failures == [f"p99 latency 100.0 ms is 10.00x champion's 10.0 ms on the same "
-                               f"{MIN_SAMPLES_P99} requests > 5.0x"]
+    assert judged.failures == [
+        f"p99 latency 100.0 ms is 10.00x champion's 10.0 ms on the same {MIN_SAMPLES_P99} requests > 5.0x"
+    ]
 
 
 def test_requests_whose_client_got_no_answer_fail_the_step():
@@ -293,8 +347,17 @@ MANUAL = CFG.model_copy(update={"approval": "manual", "approval_timeout_s": 60.0
 
 
 def _command(action, percent=50, state="awaiting-approval", reason="looks good on the dashboards"):
-    return OperatorCommand(id="c1", canary_id="k", action=action, user="ana", reason=reason, at=1.0,
-                           applied_at=2.0, percent=percent, state=state)
+    return OperatorCommand(
+        id="c1",
+        canary_id="k",
+        action=action,
+        user="ana",
+        reason=reason,
+        at=1.0,
+        applied_at=2.0,
+        percent=percent,
+        state=state,
+    )
 
 
 def test_manual_approval_holds_the_last_step_below_100_and_only_an_operator_promotes():
@@ -305,8 +368,10 @@ def test_manual_approval_holds_the_last_step_below_100_and_only_an_operator_prom
     assert decide_canary("m", "2", "1", steps, MANUAL).verdict == "rejected"  # passing alone never promotes
     approved = decide_canary("m", "2", "1", steps, MANUAL, ended_by=_command("promote"), commands=[_command("promote")])
     assert approved.verdict == "promoted" and approved.decided_by == "operator"
-    assert approved.reason.startswith("promoted by ana at 50% (awaiting-approval): looks good on the dashboards; "
-                                      "evidence so far: 2 steps up to 50% on 16 paired requests")
+    assert approved.reason.startswith(
+        "promoted by ana at 50% (awaiting-approval): looks good on the dashboards; "
+        "evidence so far: 2 steps up to 50% on 16 paired requests"
+    )
     assert [c.action for c in approved.commands] == ["promote"]
     timed_out = decide_canary("m", "2", "1", steps, MANUAL, approval_timed_out=True)
     assert timed_out.verdict == "aborted" and timed_out.decided_by == "timeout"
@@ -329,17 +394,25 @@ def test_an_operator_abort_or_early_promote_decides_whatever_the_steps_say():
     assert result_of(aborted, 0).champion_version == "1" and result_of(promoted, 100).champion_version == "2"
 
 
-@pytest.mark.parametrize("state, action, error", [
-    ("running", "pause", ""), ("running", "promote", ""), ("running", "abort", ""),
-    ("paused", "resume", ""), ("paused", "promote", ""), ("paused", "abort", ""),
-    ("awaiting-approval", "promote", ""), ("awaiting-approval", "abort", ""),
-    ("running", "resume", "the canary of m is running, not paused; nothing to resume"),
-    ("paused", "pause", "the canary of m is paused; only a running canary can be paused"),
-    ("awaiting-approval", "pause", "the canary of m is awaiting-approval; only a running canary can be paused"),
-    ("none", "pause", "no canary of m is running; nothing to pause"),
-    ("none", "abort", "no canary of m is running; nothing to abort"),
-    ("running", "stop", "unknown action 'stop': expected one of pause, resume, promote, abort"),
-])
+@pytest.mark.parametrize(
+    "state, action, error",
+    [
+        ("running", "pause", ""),
+        ("running", "promote", ""),
+        ("running", "abort", ""),
+        ("paused", "resume", ""),
+        ("paused", "promote", ""),
+        ("paused", "abort", ""),
+        ("awaiting-approval", "promote", ""),
+        ("awaiting-approval", "abort", ""),
+        ("running", "resume", "the canary of m is running, not paused; nothing to resume"),
+        ("paused", "pause", "the canary of m is paused; only a running canary can be paused"),
+        ("awaiting-approval", "pause", "the canary of m is awaiting-approval; only a running canary can be paused"),
+        ("none", "pause", "no canary of m is running; nothing to pause"),
+        ("none", "abort", "no canary of m is running; nothing to abort"),
+        ("running", "stop", "unknown action 'stop': expected one of pause, resume, promote, abort"),
+    ],
+)
 def test_which_commands_a_canary_accepts_in_each_state(state, action, error):
     assert command_error(state, action, "m") == error
 
@@ -364,7 +437,9 @@ def test_a_promql_gate_passes_inside_its_bounds_and_fails_outside():
 
 
 def test_a_promql_gate_without_a_value_is_no_data_not_a_pass():
-    assert judge_promql(_gate(max=1), "q", None).message == "PromQL gate errors: no sample: too little evidence to judge"
+    assert (
+        judge_promql(_gate(max=1), "q", None).message == "PromQL gate errors: no sample: too little evidence to judge"
+    )
     failed_query = judge_promql(_gate(max=1), "q", None, "query failed: ConnectError: refused")
     assert failed_query.verdict == "no-data" and "query failed: ConnectError: refused" in failed_query.message
     assert judge_promql(_gate(max=1), "q", float("nan")).verdict == "no-data"
@@ -372,9 +447,11 @@ def test_a_promql_gate_without_a_value_is_no_data_not_a_pass():
 
 def test_critical_promql_gates_decide_and_report_only_ones_never_do():
     step = _step(10, _noisy(8, 2.0, 2.02))
-    readings = [judge_promql(_gate(name="p99", max=0.5), "q1", 0.9),
-                judge_promql(_gate(name="cost", max=1.0, critical=False), "q2", 7.0),
-                judge_promql(_gate(name="saturation", max=0.8, critical=False), "q3", None)]
+    readings = [
+        judge_promql(_gate(name="p99", max=0.5), "q1", 0.9),
+        judge_promql(_gate(name="cost", max=1.0, critical=False), "q2", 7.0),
+        judge_promql(_gate(name="saturation", max=0.8, critical=False), "q3", None),
+    ]
     gated = apply_promql(step, readings)
     assert gated.failures == ["PromQL gate p99: 0.9 > max 0.5"] and gated.inconclusive == []
     assert [r.verdict for r in gated.promql] == ["fail", "fail", "no-data"]  # all recorded
@@ -395,8 +472,13 @@ def test_promql_gates_need_a_threshold_and_a_server():
 
 def test_an_instant_query_answer_gives_one_value():
     def vector(*values):
-        return {"status": "success", "data": {"resultType": "vector", "result": [
-            {"metric": {"version": str(i)}, "value": [1.0, v]} for i, v in enumerate(values)]}}
+        return {
+            "status": "success",
+            "data": {
+                "resultType": "vector",
+                "result": [{"metric": {"version": str(i)}, "value": [1.0, v]} for i, v in enumerate(values)],
+            },
+        }
 
     assert value_of(vector("0.25")) == 0.25
     assert value_of(vector()) is None and value_of(vector("NaN")) is None
@@ -405,5 +487,7 @@ def test_an_instant_query_answer_gives_one_value():
         value_of(vector("1", "2"))
     with pytest.raises(PromQLError, match=r"bad_data: parse error"):
         value_of({"status": "error", "errorType": "bad_data", "error": "parse error"})
-    assert render("rate(x{model='$model',v='$challenger'}[1m]) / $champion", "m", "1", "2") == \
-        "rate(x{model='m',v='2'}[1m]) / 1"
+    assert (
+        render("rate(x{model='$model',v='$challenger'}[1m]) / $champion", "m", "1", "2")
+        == "rate(x{model='m',v='2'}[1m]) / 1"
+    )

@@ -1,4 +1,5 @@
 """training.bpb: every byte after the first predicted exactly once, whatever the text length vs the window."""
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ def test_each_byte_after_the_first_is_predicted_exactly_once(length):
     assert predicted == list(range(1, length))
     assert all(2 <= len(w) <= SEQ + 1 and w.dtype == torch.int64 for w in ws)
     # consecutive windows overlap by exactly one byte: the next window's context starts where this one ended
-    assert all(int(a[-1]) == int(b[0]) for a, b in zip(ws, ws[1:]))
+    assert all(int(a[-1]) == int(b[0]) for a, b in zip(ws, ws[1:], strict=False))
 
 
 @pytest.mark.parametrize("length", [n for n in LENGTHS if n >= 2])

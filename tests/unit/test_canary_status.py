@@ -1,5 +1,6 @@
 """The operator channel's pure parts: a canary's status from the registry's aliases and the driver's state tag
 (a lapsed lease reads as no canary), and the description a decided version gets."""
+
 from __future__ import annotations
 
 from deployments.canary_control import status_of
@@ -11,9 +12,21 @@ ALIASES = {"champion": "1", "challenger": "2"}
 
 
 def _state(**kw):
-    return {"canary_id": "k", "state": "running", "percent": 50, "step": 2, "steps": 3, "attempt": 0,
-            "mode": "canary", "approval": "auto", "lease_expires_at": NOW + 10, "lease_s": 20.0, "updated_at": NOW - 1,
-            "approval_deadline": None, "ack": None} | kw
+    return {
+        "canary_id": "k",
+        "state": "running",
+        "percent": 50,
+        "step": 2,
+        "steps": 3,
+        "attempt": 0,
+        "mode": "canary",
+        "approval": "auto",
+        "lease_expires_at": NOW + 10,
+        "lease_s": 20.0,
+        "updated_at": NOW - 1,
+        "approval_deadline": None,
+        "ack": None,
+    } | kw
 
 
 def test_a_live_canary_reports_its_state_step_and_weight():
@@ -32,18 +45,26 @@ def test_a_canary_whose_lease_lapsed_a_whole_lease_ago_is_no_canary():
 
 
 def test_a_decided_canary_is_no_canary_and_says_how_it_ended():
-    status = status_of("m", ALIASES, _state(state="none", lease_expires_at=0.0, verdict="aborted", reason="by ana"),
-                       NOW)
+    status = status_of(
+        "m", ALIASES, _state(state="none", lease_expires_at=0.0, verdict="aborted", reason="by ana"), NOW
+    )
     assert (status.state, status.last_verdict, status.last_reason) == ("none", "aborted", "by ana")
     # once decided the challenger alias is gone: no challenger, whatever tag is left
     assert status_of("m", {"champion": "2"}, _state(), NOW).model_dump(exclude_none=True) == {
-        "model": "m", "state": "none", "champion_version": "2", "percent": 0, "attempt": 0}
+        "model": "m",
+        "state": "none",
+        "champion_version": "2",
+        "percent": 0,
+        "attempt": 0,
+    }
 
 
 def test_a_version_description_says_what_it_was_trained_on_and_how_it_was_decided():
     tags = {TAG_DATASET_DIGEST: "d1g3st", TAG_TRAIN_RUN_ID: "run-7"}
     text = version_description(tags, "run-x", "Canary against champion v1: promoted (policy, ...): passed")
-    assert text == ("Trained on dataset d1g3st by train run run-7.\n"
-                    "Canary against champion v1: promoted (policy, ...): passed")
+    assert text == (
+        "Trained on dataset d1g3st by train run run-7.\nCanary against champion v1: promoted (policy, ...): passed"
+    )
     assert version_description({}, "run-x", "Champion without a canary: first run.").startswith(
-        "Trained on dataset unknown by train run run-x.\n")
+        "Trained on dataset unknown by train run run-x.\n"
+    )

@@ -1,4 +1,5 @@
 """Ray cluster-launcher configs rendered from [cluster.launcher] pass Ray's own checks (schema, prepare_config)."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """PipelineConfig: TOML + overrides, unknown keys and bad values named, the keys scripts rely on."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,16 +31,28 @@ def test_shipped_configs_load(name):
 def test_stable_key_names_exist():
     # Scripts and other tools rely on these names (issue 2); renaming one is a breaking change.
     cfg = PipelineConfig().model_dump()
-    for dotted in ["data.source", "data.output", "cluster.mode", "train.steps", "train.workers",
-                   "train.checkpoint_every", "registry.model_name", "canary.steps", "serve.host", "serve.port",
-                   "validation.max_texts"]:
+    for dotted in [
+        "data.source",
+        "data.output",
+        "cluster.mode",
+        "train.steps",
+        "train.workers",
+        "train.checkpoint_every",
+        "registry.model_name",
+        "canary.steps",
+        "serve.host",
+        "serve.port",
+        "validation.max_texts",
+    ]:
         section, key = dotted.split(".")
         assert key in cfg[section], dotted
 
 
 def test_overrides_parse_toml_values():
-    cfg = load_config(REPO / "configs" / "debug.toml",
-                      ["train.steps=7", "canary.steps=[20, 100]", "data.source=/tmp/corpus", "train.use_gpu=false"])
+    cfg = load_config(
+        REPO / "configs" / "debug.toml",
+        ["train.steps=7", "canary.steps=[20, 100]", "data.source=/tmp/corpus", "train.use_gpu=false"],
+    )
     assert cfg.train.steps == 7
     assert cfg.canary.steps == [20, 100]
     assert cfg.data.source == "/tmp/corpus"
@@ -67,8 +80,16 @@ def test_bad_value_names_key_and_value():
         load_config(None, ["cluster.mode=moon"])
 
 
-@pytest.mark.parametrize("moved", ["canary.host=0.0.0.0", "canary.port=9000", "canary.max_request_bytes=1024",
-                                   "canary.requests_per_step=8", "validation.eval_batches=4"])
+@pytest.mark.parametrize(
+    "moved",
+    [
+        "canary.host=0.0.0.0",
+        "canary.port=9000",
+        "canary.max_request_bytes=1024",
+        "canary.requests_per_step=8",
+        "validation.eval_batches=4",
+    ],
+)
 def test_keys_that_moved_or_went_are_named(moved):
     # an old config must fail loudly on the key, not be silently ignored (the endpoint's address is serve.*)
     key = moved.split("=")[0]
@@ -115,12 +136,15 @@ def test_every_field_is_described():
             ann = field.annotation
             if isinstance(ann, type) and hasattr(ann, "model_fields"):
                 walk(ann, f"{prefix}{name}.")
+
     walk(PipelineConfig)
 
 
 def test_a_canary_without_the_live_endpoint_is_refused_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["serve.enabled=false"])
-    assert str(e.value) == ("config (with --set): canary.enabled = true needs serve.enabled = true (the canary "
-                            "ramps on the live endpoint); set canary.enabled = false to end runs at the registry")
+    assert str(e.value) == (
+        "config (with --set): canary.enabled = true needs serve.enabled = true (the canary "
+        "ramps on the live endpoint); set canary.enabled = false to end runs at the registry"
+    )
     assert not load_config(None, ["serve.enabled=false", "canary.enabled=false"]).serve.enabled

@@ -3,6 +3,7 @@
 Tests run as root here, so chmod 000 does not make a file unreadable; the honest unreadable case used is a FIFO
 where a text file is expected (opening it would block a naive reader) plus, when not root, a chmod-000 file.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,12 @@ def _corpus_with(tmp_path: Path, name: str, make) -> Path:
 
 BAD_FILES = {
     "binary": ("blob.txt", lambda p: p.write_bytes(b"abc\x00\x01\x02" * 10), "on_binary", "NUL byte at offset 3"),
-    "undecodable": ("latin.txt", lambda p: p.write_bytes(b"caf\xe9 au lait\n"), "on_undecodable",
-                    "not valid UTF-8 at byte 3"),
+    "undecodable": (
+        "latin.txt",
+        lambda p: p.write_bytes(b"caf\xe9 au lait\n"),
+        "on_undecodable",
+        "not valid UTF-8 at byte 3",
+    ),
     "empty": ("empty.txt", lambda p: p.write_bytes(b""), "on_empty_record", "empty record"),
     "unreadable": ("pipe.txt", lambda p: os.mkfifo(p), "on_unreadable", "not a regular file (FIFO)"),
     "symlink_loop": ("self.txt", lambda p: os.symlink(p.name, p), "on_symlink_loop", "symlink loop"),
@@ -158,8 +163,12 @@ def test_malformed_jsonl_lines(tmp_path):
     good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
     src.write_bytes(("\n".join(good) + "\n").encode() + b'{"text": 1}\n{oops\n\xff\xfe\n')
     out = tmp_path / "out"
-    _fails_with_one_line(config(src, out, format="jsonl", on_undecodable="fail"), out, f"{src}:31",
-                         "field 'text' is a number (1), not a string (data.text_field)")
+    _fails_with_one_line(
+        config(src, out, format="jsonl", on_undecodable="fail"),
+        out,
+        f"{src}:31",
+        "field 'text' is a number (1), not a string (data.text_field)",
+    )
     shards = build_shards(config(src, out, format="jsonl", on_undecodable="skip"))
     assert shards.skipped == {"undecodable": 3}
 
@@ -167,8 +176,8 @@ def test_malformed_jsonl_lines(tmp_path):
 NOT_A_STRING = {
     '{"text": 12.5}': "field 'text' is a number (12.5), not a string",
     '{"text": null}': "field 'text' is null, not a string",
-    '{"text": ["a", "b"]}': "field 'text' is an array ([\"a\", \"b\"]), not a string",
-    '{"text": {"en": "hi"}}': "field 'text' is an object ({\"en\": \"hi\"}), not a string",
+    '{"text": ["a", "b"]}': 'field \'text\' is an array (["a", "b"]), not a string',
+    '{"text": {"en": "hi"}}': 'field \'text\' is an object ({"en": "hi"}), not a string',
     '{"text": true}': "field 'text' is a boolean (true), not a string",
     '{"body": "hi"}': "no field 'text' (data.text_field)",
     '["text"]': "not a JSON object but an array",
@@ -181,8 +190,12 @@ def test_jsonl_text_that_is_not_a_string_follows_on_undecodable(tmp_path, line):
     good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
     src.write_text("\n".join(good[:12] + [line] + good[12:]) + "\n")
     out = tmp_path / "out"
-    _fails_with_one_line(config(src, out, format="jsonl", on_undecodable="fail"), out,
-                         f"{src}:13: {NOT_A_STRING[line]}", "(data.on_undecodable=fail)")
+    _fails_with_one_line(
+        config(src, out, format="jsonl", on_undecodable="fail"),
+        out,
+        f"{src}:13: {NOT_A_STRING[line]}",
+        "(data.on_undecodable=fail)",
+    )
     shards = build_shards(config(src, out, format="jsonl"))  # skip is the default
     assert shards.skipped == {"undecodable": 1} and shards.num_train + shards.num_val == 30
 
@@ -205,16 +218,20 @@ def test_parquet_without_the_text_column_stops_the_stage_whatever_the_policy(tmp
     good = _parquet(tmp_path / "c" / "a.parquet", {"text": _texts()})
     bad = _parquet(tmp_path / "c" / "b.parquet", {"id": list(range(40)), "body": _texts()})
     out = tmp_path / "out"
-    message = _fails_with_one_line(config(good.parent, out, format="parquet", on_undecodable=policy), out,
-                                   f"{bad}: no column 'text' (data.text_field; columns: id, body)")
+    message = _fails_with_one_line(
+        config(good.parent, out, format="parquet", on_undecodable=policy),
+        out,
+        f"{bad}: no column 'text' (data.text_field; columns: id, body)",
+    )
     assert message.startswith(str(bad))
 
 
 def test_parquet_text_column_of_numbers_stops_the_stage(tmp_path):
     bad = _parquet(tmp_path / "c" / "a.parquet", {"text": list(range(40))})
     out = tmp_path / "out"
-    _fails_with_one_line(config(bad.parent, out, format="parquet"), out,
-                         f"{bad}: column 'text' is int64, not a string (data.text_field)")
+    _fails_with_one_line(
+        config(bad.parent, out, format="parquet"), out, f"{bad}: column 'text' is int64, not a string (data.text_field)"
+    )
 
 
 def test_parquet_nulls_and_bad_utf8_follow_on_undecodable(tmp_path):
@@ -222,8 +239,11 @@ def test_parquet_nulls_and_bad_utf8_follow_on_undecodable(tmp_path):
     texts[9], texts[20] = None, b"caf\xe9"
     src = _parquet(tmp_path / "c" / "a.parquet", {"text": texts})
     out = tmp_path / "out"
-    _fails_with_one_line(config(src.parent, out, format="parquet", on_undecodable="fail"), out,
-                         f"{src} row 9: column 'text' is null (data.text_field) (data.on_undecodable=fail)")
+    _fails_with_one_line(
+        config(src.parent, out, format="parquet", on_undecodable="fail"),
+        out,
+        f"{src} row 9: column 'text' is null (data.text_field) (data.on_undecodable=fail)",
+    )
     shards = build_shards(config(src.parent, out, format="parquet"))
     assert shards.skipped == {"undecodable": 2} and shards.num_train + shards.num_val == 38
 
@@ -233,8 +253,11 @@ def test_a_file_that_is_not_parquet_follows_on_undecodable(tmp_path):
     fake = tmp_path / "c" / "b.parquet"
     fake.write_text("id,text\n1,hello\n")
     out = tmp_path / "out"
-    _fails_with_one_line(config(fake.parent, out, format="parquet", on_undecodable="fail"), out,
-                         f"{fake}: not a Parquet file (ArrowInvalid")
+    _fails_with_one_line(
+        config(fake.parent, out, format="parquet", on_undecodable="fail"),
+        out,
+        f"{fake}: not a Parquet file (ArrowInvalid",
+    )
     assert build_shards(config(fake.parent, out, format="parquet")).skipped == {"undecodable": 1}
 
 
@@ -245,19 +268,27 @@ def test_saved_dataset_without_the_text_column_stops_the_stage(tmp_path):
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"id": list(range(40)), "body": _texts()}).save_to_disk(str(saved))
     out = tmp_path / "out"
-    _fails_with_one_line(config(saved, out, format="hf_dataset"), out,
-                         f"{saved}: no column 'text' (data.text_field; columns: id, body)")
-    _fails_with_one_line(config(saved, out, format="hf_dataset", text_field="id"), out,
-                         f"{saved}: column 'id' is int64, not a string (data.text_field)")
+    _fails_with_one_line(
+        config(saved, out, format="hf_dataset"), out, f"{saved}: no column 'text' (data.text_field; columns: id, body)"
+    )
+    _fails_with_one_line(
+        config(saved, out, format="hf_dataset", text_field="id"),
+        out,
+        f"{saved}: column 'id' is int64, not a string (data.text_field)",
+    )
 
 
 def test_a_directory_that_is_not_a_saved_dataset(tmp_path):
     _parquet(tmp_path / "c" / "a.parquet", {"text": _texts()})
     out = tmp_path / "out"
-    _fails_with_one_line(config(tmp_path / "c", out, format="hf_dataset"), out, f"{tmp_path / 'c'}: not a datasets "
-                         "save_to_disk directory (FileNotFoundError")
-    _fails_with_one_line(config(tmp_path / "nope", out, format="hf_dataset"), out,
-                         f"{tmp_path / 'nope'}: no such directory")
+    _fails_with_one_line(
+        config(tmp_path / "c", out, format="hf_dataset"),
+        out,
+        f"{tmp_path / 'c'}: not a datasets save_to_disk directory (FileNotFoundError",
+    )
+    _fails_with_one_line(
+        config(tmp_path / "nope", out, format="hf_dataset"), out, f"{tmp_path / 'nope'}: no such directory"
+    )
 
 
 def evil_reader(source, cfg):

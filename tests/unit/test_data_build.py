@@ -1,4 +1,5 @@
 """build_shards on local directories: determinism, manifest, cache hits, atomic publishing, the quality gate."""
+
 from __future__ import annotations
 
 import hashlib
@@ -117,8 +118,9 @@ def test_set_without_manifest_is_not_a_dataset(tmp_path):
 
 
 def test_shard_byte_limit_is_respected(tmp_path):
-    shards = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out", max_shard_bytes=4096,
-                                 max_samples_per_shard=1000))
+    shards = build_shards(
+        config(make_corpus(tmp_path / "c"), tmp_path / "out", max_shard_bytes=4096, max_samples_per_shard=1000)
+    )
     sizes = [Path(u).stat().st_size for u in shards.train_shards]
     assert len(sizes) > 3 and max(sizes) <= 10240  # one record per shard at most when it alone exceeds
 
@@ -135,8 +137,7 @@ def _dup_reader(source, cfg):
 
 
 def test_failing_quality_gate_lists_each_expectation_and_publishes_nothing(tmp_path):
-    cfg = config("unused", tmp_path / "out", reader=f"{__name__}:_dup_reader", val_fraction=0.33,
-                 split_tolerance=0.0)
+    cfg = config("unused", tmp_path / "out", reader=f"{__name__}:_dup_reader", val_fraction=0.33, split_tolerance=0.0)
     with pytest.raises(QualityError) as err:
         build_shards(cfg)
     lines = str(err.value).splitlines()
@@ -163,8 +164,7 @@ def test_shard_writer_bytes_equal_webdataset_tarwriter(tmp_path):
     for sample in samples:
         writer.write(sample)
     writer.close()
-    reference = wds.TarWriter(theirs, encoder=False, mtime=FIXED_MTIME, user="shardline", group="shardline",
-                              mode=0o444)
+    reference = wds.TarWriter(theirs, encoder=False, mtime=FIXED_MTIME, user="shardline", group="shardline", mode=0o444)
     for sample in samples:
         reference.write(sample)
     reference.close()

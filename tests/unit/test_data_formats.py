@@ -1,5 +1,6 @@
 """data.format = jsonl / parquet / hf_dataset: the records they give and a shard set that does not depend on the
 number of workers (real pyarrow files and real `datasets.save_to_disk` directories)."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def _rows(n: int = FILES * ROWS) -> list[dict]:
 def write_jsonl(root: Path, rows: list[dict]) -> Path:
     root.mkdir(parents=True)
     for f in range(FILES):
-        part = rows[f * ROWS:(f + 1) * ROWS]
+        part = rows[f * ROWS : (f + 1) * ROWS]
         (root / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
     return root
 
@@ -41,7 +42,7 @@ def write_jsonl(root: Path, rows: list[dict]) -> Path:
 def write_parquet(root: Path, rows: list[dict]) -> Path:
     root.mkdir(parents=True)
     for f in range(FILES):
-        part = rows[f * ROWS:(f + 1) * ROWS]
+        part = rows[f * ROWS : (f + 1) * ROWS]
         table = pa.table({"id": [r["id"] for r in part], "text": [r["text"] for r in part]})
         pq.write_table(table, root / f"part{f}.parquet", row_group_size=7)  # several row groups per file
     return root
@@ -69,7 +70,7 @@ def _samples(shards) -> dict[str, str]:
             members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
         for name, body in members.items():
             if name.endswith(".json"):
-                out[json.loads(body)["key"]] = members[name[:-len("json")] + "txt"].decode()
+                out[json.loads(body)["key"]] = members[name[: -len("json")] + "txt"].decode()
     return out
 
 
@@ -77,8 +78,10 @@ def _samples(shards) -> dict[str, str]:
 def test_one_two_and_three_workers_write_the_same_set(tmp_path, fmt):
     rows = _rows()
     source = WRITERS[fmt](tmp_path / "src", rows)
-    sets = {w: build_shards(config(source, tmp_path / f"out-{w}", format=fmt, workers=w, **ONE_CHUNK_PER_FILE))
-            for w in (1, 2, 3)}
+    sets = {
+        w: build_shards(config(source, tmp_path / f"out-{w}", format=fmt, workers=w, **ONE_CHUNK_PER_FILE))
+        for w in (1, 2, 3)
+    }
     one = sets[1]
     assert one.chunks == FILES and one.num_train + one.num_val == len(rows) and one.skipped == {}
     for workers, shards in sets.items():
@@ -86,8 +89,7 @@ def test_one_two_and_three_workers_write_the_same_set(tmp_path, fmt):
         assert _files(Path(shards.uri)) == _files(Path(one.uri))
     # Every row is a record keyed by file and position (JSON Lines lines count from 1, rows from 0).
     samples = _samples(one)
-    first = {"jsonl": "part0.jsonl:1", "parquet": "part0.parquet:0",
-             "hf_dataset": "data-00000-of-00004.arrow:0"}[fmt]
+    first = {"jsonl": "part0.jsonl:1", "parquet": "part0.parquet:0", "hf_dataset": "data-00000-of-00004.arrow:0"}[fmt]
     assert samples[first] == rows[0]["text"]
     assert sorted(samples.values()) == sorted(r["text"] for r in rows)
 
@@ -98,8 +100,9 @@ def test_the_same_rows_in_any_format_give_one_set(tmp_path):
     digests = {}
     for fmt, write in WRITERS.items():
         source = write(tmp_path / fmt, rows)
-        shards = build_shards(config(source, tmp_path / f"out-{fmt}", format=fmt, key_field="id", workers=1,
-                                     **ONE_CHUNK_PER_FILE))
+        shards = build_shards(
+            config(source, tmp_path / f"out-{fmt}", format=fmt, key_field="id", workers=1, **ONE_CHUNK_PER_FILE)
+        )
         digests[fmt] = shards.dataset_digest
         assert _samples(shards) == {r["id"]: r["text"] for r in rows}
     assert len(set(digests.values())) == 1, digests
@@ -121,8 +124,10 @@ def test_parquet_binary_column_and_integer_keys(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     texts = [f"bytes row {i} ".encode() * 4 for i in range(80)]
-    pq.write_table(pa.table({"n": pa.array(range(100, 180), pa.int32()), "body": pa.array(texts, pa.large_binary())}),
-                   src / "b.parquet")
+    pq.write_table(
+        pa.table({"n": pa.array(range(100, 180), pa.int32()), "body": pa.array(texts, pa.large_binary())}),
+        src / "b.parquet",
+    )
     shards = build_shards(config(src, tmp_path / "out", format="parquet", text_field="body", key_field="n"))
     assert _samples(shards) == {str(100 + i): t.decode() for i, t in enumerate(texts)}
 

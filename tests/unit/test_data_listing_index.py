@@ -1,5 +1,6 @@
 """The listing index: an unchanged corpus is a cache hit without being read; any change to what was listed, or
 to a setting that shapes shards, or damage to the published set, falls back to reading and building."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ def built(tmp_path):
 def _no_reading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus was read")
+
     monkeypatch.setattr(build, "run_chunks", refuse)
 
 
@@ -36,8 +38,9 @@ def test_unchanged_listing_is_a_cache_hit_that_reads_nothing(tmp_path, built, mo
     _no_reading(monkeypatch)
     again = build_shards(config(corpus, tmp_path / "out", workers=3))  # how it is written shapes nothing
     assert again.cache_hit and again.chunks == 0
-    assert again.model_dump(exclude={"cache_hit", "chunks", "workers"}) == \
-        first.model_dump(exclude={"cache_hit", "chunks", "workers"})
+    assert again.model_dump(exclude={"cache_hit", "chunks", "workers"}) == first.model_dump(
+        exclude={"cache_hit", "chunks", "workers"}
+    )
 
 
 def test_same_size_rewrite_with_the_old_mtime_is_seen(tmp_path, built):

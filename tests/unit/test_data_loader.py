@@ -1,4 +1,5 @@
 """The streaming reader: equal batch counts per rank, worker/rank shard split, allow-list, byte blocks."""
+
 from __future__ import annotations
 
 import io

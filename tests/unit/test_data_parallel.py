@@ -1,5 +1,6 @@
 """Parallel sharding: chunks written by 1, 2 or 3 worker processes give the same bytes; errors keep corpus order;
 the quality gate gives the same verdict batch by batch as in one piece."""
+
 from __future__ import annotations
 
 import os
@@ -107,16 +108,21 @@ def _dup_reader(source, cfg):
 
 @pytest.mark.parametrize("batch", [7, 1000])
 def test_gate_in_batches_gives_the_verdict_of_one_frame(tmp_path, batch):
-    cfg = config("unused", tmp_path / "out", reader=f"{__name__}:_dup_reader", val_fraction=0.33,
-                 split_tolerance=0.0, gate_batch_records=batch)
+    cfg = config(
+        "unused",
+        tmp_path / "out",
+        reader=f"{__name__}:_dup_reader",
+        val_fraction=0.33,
+        split_tolerance=0.0,
+        gate_batch_records=batch,
+    )
     with pytest.raises(QualityError) as err:
         build_shards(cfg)
     lines = str(err.value).splitlines()
     assert "2 of 6 expectations" in lines[0]
     unique = next(line for line in lines if "expect_column_values_to_be_unique" in line)
     assert "10 of 30 records, e.g. keys ['k0', 'k1', 'k2']" in unique
-    assert err.value.report["meta"]["shardline"] == {"records": 30, "batches": -(-30 // batch),
-                                                     "batch_records": batch}
+    assert err.value.report["meta"]["shardline"] == {"records": 30, "batches": -(-30 // batch), "batch_records": batch}
     between = [r for r in err.value.report["results"] if r["expectation_config"]["type"].endswith("between")]
     assert all(r["result"]["element_count"] == 30 for r in between if "element_count" in r["result"])
 

@@ -1,4 +1,5 @@
 """The GX suite in training/data/expectations.json over hand-made per-record rows: every expectation can fail."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,16 @@ from training.data.quality import SUITE_PATH, QualityError, check
 
 
 def _row(key, split="train", n=100, utf8=True, manifest=2, tar=2):
-    return {"key": key, "split": split, "is_val": int(split == "val"), "n_bytes": n, "utf8_valid": utf8,
-            "shard": f"{split}/x.tar", "shard_manifest_count": manifest, "shard_tar_count": tar}
+    return {
+        "key": key,
+        "split": split,
+        "is_val": int(split == "val"),
+        "n_bytes": n,
+        "utf8_valid": utf8,
+        "shard": f"{split}/x.tar",
+        "shard_manifest_count": manifest,
+        "shard_tar_count": tar,
+    }
 
 
 def test_suite_is_the_repo_json():
@@ -39,7 +48,9 @@ def test_every_expectation_reports_its_count_and_example_keys():
     assert lines[0].endswith("6 of 6 expectations")
     expected = {
         "expect_column_values_to_be_between(n_bytes) [records non-empty]": "1 of 20 records, e.g. keys ['empty-one']",
-        "expect_column_values_to_be_between(n_bytes) [record length": "2 of 20 records, e.g. keys ['empty-one', 'huge-one']",
+        "expect_column_values_to_be_between(n_bytes) [record length": (
+            "2 of 20 records, e.g. keys ['empty-one', 'huge-one']"
+        ),
         "expect_column_values_to_be_in_set(utf8_valid)": "1 of 20 records, e.g. keys ['latin-one']",
         "expect_column_values_to_be_unique(key)": "2 of 20 records, e.g. keys ['k10']",
         "expect_column_mean_to_be_between(is_val)": "observed 0.0, expected 0.4..0.6",

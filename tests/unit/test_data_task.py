@@ -1,4 +1,5 @@
 """The shard_dataset task against a real MLflow store: dataset input, tags, GX report, cache hits."""
+
 from __future__ import annotations
 
 import mlflow
@@ -31,8 +32,10 @@ def test_bad_input_fails_the_stage_run_with_the_cause(tmp_path, lineage):
     with pytest.raises(DataError, match="empty.*no files matching"):
         shard_dataset.fn(config(tmp_path / "empty", tmp_path / "out"), lineage)
     client = mlflow.MlflowClient(lineage.tracking_uri)
-    runs = client.search_runs([client.get_run(lineage.parent_run_id).info.experiment_id],
-                              filter_string="tags.`shardline.stage` = 'shard_dataset'")
+    runs = client.search_runs(
+        [client.get_run(lineage.parent_run_id).info.experiment_id],
+        filter_string="tags.`shardline.stage` = 'shard_dataset'",
+    )
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
@@ -42,6 +45,8 @@ def test_credentials_in_a_uri_fail_before_anything_is_logged(tmp_path, lineage):
         shard_dataset.fn(cfg, lineage)
     assert "hunter2" not in str(err.value)
     client = mlflow.MlflowClient(lineage.tracking_uri)
-    runs = client.search_runs([client.get_run(lineage.parent_run_id).info.experiment_id],
-                              filter_string="tags.`shardline.stage` = 'shard_dataset'")
+    runs = client.search_runs(
+        [client.get_run(lineage.parent_run_id).info.experiment_id],
+        filter_string="tags.`shardline.stage` = 'shard_dataset'",
+    )
     assert len(runs) == 1 and runs[0].data.params == {} and runs[0].info.status == "FAILED"

@@ -1,4 +1,5 @@
 """The RayService's Serve builder: the registry's champion becomes the application `shardline serve` deploys."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The generation engine: KV-cached GPT decoding equals recompute, requests batch and leave, windows slide."""
+
 from __future__ import annotations
 
 import asyncio
@@ -105,7 +106,7 @@ def test_decoding_past_seq_len_slides_to_the_last_half_window():
         for _ in range(max_tokens):
             token = int(model(torch.tensor([window]))[0, -1].argmax())
             expected.append(token)
-            window = (window + [token])[-(seq_len // 2):] if len(window) == seq_len else window + [token]
+            window = (window + [token])[-(seq_len // 2) :] if len(window) == seq_len else window + [token]
     assert tokens == [token_text(t) for t in expected]
     # and it agrees with recompute while prompt + completion fit the window
     fit = seq_len - len(prompt) + 1
@@ -213,4 +214,5 @@ def _counting(run, calls):
     async def counted(fn, *args):
         calls.append(fn)
         return await run(fn, *args)
+
     return counted

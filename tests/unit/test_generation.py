@@ -1,4 +1,5 @@
 """Generation for byte-level models: sampling rules, stop strings held back and cut, logprobs, determinism."""
+
 from __future__ import annotations
 
 import math

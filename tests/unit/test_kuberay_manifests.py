@@ -1,4 +1,5 @@
 """KubeRay RayCluster / RayJob / RayService rendered from the config pass the KubeRay CRD schemas (v1.7.0)."""
+
 from __future__ import annotations
 
 import copy
@@ -6,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kuberay_schema import spec_errors  # tests/kuberay_schema.py
 
 from flows.cli.cluster import render_kuberay
 from flows.config import PipelineConfig, load_config
-from kuberay_schema import spec_errors  # tests/kuberay_schema.py
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,15 +48,22 @@ def test_autoscaling_auth_ports_and_gpu_group(tmp_path):
         for container in (head, worker):
             env = {e["name"]: e for e in container["env"]}
             assert env["RAY_AUTH_MODE"]["value"] == "token"
-            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "shardline-ray-token",
-                                                                           "key": "auth_token"}
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+                "name": "shardline-ray-token",
+                "key": "auth_token",
+            }
         assert {e["name"]: e.get("value") for e in worker["env"]}["NCCL_IB_DISABLE"] == "1"  # tcp default
 
 
 def test_working_dir_code_ships_the_repo_and_its_dependencies(tmp_path):
-    config = load_config(None, ["cluster.launcher.kuberay.code=working_dir",
-                                "cluster.launcher.kuberay.working_dir_uri=s3://bucket/shardline.zip",
-                                "cluster.network=roce"])
+    config = load_config(
+        None,
+        [
+            "cluster.launcher.kuberay.code=working_dir",
+            "cluster.launcher.kuberay.working_dir_uri=s3://bucket/shardline.zip",
+            "cluster.network=roce",
+        ],
+    )
     manifests = _render(tmp_path, config)
     job = manifests["rayjob"]
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
@@ -79,13 +87,15 @@ def test_validator_rejects_wrong_types_and_unknown_fields(tmp_path):
     typo["spec"]["rayClusterSpec"]["enableInTreeAutoscalling"] = True
     assert "'enableInTreeAutoscalling' was unexpected" in spec_errors(typo)[0]
     quantity = copy.deepcopy(job)
-    quantity["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"][
-        "limits"]["cpu"] = "4 cores"
+    quantity["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "cpu"
+    ] = "4 cores"
     assert len(spec_errors(quantity)) == 1
     start_param = copy.deepcopy(job)  # rayStartParams are strings; an int would fail at the API server
     start_param["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
     assert spec_errors(start_param) == [
-        "rayClusterSpec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'"]
+        "rayClusterSpec.headGroupSpec.rayStartParams.num-cpus: 0 is not of type 'string'"
+    ]
 
 
 def test_working_dir_without_uri_is_a_clear_error(tmp_path):

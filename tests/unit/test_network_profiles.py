@@ -1,4 +1,5 @@
 """Network profiles: profile name -> NCCL/UCX environment of the training workers (infra/network.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,4 +51,10 @@ def test_only_a_single_node_loopback_head_turns_rays_multi_node_switch_off():
     assert node_env(ClusterConfig(host="10.0.0.5")) == {}  # a configured LAN address stays Ray's business
     assert node_env(ClusterConfig(mode="remote", address="http://head:8265")) == {}
     assert [is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "localhost", "::1", "0.0.0.0", "head")] == [
-        True, True, True, True, False, False]
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]

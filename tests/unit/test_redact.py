@@ -1,4 +1,5 @@
 """Credentials are masked wherever a URI-like value can travel; configs refuse them; expected failures log one line."""
+
 from __future__ import annotations
 
 import logging
@@ -11,34 +12,60 @@ from infra.redact import find_credential, redact
 from infra.tracking import flat_params, resolve_tracking_uri
 
 
-@pytest.mark.parametrize(("raw", "masked"), [
-    ("https://bob:hunter2@mlflow.example.com:5000/api", "https://bob:***@mlflow.example.com:5000/api"),
-    ("ray://alice:s3cret@head:10001", "ray://alice:***@head:10001"),
-    ("https://ghp_token123@github.com/o/r", "https://***@github.com/o/r"),
-    ("https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=AbC%2Bd&se=2030", "https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=***&se=2030"),
-    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAX&X-Amz-Signature=beef&v=1",
-     "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&v=1"),
-    ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Zm9vYmFy==;EndpointSuffix=core.windows.net",
-     "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=***;EndpointSuffix=core.windows.net"),
-    ("BlobEndpoint=https://a/;SharedAccessSignature=sv=1&sig=xyz", "BlobEndpoint=https://a/;SharedAccessSignature=***"),
-    ("error talking to https://u:pw@h/x: 401", "error talking to https://u:***@h/x: 401"),
-])
+@pytest.mark.parametrize(
+    ("raw", "masked"),
+    [
+        ("https://bob:hunter2@mlflow.example.com:5000/api", "https://bob:***@mlflow.example.com:5000/api"),
+        ("ray://alice:s3cret@head:10001", "ray://alice:***@head:10001"),
+        ("https://ghp_token123@github.com/o/r", "https://***@github.com/o/r"),
+        (
+            "https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=AbC%2Bd&se=2030",
+            "https://a.blob.core.windows.net/c/b?sv=2021-08-06&sig=***&se=2030",
+        ),
+        (
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAX&X-Amz-Signature=beef&v=1",
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***&v=1",
+        ),
+        (
+            "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Zm9vYmFy==;EndpointSuffix=core.windows.net",
+            "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=***;EndpointSuffix=core.windows.net",
+        ),
+        (
+            "BlobEndpoint=https://a/;SharedAccessSignature=sv=1&sig=xyz",
+            "BlobEndpoint=https://a/;SharedAccessSignature=***",
+        ),
+        ("error talking to https://u:pw@h/x: 401", "error talking to https://u:***@h/x: 401"),
+    ],
+)
 def test_redact_masks_every_kind_of_credential(raw, masked):
     assert redact(raw) == masked
     assert find_credential(raw) is not None
 
 
-@pytest.mark.parametrize("clean", ["s3://bucket/prefix", "http://127.0.0.1:5000", "az://container/p", "ray://head:10001",
-                                   "models:/shardline-gpt@champion", "sqlite:////tmp/x/mlflow.db", "plain text"])
+@pytest.mark.parametrize(
+    "clean",
+    [
+        "s3://bucket/prefix",
+        "http://127.0.0.1:5000",
+        "az://container/p",
+        "ray://head:10001",
+        "models:/shardline-gpt@champion",
+        "sqlite:////tmp/x/mlflow.db",
+        "plain text",
+    ],
+)
 def test_values_without_credentials_are_unchanged(clean):
     assert redact(clean) == clean and find_credential(clean) is None
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ('registry.tracking_uri="https://bob:hunter2@mlflow.example.com"', "registry.tracking_uri"),
-    ('cluster.address="ray://bob:hunter2@head:10001"', "cluster.address"),
-    ('train.storage_path="https://acct.blob.core.windows.net/c?sig=hunter2"', "train.storage_path"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ('registry.tracking_uri="https://bob:hunter2@mlflow.example.com"', "registry.tracking_uri"),
+        ('cluster.address="ray://bob:hunter2@head:10001"', "cluster.address"),
+        ('train.storage_path="https://acct.blob.core.windows.net/c?sig=hunter2"', "train.storage_path"),
+    ],
+)
 def test_config_refuses_credentials_without_repeating_them(override, field):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])

@@ -1,4 +1,5 @@
 """Promotion decisions as pure functions, and the lineage tags a version carries."""
+
 from __future__ import annotations
 
 from deployments.registry import decide_promotion, model_id_of, version_tags
@@ -32,8 +33,14 @@ def test_model_id_is_parsed_only_from_logged_model_uris():
 
 
 def test_version_tags_drop_empty_values():
-    tags = version_tags(dataset_digest="d" * 32, flow_run_id="", train_run_id="t1", checkpoint_uri="/ck/5",
-                        validation_run_id="v1", model_uri="models:/m-1")
+    tags = version_tags(
+        dataset_digest="d" * 32,
+        flow_run_id="",
+        train_run_id="t1",
+        checkpoint_uri="/ck/5",
+        validation_run_id="v1",
+        model_uri="models:/m-1",
+    )
     assert tags[TAG_DATASET_DIGEST] == "d" * 32 and tags[TAG_TRAIN_RUN_ID] == "t1"
     assert tags[TAG_CHECKPOINT_URI] == "/ck/5"
     assert "shardline.prefect_flow_run_id" not in tags

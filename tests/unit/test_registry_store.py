@@ -1,12 +1,22 @@
 """Registry functions against a real MLflow SQLite store: versions, lineage tags, aliases, compare-and-set."""
+
 from __future__ import annotations
 
 import pytest
 
 from deployments.config import CanaryConfig
 from deployments.registry import (
-    TAG_CANARY_DECISION, TAG_REJECTED, AliasChanged, PromotionDecision, apply_promotion, client_for,
-    decide_promotion, move_alias, read_aliases, register_version, tag_rejected,
+    TAG_CANARY_DECISION,
+    TAG_REJECTED,
+    AliasChanged,
+    PromotionDecision,
+    apply_promotion,
+    client_for,
+    decide_promotion,
+    move_alias,
+    read_aliases,
+    register_version,
+    tag_rejected,
 )
 from deployments.rollout import skip_reason
 from infra.tracking import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
@@ -117,7 +127,8 @@ def test_canary_rejection_tags_the_reason_and_is_not_rerun(store):
     assert tags[TAG_REJECTED] == "step 10%: bits/byte 7.9 vs 2.1"
     assert tags[TAG_CANARY_DECISION] == "rejected"
     assert skip_reason(client, CanaryConfig(), NAME, "1", "2") == (
-        "version 2 was already rejected: step 10%: bits/byte 7.9 vs 2.1")
+        "version 2 was already rejected: step 10%: bits/byte 7.9 vs 2.1"
+    )
 
 
 def test_canary_promotion_refuses_a_champion_that_moved(store):

@@ -1,14 +1,22 @@
 """promote_model as a task (task.fn) on a real MLflow store: lineage tags, the canary's skip reasons, retry policy."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 from deployments.config import CanaryConfig, RegistryConfig
 from deployments.registry import AliasChanged, client_for, read_aliases
 from deployments.rollout import skip_reason
 from infra.tracking import (
-    TAG_CHECKPOINT_URI, TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_MANIFEST_URI, TAG_MODEL_VERSION,
+    TAG_CHECKPOINT_URI,
+    TAG_DATA_RUN_ID,
+    TAG_DATASET_DIGEST,
+    TAG_FLOW_RUN_ID,
+    TAG_MANIFEST_URI,
+    TAG_MODEL_VERSION,
     TAG_PARENT,
-    TAG_STAGE, TAG_TRAIN_RUN_ID, TAG_VALIDATION_RUN_ID, Lineage,
+    TAG_STAGE,
+    TAG_TRAIN_RUN_ID,
+    TAG_VALIDATION_RUN_ID,
+    Lineage,
 )
 
 
@@ -25,13 +33,29 @@ def _products(lineage: Lineage, n: int):
     train = client.create_run(exp, run_name=f"train_fsdp-{n}").info.run_id
     val = client.create_run(exp, run_name=f"validate_checkpoint-{n}").info.run_id
     model = mlflow.initialize_logged_model(name="model", source_run_id=val, experiment_id=exp)
-    shards = ShardSet(dataset_digest="0123456789abcdef" * 2, uri="/s", manifest_uri="/s/manifest.json",
-                      train_shards=[], val_shards=[], num_train=1, num_val=1, total_bytes=10, cache_hit=False,
-                      skipped={}, data_run_id="data-run")
-    trained = TrainResult(train_run_id=train, checkpoint_uri=f"/ck/{n}", step=10, final_loss=1.0,
-                          tokens_per_s=1.0, world_size=2)
-    validated = ValidationResult(validation_run_id=val, checkpoint_uri=f"/ck/{n}", val_bits_per_byte=3.5,
-                                 model_uri=f"models:/{model.model_id}", seq_len=32)
+    shards = ShardSet(
+        dataset_digest="0123456789abcdef" * 2,
+        uri="/s",
+        manifest_uri="/s/manifest.json",
+        train_shards=[],
+        val_shards=[],
+        num_train=1,
+        num_val=1,
+        total_bytes=10,
+        cache_hit=False,
+        skipped={},
+        data_run_id="data-run",
+    )
+    trained = TrainResult(
+        train_run_id=train, checkpoint_uri=f"/ck/{n}", step=10, final_loss=1.0, tokens_per_s=1.0, world_size=2
+    )
+    validated = ValidationResult(
+        validation_run_id=val,
+        checkpoint_uri=f"/ck/{n}",
+        val_bits_per_byte=3.5,
+        model_uri=f"models:/{model.model_id}",
+        seq_len=32,
+    )
     return validated, trained, shards
 
 
@@ -39,7 +63,8 @@ def _stage_run(lineage: Lineage, stage: str):
     client = client_for(lineage.tracking_uri)
     exp = client.get_run(lineage.parent_run_id).info.experiment_id
     runs = client.search_runs(
-        [exp], f"tags.`{TAG_PARENT}` = '{lineage.parent_run_id}' and tags.`{TAG_STAGE}` = '{stage}'")
+        [exp], f"tags.`{TAG_PARENT}` = '{lineage.parent_run_id}' and tags.`{TAG_STAGE}` = '{stage}'"
+    )
     assert len(runs) == 1
     return runs[0]
 
@@ -93,8 +118,9 @@ def test_promote_task_registers_with_lineage_and_a_first_version_needs_no_canary
 
     cluster = ClusterInfo(address="", mode="local", resources={}, nodes=0, started_here=False)
     with disable_run_logger():
-        result = canary_deploy.fn(CanaryConfig(enabled=False), ServeConfig(enabled=False), second, shards, cluster,
-                                  cfg, lineage2)
+        result = canary_deploy.fn(
+            CanaryConfig(enabled=False), ServeConfig(enabled=False), second, shards, cluster, cfg, lineage2
+        )
     assert (result.decision, result.champion_version, result.endpoint_url) == ("skipped", "1", "")
     assert result.reason == "canary.enabled is false; serve.enabled is false: no endpoint"
     assert read_aliases(client, "m") == {"champion": "1", "challenger": "2"}

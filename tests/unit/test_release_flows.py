@@ -1,4 +1,5 @@
 """The two smaller deployments' pure parts: which shard set a release reads, which canary a version gets."""
+
 from __future__ import annotations
 
 import pytest

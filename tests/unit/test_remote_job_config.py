@@ -1,5 +1,6 @@
 """Remote clusters: storage their nodes cannot reach is a one-line config error; Ray Client is refused; the training
 job's runtime env carries the code (packaged by Ray's own zipper) and no credential."""
+
 from __future__ import annotations
 
 import json
@@ -33,21 +34,33 @@ def test_driver_local_default_checkpoints_are_refused_naming_field_and_path(home
     assert "cluster.shared_paths" in message and "configs/debug.toml" in message
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ("data.output=/srv/local-shards", "data.output"),
-    ("registry.tracking_uri=sqlite:////srv/local/mlflow.db", "registry.tracking_uri"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("data.output=/srv/local-shards", "data.output"),
+        ("registry.tracking_uri=sqlite:////srv/local/mlflow.db", "registry.tracking_uri"),
+    ],
+)
 def test_each_unshared_location_is_named(override, field):
-    shared = ["train.storage_path=s3://bucket/ckpt", "data.output=s3://bucket/shards",
-              "registry.tracking_uri=http://mlflow:5000"]
+    shared = [
+        "train.storage_path=s3://bucket/ckpt",
+        "data.output=s3://bucket/shards",
+        "registry.tracking_uri=http://mlflow:5000",
+    ]
     message = _error([*JOB_SERVER, *[s for s in shared if not s.startswith(field)], override])
     assert f"{field}=" in message and "/srv/local" in message
 
 
 def test_object_storage_and_a_tracking_server_pass():
-    cfg = load_config("configs/debug.toml", [*JOB_SERVER, "train.storage_path=s3://bucket/ckpt",
-                                             "data.output=az://container/shards",
-                                             "registry.tracking_uri=https://mlflow.example.com"])
+    cfg = load_config(
+        "configs/debug.toml",
+        [
+            *JOB_SERVER,
+            "train.storage_path=s3://bucket/ckpt",
+            "data.output=az://container/shards",
+            "registry.tracking_uri=https://mlflow.example.com",
+        ],
+    )
     assert cfg.cluster.job_server
 
 
@@ -59,16 +72,26 @@ def test_paths_under_a_declared_shared_mount_pass(home):
 
 def test_a_local_cluster_keeps_its_local_defaults():
     assert load_config("configs/debug.toml", []).cluster.mode == "local"
-    gcs = load_config("configs/debug.toml", ["cluster.mode=remote", "cluster.address=head:6379",
-                                             "train.storage_path=s3://b/c", "data.output=s3://b/s",
-                                             "registry.tracking_uri=http://m:5000"])
+    gcs = load_config(
+        "configs/debug.toml",
+        [
+            "cluster.mode=remote",
+            "cluster.address=head:6379",
+            "train.storage_path=s3://b/c",
+            "data.output=s3://b/s",
+            "registry.tracking_uri=http://m:5000",
+        ],
+    )
     assert not gcs.cluster.job_server  # a GCS address keeps this process a driver on the cluster
 
 
-@pytest.mark.parametrize(("override", "words"), [
-    ("data.engine=ray", "data.engine='ray'"),
-    ("canary.enabled=true", "canary.enabled=false"),
-])
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("data.engine=ray", "data.engine='ray'"),
+        ("canary.enabled=true", "canary.enabled=false"),
+    ],
+)
 def test_stages_that_need_a_driver_are_refused_with_a_job_server(home, override, words):
     message = _error([*JOB_SERVER, f'cluster.shared_paths=["{home.parent}"]', override])
     assert words in message
@@ -94,8 +117,14 @@ def test_job_runtime_env_carries_code_and_plain_settings_but_no_secret(monkeypat
     assert env["env_vars"]["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
     assert env["env_vars"][WORKER_SECRETS_ENV] == "-" and "SHARDLINE_HOME" not in env["env_vars"]
     assert env["working_dir"] == str(ROOT) and "pip" not in env
-    with_file = job_runtime_env(ClusterConfig(mode="remote", address="http://h:8265", job_pip=["webdataset==1.0.2"],
-                                              job_secrets_file="/etc/shardline/secrets.json"))
+    with_file = job_runtime_env(
+        ClusterConfig(
+            mode="remote",
+            address="http://h:8265",
+            job_pip=["webdataset==1.0.2"],
+            job_secrets_file="/etc/shardline/secrets.json",
+        )
+    )
     assert with_file["pip"] == ["webdataset==1.0.2"]
     assert with_file["env_vars"][WORKER_SECRETS_ENV] == "/etc/shardline/secrets.json"
 
@@ -106,6 +135,9 @@ def test_job_runtime_env_carries_code_and_plain_settings_but_no_secret(monkeypat
     create_package(env["working_dir"], package, include_gitignore=True, excludes=env["excludes"])
     names = zipfile.ZipFile(package).namelist()
     assert "training/job_entry.py" in names and "training/loop.py" in names and "infra/jobs.py" in names
-    assert not [n for n in names if n.startswith((".venv/", "tests/", ".shardline/", ".git/")) or
-                "node_modules/" in n or n.endswith(".pyc")]
+    assert not [
+        n
+        for n in names
+        if n.startswith((".venv/", "tests/", ".shardline/", ".git/")) or "node_modules/" in n or n.endswith(".pyc")
+    ]
     assert package.stat().st_size < 5 * 1024 * 1024

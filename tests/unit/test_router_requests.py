@@ -1,5 +1,6 @@
 """The router's pure parts: the challenger's effective weight (lease = dead man's switch) and request validation
 against the OpenAI completions protocol (every refusal a 400 with OpenAI's error object naming the parameter)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ def _canary(**kw) -> RouterConfig:
 def test_no_challenger_gets_no_traffic():
     assert RouterConfig(model_name="m", champion="1").effective_percent(NOW) == 0
     # a weight without a challenger to send it to is still nothing
-    assert RouterConfig(model_name="m", champion="1", challenger_percent=50,
-                        lease_expires_at=NOW + 60).effective_percent(NOW) == 0
+    assert (
+        RouterConfig(model_name="m", champion="1", challenger_percent=50, lease_expires_at=NOW + 60).effective_percent(
+            NOW
+        )
+        == 0
+    )
 
 
 def test_a_fresh_lease_gives_the_challenger_its_weight():
@@ -47,42 +52,72 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
         return e.status, e.message
 
 
-@pytest.mark.parametrize("endpoint,body,status,message", [
-    ("completions", b"{\"prompt\": ", 400, "body is not JSON: Expecting value at position 11"),
-    ("score", b"text=hello", 400, "body is not JSON: Expecting value at position 0"),
-    ("completions", [1, 2], 400, "body: Input should be a valid dictionary or instance of CompletionRequest"),
-    ("completions", {}, 400, "prompt: Field required"),
-    ("completions", {"prompt": 5}, 400, "prompt: Input should be a valid string"),
-    ("completions", {"prompt": ""}, 400, "prompt: String should have at least 1 character"),
-    ("completions", {"prompt": ["a", "b"]}, 400,
-     "prompt: only one prompt string per request is supported (no batches or token ids)"),
-    ("completions", {"prompt": [1, 2]}, 400,
-     "prompt: only one prompt string per request is supported (no batches or token ids)"),
-    ("completions", {"prompt": "ab", "max_tokens": "8"}, 400, "max_tokens: Input should be a valid integer"),
-    ("completions", {"prompt": "ab", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
-    ("completions", {"prompt": "ab", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
-    ("completions", {"prompt": "ab", "max_tokens": 33}, 400, "max_tokens: 33 > serve.max_tokens_cap=32"),
-    ("completions", {"prompt": "ab", "temperature": 9}, 400, "temperature: Input should be less than or equal to 2"),
-    ("completions", {"prompt": "ab", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
-    ("completions", {"prompt": "ab", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
-    ("completions", {"prompt": "ab", "seed": 1.5}, 400, "seed: Input should be a valid integer"),
-    ("completions", {"prompt": "ab", "n": 2}, 400, "n: only 1 is supported, got 2"),
-    ("completions", {"prompt": "ab", "best_of": 3}, 400, "best_of: only 1 is supported, got 3"),
-    ("completions", {"prompt": "ab", "suffix": "z"}, 400, "suffix: only None is supported, got 'z'"),
-    ("completions", {"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty: only 0 is supported, got 0.5"),
-    ("completions", {"prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop: at most 4 non-empty strings"),
-    ("completions", {"prompt": "ab", "stream_options": {"include_usage": True}}, 400,
-     "stream_options: only allowed with stream: true"),
-    ("completions", {"prompt": "ab", "functions": []}, 400, "functions: unsupported parameter"),
-    ("completions", {"prompt": "x" * 17}, 400, "prompt: 17 bytes > serve.max_prompt_bytes=16"),
-    ("completions", {"prompt": "é" * 9}, 400, "prompt: 18 bytes > serve.max_prompt_bytes=16"),  # 9 chars, 18 bytes
-    ("score", {"text": "€" * 6}, 400, "text: 18 bytes > serve.max_prompt_bytes=16"),
-    ("score", {"text": "a"}, 400, "text: needs at least 2 bytes (the first byte is never predicted)"),
-    ("score", {"text": ""}, 400, "text: String should have at least 1 character"),
-    ("score", {"text": ["ab"]}, 400, "text: Input should be a valid string"),
-    ("score", {"prompt": "ab"}, 400, "text: Field required"),
-    ("score", {"text": "ab", "temperature": 1}, 400, "temperature: unsupported parameter"),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,status,message",
+    [
+        ("completions", b'{"prompt": ', 400, "body is not JSON: Expecting value at position 11"),
+        ("score", b"text=hello", 400, "body is not JSON: Expecting value at position 0"),
+        ("completions", [1, 2], 400, "body: Input should be a valid dictionary or instance of CompletionRequest"),
+        ("completions", {}, 400, "prompt: Field required"),
+        ("completions", {"prompt": 5}, 400, "prompt: Input should be a valid string"),
+        ("completions", {"prompt": ""}, 400, "prompt: String should have at least 1 character"),
+        (
+            "completions",
+            {"prompt": ["a", "b"]},
+            400,
+            "prompt: only one prompt string per request is supported (no batches or token ids)",
+        ),
+        (
+            "completions",
+            {"prompt": [1, 2]},
+            400,
+            "prompt: only one prompt string per request is supported (no batches or token ids)",
+        ),
+        ("completions", {"prompt": "ab", "max_tokens": "8"}, 400, "max_tokens: Input should be a valid integer"),
+        ("completions", {"prompt": "ab", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
+        (
+            "completions",
+            {"prompt": "ab", "max_tokens": 0},
+            400,
+            "max_tokens: Input should be greater than or equal to 1",
+        ),
+        ("completions", {"prompt": "ab", "max_tokens": 33}, 400, "max_tokens: 33 > serve.max_tokens_cap=32"),
+        (
+            "completions",
+            {"prompt": "ab", "temperature": 9},
+            400,
+            "temperature: Input should be less than or equal to 2",
+        ),
+        ("completions", {"prompt": "ab", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+        ("completions", {"prompt": "ab", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
+        ("completions", {"prompt": "ab", "seed": 1.5}, 400, "seed: Input should be a valid integer"),
+        ("completions", {"prompt": "ab", "n": 2}, 400, "n: only 1 is supported, got 2"),
+        ("completions", {"prompt": "ab", "best_of": 3}, 400, "best_of: only 1 is supported, got 3"),
+        ("completions", {"prompt": "ab", "suffix": "z"}, 400, "suffix: only None is supported, got 'z'"),
+        (
+            "completions",
+            {"prompt": "ab", "presence_penalty": 0.5},
+            400,
+            "presence_penalty: only 0 is supported, got 0.5",
+        ),
+        ("completions", {"prompt": "ab", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop: at most 4 non-empty strings"),
+        (
+            "completions",
+            {"prompt": "ab", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options: only allowed with stream: true",
+        ),
+        ("completions", {"prompt": "ab", "functions": []}, 400, "functions: unsupported parameter"),
+        ("completions", {"prompt": "x" * 17}, 400, "prompt: 17 bytes > serve.max_prompt_bytes=16"),
+        ("completions", {"prompt": "é" * 9}, 400, "prompt: 18 bytes > serve.max_prompt_bytes=16"),  # 9 chars, 18 bytes
+        ("score", {"text": "€" * 6}, 400, "text: 18 bytes > serve.max_prompt_bytes=16"),
+        ("score", {"text": "a"}, 400, "text: needs at least 2 bytes (the first byte is never predicted)"),
+        ("score", {"text": ""}, 400, "text: String should have at least 1 character"),
+        ("score", {"text": ["ab"]}, 400, "text: Input should be a valid string"),
+        ("score", {"prompt": "ab"}, 400, "text: Field required"),
+        ("score", {"text": "ab", "temperature": 1}, 400, "temperature: unsupported parameter"),
+    ],
+)
 def test_bad_requests_get_a_status_and_a_one_line_cause(endpoint, body, status, message):
     assert _parse(endpoint, body) == (status, message)
     assert "\n" not in message
@@ -96,12 +131,28 @@ def test_good_requests_become_request_objects():
     assert _parse("completions", {"prompt": "é" * 8}).prompt == "é" * 8  # exactly 16 bytes
     req = _parse("score", {"text": "é"})  # one character, two bytes: one byte is predicted
     assert isinstance(req, ScoreRequest) and req.text == "é"
-    assert _parse("score", "{\"text\": \"\\u00e9\\u00e9\"}".encode()) == ScoreRequest(text="éé")
+    assert _parse("score", b'{"text": "\\u00e9\\u00e9"}') == ScoreRequest(text="éé")
     # OpenAI clients send these; the neutral values and a one-prompt list are accepted
-    req = _parse("completions", {"model": "m", "prompt": ["hi"], "n": 1, "best_of": 1, "logit_bias": {},
-                                 "presence_penalty": 0, "frequency_penalty": 0.0, "user": "u", "stop": "\n",
-                                 "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2,
-                                 "echo": True, "top_p": 0.9, "top_k": 5})
+    req = _parse(
+        "completions",
+        {
+            "model": "m",
+            "prompt": ["hi"],
+            "n": 1,
+            "best_of": 1,
+            "logit_bias": {},
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "user": "u",
+            "stop": "\n",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": 2,
+            "echo": True,
+            "top_p": 0.9,
+            "top_k": 5,
+        },
+    )
     assert isinstance(req, CompletionRequest)
     assert (req.model, req.prompt, req.stops(), req.logprobs, req.stream) == ("m", "hi", ["\n"], 2, True)
 

@@ -1,4 +1,5 @@
 """Any model that trains must serve: validation loads the logged pt2 model back and runs it at serving shapes."""
+
 from __future__ import annotations
 
 import pytest

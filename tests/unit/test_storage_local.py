@@ -1,4 +1,5 @@
 """infra.storage without a server: URI parsing, local files, and which errors are retried."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,9 @@ from infra import storage
 
 
 def _client_error(status: int, code: str) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                       "GetObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
 
 
 def test_parse_and_join():
@@ -33,7 +35,7 @@ def test_local_operations(tmp_path):
     base = str(tmp_path / "store")
     storage.write_bytes(storage.join(base, "a/b.bin"), b"abc")
     storage.copy(storage.join(base, "a/b.bin"), storage.join(base, "c.bin"))
-    assert [(e.uri[len(base):], e.size) for e in storage.list_prefix(base)] == [("/a/b.bin", 3), ("/c.bin", 3)]
+    assert [(e.uri[len(base) :], e.size) for e in storage.list_prefix(base)] == [("/a/b.bin", 3), ("/c.bin", 3)]
     with storage.open_read(storage.join(base, "c.bin")) as fh:
         assert fh.read() == b"abc"
     assert storage.delete_prefix(storage.join(base, "a")) == 1 and not storage.exists(storage.join(base, "a/b.bin"))
@@ -41,11 +43,18 @@ def test_local_operations(tmp_path):
         storage.read_bytes(storage.join(base, "missing.bin"))
 
 
-@pytest.mark.parametrize("err", [
-    _client_error(503, "SlowDown"), _client_error(500, "InternalError"),
-    EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), ServiceRequestError("connection refused"),
-    HttpResponseError(message="busy", response=None), ConnectionResetError(), TimeoutError(),
-])
+@pytest.mark.parametrize(
+    "err",
+    [
+        _client_error(503, "SlowDown"),
+        _client_error(500, "InternalError"),
+        EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
+        ServiceRequestError("connection refused"),
+        HttpResponseError(message="busy", response=None),
+        ConnectionResetError(),
+        TimeoutError(),
+    ],
+)
 def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
     if isinstance(err, HttpResponseError):
         err.status_code = 503
@@ -63,8 +72,15 @@ def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
     assert len(calls) == 3 and len(sleeps) == 2 and sleeps[1] > sleeps[0]
 
 
-@pytest.mark.parametrize("err", [_client_error(404, "NoSuchKey"), _client_error(403, "AccessDenied"),
-                                 ResourceNotFoundError("gone"), PermissionError(13, "denied")])
+@pytest.mark.parametrize(
+    "err",
+    [
+        _client_error(404, "NoSuchKey"),
+        _client_error(403, "AccessDenied"),
+        ResourceNotFoundError("gone"),
+        PermissionError(13, "denied"),
+    ],
+)
 def test_final_errors_are_not_retried(err, monkeypatch):
     monkeypatch.setattr(storage.time, "sleep", lambda s: pytest.fail("slept on a final error"))
     calls = []

@@ -1,4 +1,5 @@
 """DCP checkpoints: round trip into a plain model, exact resume of the optimizer, and what verification catches."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ def _steps(model, opt, n: int, seed: int) -> list[float]:
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 @pytest.fixture()
@@ -181,6 +183,7 @@ def test_load_into_a_different_model_names_the_keys(saved):
 
 # ------------------------------------------------------------------------------------- integrity (issue 9)
 
+
 def _chunk(directory, fqn: str):
     """(file path, offset, length) of the stored chunk of `fqn` (world size 1: one chunk)."""
     md = ck.read_metadata(directory)
@@ -200,7 +203,7 @@ def _overwrite_floats(path, tensor: torch.Tensor, value: float, count: int = 4) 
     data = bytearray(path.read_bytes())
     at = data.find(tensor.contiguous().numpy().tobytes())
     assert at > 0, "the tensor's bytes are not stored verbatim"
-    data[at:at + 4 * count] = torch.full((count,), value, dtype=torch.float32).numpy().tobytes()
+    data[at : at + 4 * count] = torch.full((count,), value, dtype=torch.float32).numpy().tobytes()
     path.write_bytes(bytes(data))
 
 
@@ -231,17 +234,22 @@ def _as_format_2(directory) -> None:
 
     body = json.loads((directory / ck.manifest_name(0)).read_text())
     body["format"] = "shardline-dcp-manifest/2"
-    body["files"] = {name: {"bytes": (directory / name).stat().st_size,
-                            "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
-                     for name in body["files"]}
+    body["files"] = {
+        name: {
+            "bytes": (directory / name).stat().st_size,
+            "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest(),
+        }
+        for name in body["files"]
+    }
     state = {"model": {k: v.detach().clone() for k, v in build_gpt(CFG).state_dict().items()}}
     dcp.load(state, storage_reader=ck.safe_reader(directory), no_dist=True)
     for key, rec in body["tensors"].items():
         fqn = key.split("@")[0]
         if fqn.startswith("model."):
             del rec["xxh3_64"]
-            rec["crc32"] = zlib.crc32(state["model"][fqn[len("model."):]].contiguous().view(-1).view(torch.uint8)
-                                      .numpy())
+            rec["crc32"] = zlib.crc32(
+                state["model"][fqn[len("model.") :]].contiguous().view(-1).view(torch.uint8).numpy()
+            )
     body["tensors"] = {k: v for k, v in body["tensors"].items() if "crc32" in v}
     (directory / ck.manifest_name(0)).write_text(json.dumps(body))
 
@@ -309,8 +317,11 @@ def test_file_named_by_metadata_but_by_no_manifest_is_refused(saved):
 
 def test_checkpoint_of_another_width_names_the_tensor_and_both_shapes(saved):
     other = build_gpt(CFG.model_copy(update={"d_model": 32}))
-    with pytest.raises(ck.CheckpointError, match=r"tensor model.wte.weight has shape \[256, 16\] in the "
-                                                  r"checkpoint but \[256, 32\] in the model"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"tensor model.wte.weight has shape \[256, 16\] in the "
+        r"checkpoint but \[256, 32\] in the model",
+    ):
         ck.load_unsharded(other, saved[0])
 
 

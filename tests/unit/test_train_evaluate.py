@@ -1,4 +1,5 @@
 """Bits per byte on known inputs: uniform guessing is 8, a perfect predictor ~0, p=1/2 on the truth is 1."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """The byte-level GPT: shapes, initial loss, FLOPs per token, plug-in factory resolution."""
+
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
 """Where training workers run: the resources each asks Ray for, and the placement recorded in lineage."""
+
 from __future__ import annotations
 
 import socket
@@ -22,10 +23,13 @@ def test_worker_resources_take_a_custom_resource_as_given():
     assert worker_resources(cfg) == {"CPU": 2.0, "trainer": 1.0}
 
 
-@pytest.mark.parametrize("resources, message", [
-    ({"CPU": -1}, "amounts must not be negative"),
-    ({"CPU": 4}, "train.use_gpu needs a GPU per worker"),
-])
+@pytest.mark.parametrize(
+    "resources, message",
+    [
+        ({"CPU": -1}, "amounts must not be negative"),
+        ({"CPU": 4}, "train.use_gpu needs a GPU per worker"),
+    ],
+)
 def test_worker_resources_refuse_a_demand_that_cannot_be_meant(resources, message):
     with pytest.raises(ValueError, match=message) as err:
         worker_resources(TrainConfig(use_gpu=True, resources_per_worker=resources))

@@ -1,12 +1,12 @@
 """Learning-rate schedule, the global-batch check, and config import paths."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from training.config import TrainConfig
-from training.config import load_object
+from training.config import TrainConfig, load_object
 from training.loop import check_global_batch, lr_at
 
 CFG = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
@@ -25,7 +25,7 @@ def test_cosine_decays_from_peak_to_min():
     assert lr_at(110, CFG) == pytest.approx(1e-4)
     assert lr_at(500, CFG) == pytest.approx(1e-4)
     lrs = [lr_at(s, CFG) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_no_warmup_starts_at_peak():

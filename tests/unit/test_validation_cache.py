@@ -1,4 +1,5 @@
 """The Prefect cache key of validation (tasks/cache.py): it changes with everything validation reads."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -14,9 +15,14 @@ def _inputs(tmp_path, **change):
     if not (ckpt / "manifest.rank00000.json").exists():
         (ckpt / "manifest.rank00000.json").write_text('{"files": {"a": "00"}}')
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = dict(cfg=ValidationConfig(), train_cfg=TrainConfig(), shards=SimpleNamespace(dataset_digest="d1"),
-                trained=SimpleNamespace(checkpoint_uri=str(ckpt), world_size=1),
-                lineage=SimpleNamespace(tracking_uri=uri, experiment="e"), registry=RegistryConfig(model_name="m"))
+    base = dict(
+        cfg=ValidationConfig(),
+        train_cfg=TrainConfig(),
+        shards=SimpleNamespace(dataset_digest="d1"),
+        trained=SimpleNamespace(checkpoint_uri=str(ckpt), world_size=1),
+        lineage=SimpleNamespace(tracking_uri=uri, experiment="e"),
+        registry=RegistryConfig(model_name="m"),
+    )
     return {**base, **change}
 
 

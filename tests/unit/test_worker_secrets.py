@@ -1,5 +1,6 @@
 """Credentials reach a run's workers on the long-lived head through a 0600 file, never through Ray's runtime env
 (Ray logs runtime envs in clear)."""
+
 from __future__ import annotations
 
 import json
@@ -10,15 +11,27 @@ from infra.credentials import WORKER_SECRETS_ENV, adopt_worker_secrets, split_se
 
 
 def test_secrets_are_split_from_plain_settings_by_name_and_by_value():
-    plain, secret = split_secrets({
-        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_ACCESS_KEY_ID": "AKIA1", "AWS_SECRET_ACCESS_KEY": "s",
-        "AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=k", "MLFLOW_TRACKING_USERNAME": "me",
-        "MLFLOW_TRACKING_PASSWORD": "pw", "MLFLOW_TRACKING_URI": "https://me:pw@mlflow.example/",
-        "SHARDLINE_S3_SECRET_BLOCK": "store-creds",
-    })
+    plain, secret = split_secrets(
+        {
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+            "AWS_ACCESS_KEY_ID": "AKIA1",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=k",
+            "MLFLOW_TRACKING_USERNAME": "me",
+            "MLFLOW_TRACKING_PASSWORD": "pw",
+            "MLFLOW_TRACKING_URI": "https://me:pw@mlflow.example/",
+            "SHARDLINE_S3_SECRET_BLOCK": "store-creds",
+        }
+    )
     assert sorted(plain) == ["AWS_ENDPOINT_URL", "MLFLOW_TRACKING_USERNAME"]
-    assert sorted(secret) == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AZURE_STORAGE_CONNECTION_STRING",
-                              "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_URI", "SHARDLINE_S3_SECRET_BLOCK"]
+    assert sorted(secret) == [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_URI",
+        "SHARDLINE_S3_SECRET_BLOCK",
+    ]
 
 
 def test_a_worker_adopts_the_drivers_secrets_from_a_private_file(tmp_path, monkeypatch):

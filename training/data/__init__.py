@@ -1,4 +1,5 @@
 """The dataset: corpus readers, WebDataset shard writing and validation, and the streaming reader."""
+
 from training.data.build import build_shards, load_shard_set
 from training.data.shardset import DataError, ShardSet
 

@@ -12,6 +12,7 @@ without a manifest is invisible to readers.
 Memory: the coordinator holds the plan of at most 2 x workers chunks, one quality-gate batch of rows and the
 manifest's list of shards; each worker one record and its write buffers. Neither grows with the corpus' records.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -114,8 +115,12 @@ def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: Lo
     # Ray tasks may run on other machines: with an object-store output they upload their shards themselves.
     stage = storage.join(output, STAGING, f"build-{uuid.uuid4().hex[:12]}") if remote else ""
     tasks_upload = remote and cfg.engine == "ray"
-    job = ChunkJob(cfg, shards=stage if tasks_upload else str(local_shards),
-                   rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir), durable=not remote)
+    job = ChunkJob(
+        cfg,
+        shards=stage if tasks_upload else str(local_shards),
+        rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir),
+        durable=not remote,
+    )
     staged = tasks_upload  # whether _staging in the store may hold something of this build
     gate: quality.QualityGate | None = None
     try:
@@ -156,8 +161,7 @@ def _indexed(output: str, key: str, cfg: DataConfig) -> ShardSet | None:
         return None
     if _verify(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
         return None  # damaged or replaced: build from the corpus, which republishes it
-    manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME),
-                                                               cfg.storage_retries))
+    manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME), cfg.storage_retries))
     tally = Tally()
     tally.merge({str(k): int(v) for k, v in dict(entry.get("skipped") or {}).items()}, [])
     return _shard_set(final, manifest, True, tally)
@@ -165,12 +169,14 @@ def _indexed(output: str, key: str, cfg: DataConfig) -> ShardSet | None:
 
 def _index(output: str, key: str | None, manifest: Manifest, tally: Tally, cfg: DataConfig) -> None:
     if key:
-        listing_index.record(output, key, manifest.dataset_digest, dict(sorted(tally.skipped.items())),
-                             cfg.storage_retries)
+        listing_index.record(
+            output, key, manifest.dataset_digest, dict(sorted(tally.skipped.items())), cfg.storage_retries
+        )
 
 
-def _write_chunks(cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate, listing: Iterable[Source] | None,
-                  pool: LocalPool) -> tuple[Manifest, Tally, int, int]:
+def _write_chunks(
+    cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate, listing: Iterable[Source] | None, pool: LocalPool
+) -> tuple[Manifest, Tally, int, int]:
     """Write every chunk (of `listing`, else of a new listing), feed their rows to the gate in corpus order; the
     manifest, what was skipped, the number of chunks and of workers."""
     workers = ray_workers(cfg.workers) if cfg.engine == "ray" else local_workers(cfg.workers)
@@ -207,9 +213,16 @@ def _rows(result: ChunkResult, retries: int) -> Iterator[dict[str, Any]]:
         for line in fh:
             key, is_val, n_bytes, utf8_valid, shard = json.loads(line)
             split, count = listed[shard]
-            yield {"key": key, "split": split, "is_val": is_val, "n_bytes": n_bytes, "utf8_valid": utf8_valid,
-                   "shard": f"{split}/{shard}", "shard_manifest_count": count,
-                   "shard_tar_count": result.tar_counts.get(shard, -1)}
+            yield {
+                "key": key,
+                "split": split,
+                "is_val": is_val,
+                "n_bytes": n_bytes,
+                "utf8_valid": utf8_valid,
+                "shard": f"{split}/{shard}",
+                "shard_manifest_count": count,
+                "shard_tar_count": result.tar_counts.get(shard, -1),
+            }
     storage.delete(result.rows_uri, retries)
 
 
@@ -227,14 +240,23 @@ def _remove_abandoned(staging: Path) -> None:
             continue  # removed concurrently
 
 
-def _shard_set(final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None, chunks: int = 0,
-               workers: int = 0) -> ShardSet:
+def _shard_set(
+    final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None, chunks: int = 0, workers: int = 0
+) -> ShardSet:
     uris = {split: [storage.join(final, s.name) for s in manifest.splits[split].shards] for split in SPLITS}
     return ShardSet(
-        dataset_digest=manifest.dataset_digest, uri=final, manifest_uri=storage.join(final, MANIFEST_NAME),
-        train_shards=uris["train"], val_shards=uris["val"], num_train=manifest.splits["train"].num_samples,
-        num_val=manifest.splits["val"].num_samples, total_bytes=manifest.total_bytes, cache_hit=cache_hit,
-        skipped=dict(sorted(tally.skipped.items())) if tally else {}, chunks=chunks, workers=workers,
+        dataset_digest=manifest.dataset_digest,
+        uri=final,
+        manifest_uri=storage.join(final, MANIFEST_NAME),
+        train_shards=uris["train"],
+        val_shards=uris["val"],
+        num_train=manifest.splits["train"].num_samples,
+        num_val=manifest.splits["val"].num_samples,
+        total_bytes=manifest.total_bytes,
+        cache_hit=cache_hit,
+        skipped=dict(sorted(tally.skipped.items())) if tally else {},
+        chunks=chunks,
+        workers=workers,
     )
 
 

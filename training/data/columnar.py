@@ -6,6 +6,7 @@ usual record checks (corpus.checked) apply. A file or dataset without the column
 stops the stage with one line whatever the policies: that is a wrong data.text_field, not a bad record. A null
 value is a bad record (`undecodable`, like a JSON line without the field); so is a file that does not decode.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,12 +99,16 @@ def _list_saved_local(cfg: DataConfig) -> Iterator[Source]:
 
     root = Path(cfg.source).expanduser().resolve()
     if not root.is_dir():
-        raise DataError(f"{cfg.source}: no such directory (data.source; data.format='hf_dataset' reads a directory "
-                        "written by datasets' save_to_disk)")
+        raise DataError(
+            f"{cfg.source}: no such directory (data.source; data.format='hf_dataset' reads a directory "
+            "written by datasets' save_to_disk)"
+        )
     try:
         loaded = datasets.load_from_disk(str(root), keep_in_memory=False)  # memory-maps; reads no rows
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise DataError(f"{cfg.source}: not a datasets save_to_disk directory ({_one_line(err)}) (data.source)") from None
+        raise DataError(
+            f"{cfg.source}: not a datasets save_to_disk directory ({_one_line(err)}) (data.source)"
+        ) from None
     parts = list(loaded.items()) if isinstance(loaded, datasets.DatasetDict) else [("", loaded)]
     for split, ds in parts:
         _columns(ds.features.arrow_schema, str(root / split) if split else str(root), cfg)
@@ -146,11 +151,13 @@ def _list_saved_remote(cfg: DataConfig) -> Iterator[Source]:
                 uri = storage.join(base, data_file["filename"])
                 if uri not in entries:
                     raise DataError(f"{uri}: listed in {STATE_JSON} but not there (data.source)")
-                yield Source(uri, uri[len(root) + 1:], entries[uri].size, entries[uri].stamp)
+                yield Source(uri, uri[len(root) + 1 :], entries[uri].size, entries[uri].stamp)
     except (KeyError, TypeError, ValueError) as err:
         if isinstance(err, DataError):
             raise
-        raise DataError(f"{cfg.source}: not a datasets save_to_disk directory ({_one_line(err)}) (data.source)") from None
+        raise DataError(
+            f"{cfg.source}: not a datasets save_to_disk directory ({_one_line(err)}) (data.source)"
+        ) from None
 
 
 def _json(uri: str, retries: int) -> Any:
@@ -224,8 +231,10 @@ def _columns(schema: Any, where: str, cfg: DataConfig) -> list[str]:
 def _is_text(kind: Any) -> bool:
     import pyarrow as pa
 
-    return any(check(kind) for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
-                                         pa.types.is_large_binary))
+    return any(
+        check(kind)
+        for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    )
 
 
 def _rows(batch: Any, first: int, item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:

@@ -1,4 +1,5 @@
 """Configuration of the data stage: where the corpus is, how it is split and sharded, what is rejected."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -26,7 +27,8 @@ class DataConfig(BaseModel):
         "order; data.include is not used).",
     )
     text_field: str = Field(
-        "text", min_length=1,
+        "text",
+        min_length=1,
         description="Field of each JSON Lines object, or column of the Parquet files or saved dataset, that holds "
         "the text (a string column; binary columns are taken as UTF-8 bytes).",
     )
@@ -115,8 +117,10 @@ class DataConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _format_fits_source(self) -> "DataConfig":
+    def _format_fits_source(self) -> DataConfig:
         if self.source == "stdlib" and not self.reader and self.format != "text":
-            raise ValueError(f"data.format={self.format!r} needs a data.source of that format; 'stdlib' is the "
-                             "interpreter's .py files (data.format='text')")
+            raise ValueError(
+                f"data.format={self.format!r} needs a data.source of that format; 'stdlib' is the "
+                "interpreter's .py files (data.format='text')"
+            )
         return self

@@ -16,6 +16,7 @@ Hidden entries (names starting with '.') are not read. A source that does not ex
 matching `data.include`, is always an error; so is a Parquet file or saved dataset without a text column named
 data.text_field (a wrong setting, not a bad record).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -25,8 +26,17 @@ from training.data.readers import records_of
 from training.data.records import POLICY_FIELD, Problem, Record, Tally, check_record, describe, load_callable
 from training.data.shardset import DataError
 
-__all__ = ["POLICY_FIELD", "Problem", "Record", "Tally", "check_record", "checked", "load_callable", "no_usable_records",
-           "read_corpus"]
+__all__ = [
+    "POLICY_FIELD",
+    "Problem",
+    "Record",
+    "Tally",
+    "check_record",
+    "checked",
+    "load_callable",
+    "no_usable_records",
+    "read_corpus",
+]
 
 
 def checked(items: Iterable[Record | Problem], cfg: DataConfig, tally: Tally) -> Iterator[Record]:

@@ -3,6 +3,7 @@
 Results come back in chunk order, with at most 2 x workers chunks in flight, so the coordinator's memory does not
 grow with the corpus, and the first error in corpus order is the one raised (as a sequential run would).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,10 @@ def ray_workers(configured: int) -> int:
     import ray
 
     if not ray.is_initialized():
-        raise DataError("data.engine='ray' needs a Ray cluster: run the pipeline, which provisions one, "
-                        "or `shardline shard`, which provisions [cluster]")
+        raise DataError(
+            "data.engine='ray' needs a Ray cluster: run the pipeline, which provisions one, "
+            "or `shardline shard`, which provisions [cluster]"
+        )
     return configured or max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
@@ -58,9 +61,14 @@ class LocalPool:
     def listed(self, size: int) -> None:
         self._listed_bytes += size
         self._listed_items += 1
-        if self._pool is None and self.workers > 1 and (
+        if (
+            self._pool is None
+            and self.workers > 1
+            and (
                 self._listed_bytes > POOL_MIN_CHUNKS * self.chunk_bytes
-                or self._listed_items > POOL_MIN_CHUNKS * CHUNK_MAX_ITEMS):
+                or self._listed_items > POOL_MIN_CHUNKS * CHUNK_MAX_ITEMS
+            )
+        ):
             self.executor()
 
     def listing_done(self) -> None:
@@ -83,15 +91,16 @@ class LocalPool:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
-    def __enter__(self) -> "LocalPool":
+    def __enter__(self) -> LocalPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int,
-               pool: LocalPool | None = None) -> Generator[ChunkResult, None, None]:
+def run_chunks(
+    chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int, pool: LocalPool | None = None
+) -> Generator[ChunkResult, None, None]:
     """Each chunk's result, in chunk order.
 
     engine=local with workers > 1 and more than one chunk uses `pool` (or a new LocalPool of `workers`), unless
@@ -110,8 +119,13 @@ def run_chunks(chunks: Iterable[Chunk], job: ChunkJob, engine: str, workers: int
             if pool is None:
                 pool = own.enter_context(LocalPool(workers, job.cfg.chunk_bytes))
             executor = pool.executor()
-            yield from _ordered(rest, lambda c: executor.submit(shard_chunk, c, job), _result,
-                                lambda pending: [f.cancel() for f in pending], window=2 * workers)
+            yield from _ordered(
+                rest,
+                lambda c: executor.submit(shard_chunk, c, job),
+                _result,
+                lambda pending: [f.cancel() for f in pending],
+                window=2 * workers,
+            )
 
 
 def _result(future: Future) -> ChunkResult:
@@ -124,8 +138,13 @@ def _result(future: Future) -> ChunkResult:
         ) from err
 
 
-def _ordered(chunks: Iterator[Chunk], submit: Callable[[Chunk], Any], get: Callable[[Any], ChunkResult],
-             cancel: Callable[[list[Any]], Any], window: int) -> Iterator[ChunkResult]:
+def _ordered(
+    chunks: Iterator[Chunk],
+    submit: Callable[[Chunk], Any],
+    get: Callable[[Any], ChunkResult],
+    cancel: Callable[[list[Any]], Any],
+    window: int,
+) -> Iterator[ChunkResult]:
     pending: deque[tuple[Chunk, Any]] = deque()
 
     def fill() -> None:

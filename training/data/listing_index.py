@@ -16,12 +16,13 @@ returns it as a cache hit without reading the corpus; a set that fails verificat
 read and built as usual. Plug-in readers (data.reader) list nothing and are never looked up.
 `data.reuse_unchanged = false` turns the index off (the content digest then decides, after a full read).
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
-from json.encoder import encode_basestring_ascii  # the C encoder json.dumps uses, called per string
 from collections.abc import Callable, Iterable, Iterator
+from json.encoder import encode_basestring_ascii  # the C encoder json.dumps uses, called per string
 from pathlib import Path
 from typing import IO
 
@@ -33,12 +34,20 @@ from training.data.shards import SHARD_FORMAT
 
 INDEX = "_index"
 # Settings that decide where and how fast shards are written, never what they contain.
-NOT_SHAPING = {"workers", "engine", "output", "storage_retries", "verify_existing", "gate_batch_records",
-               "reuse_unchanged"}
+NOT_SHAPING = {
+    "workers",
+    "engine",
+    "output",
+    "storage_retries",
+    "verify_existing",
+    "gate_batch_records",
+    "reuse_unchanged",
+}
 
 
-def fingerprint(cfg: DataConfig, spool: Path | None = None,
-                on_listed: Callable[[int], None] | None = None) -> str | None:
+def fingerprint(
+    cfg: DataConfig, spool: Path | None = None, on_listed: Callable[[int], None] | None = None
+) -> str | None:
     """sha256 over the corpus listing and the shaping settings; None when it cannot stand for the corpus (a
     plug-in reader, or a listing that found problems such as unreadable directories, which a build reports).
 
@@ -63,8 +72,9 @@ def spooled_listing(spool: Path) -> Iterator[Source]:
             yield Source(where, key, size, stamp)
 
 
-def _digest(cfg: DataConfig, listing: Iterable[Source | Problem], spool: IO[str] | None,
-            on_listed: Callable[[int], None] | None) -> str | None:
+def _digest(
+    cfg: DataConfig, listing: Iterable[Source | Problem], spool: IO[str] | None, on_listed: Callable[[int], None] | None
+) -> str | None:
     h = hashlib.sha256()
     settings = {k: v for k, v in cfg.model_dump().items() if k not in NOT_SHAPING}
     h.update(json.dumps([SHARD_FORMAT, settings], sort_keys=True).encode())
@@ -101,6 +111,7 @@ def lookup(output: str, key: str, retries: int) -> dict | None:
 
 def record(output: str, key: str, dataset_digest: str, skipped: dict[str, int], retries: int) -> None:
     """Index the published set `dataset_digest` under the listing fingerprint `key` (after its manifest landed)."""
-    body = json.dumps({"dataset_digest": dataset_digest, "skipped": skipped, "format": SHARD_FORMAT},
-                      sort_keys=True).encode()
+    body = json.dumps(
+        {"dataset_digest": dataset_digest, "skipped": skipped, "format": SHARD_FORMAT}, sort_keys=True
+    ).encode()
     storage.write_bytes(entry_uri(output, key), body, retries)

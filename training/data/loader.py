@@ -3,10 +3,10 @@
 Only the extensions in ALLOWED are taken out of a shard, as raw bytes; nothing is decoded by webdataset's
 auto-decoders and nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import gc
-
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -66,8 +66,9 @@ def shards_for(shard_uris: list[str], consumer: int, consumers: int) -> list[str
 class RankStream(torch.utils.data.IterableDataset):
     """A fixed number of batches for one rank, split over the DataLoader workers, from resampled shards."""
 
-    def __init__(self, shard_uris: list[str], rank: int, world_size: int, cfg: TrainConfig, start_step: int,
-                 batches: int) -> None:
+    def __init__(
+        self, shard_uris: list[str], rank: int, world_size: int, cfg: TrainConfig, start_step: int, batches: int
+    ) -> None:
         super().__init__()
         if not shard_uris:
             raise ValueError("train_batches: no shards to read")
@@ -100,8 +101,16 @@ def _resampled(shards: list[str], rng: random.Random) -> Iterator[bytes]:
         yield from texts
 
 
-def train_batches(shard_uris: list[str], rank: int, world_size: int, cfg: TrainConfig, start_step: int = 0,
-                  *, batches: int | None = None, num_workers: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def train_batches(
+    shard_uris: list[str],
+    rank: int,
+    world_size: int,
+    cfg: TrainConfig,
+    start_step: int = 0,
+    *,
+    batches: int | None = None,
+    num_workers: int = 1,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The (x, y) micro batches of one rank: its own shards, resampled, seeded by (seed, rank, start_step, worker).
 
     Every rank gets exactly `batches` micro batches (default: the micro batches left to train,

@@ -4,6 +4,7 @@ A chunk is a run of consecutive inputs of the sorted listing, closed once it hol
 or CHUNK_MAX_ITEMS inputs; a file or object is never split. The number of workers and the engine play no part, so
 every chunk, hence every shard, comes out the same however many processes write them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

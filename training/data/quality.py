@@ -1,5 +1,6 @@
 """The quality gate: the Great Expectations suite in expectations.json, run over per-record statistics that
 arrive chunk by chunk, in memory bounded by a batch (QualityGate)."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,10 @@ class QualityGate:
         self.row_wise = [i for i, e in enumerate(self.specs) if e["type"] not in AGGREGATES]
         for i in self.row_wise:
             if not self.specs[i]["type"].startswith(ROW_WISE):
-                raise ValueError(f"{SUITE_PATH.name}: {self.specs[i]['type']} is neither row-wise nor one of "
-                                 f"{AGGREGATES}, so it cannot be checked batch by batch")
+                raise ValueError(
+                    f"{SUITE_PATH.name}: {self.specs[i]['type']} is neither row-wise nor one of "
+                    f"{AGGREGATES}, so it cannot be checked batch by batch"
+                )
         self._gx: tuple[Any, Any] | None = None  # (batch definition, suite)
         # Importing GX and making its context take ~2-3 s: done on a thread from here on, while the listing is
         # planned and the first chunks are written (the workers are other processes), not when the first batch
@@ -106,10 +109,15 @@ class QualityGate:
 
             context = gx.get_context(mode="ephemeral")
             context.variables.progress_bars = ProgressBarsConfig(globally=False)
-            batches = (context.data_sources.add_pandas("shardline").add_dataframe_asset("records")
-                       .add_batch_definition_whole_dataframe("batch"))
-            self._gx = (batches, gx.ExpectationSuite(name=self.name,
-                                                     expectations=[self.specs[i] for i in self.row_wise]))
+            batches = (
+                context.data_sources.add_pandas("shardline")
+                .add_dataframe_asset("records")
+                .add_batch_definition_whole_dataframe("batch")
+            )
+            self._gx = (
+                batches,
+                gx.ExpectationSuite(name=self.name, expectations=[self.specs[i] for i in self.row_wise]),
+            )
         return self._gx
 
     def add(self, rows: Iterable[dict[str, Any]]) -> None:
@@ -131,8 +139,11 @@ class QualityGate:
         batches, suite = self._validator()
         result = batches.get_batch(batch_parameters={"dataframe": frame}).validate(
             suite,
-            result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["key"],
-                           "partial_unexpected_count": EXAMPLE_KEYS},
+            result_format={
+                "result_format": "COMPLETE",
+                "unexpected_index_column_names": ["key"],
+                "partial_unexpected_count": EXAMPLE_KEYS,
+            },
             expectation_parameters=self.params,
         )
         # to_json_dict leaves numpy scalars in places; a round trip through json with str() fallback cleans them.
@@ -150,8 +161,9 @@ class QualityGate:
 
     def _merge(self, index: int, res: dict[str, Any]) -> None:
         out = res.get("result", {})
-        kept = self._merged.setdefault(index, {**res, "result": {k: v for k, v in out.items()
-                                                                  if k not in (*SUMMED, *LISTED, *BATCH_LOCAL)}})
+        kept = self._merged.setdefault(
+            index, {**res, "result": {k: v for k, v in out.items() if k not in (*SUMMED, *LISTED, *BATCH_LOCAL)}}
+        )
         kept["success"] = bool(kept["success"] and res.get("success"))
         if (res.get("exception_info") or {}).get("raised_exception"):
             kept["exception_info"] = res["exception_info"]
@@ -171,8 +183,10 @@ class QualityGate:
             merged["missing_percent"] = _pct(missing, total)
 
     def _resolved(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.params[v["$PARAMETER"]] if isinstance(v, dict) and "$PARAMETER" in v else v
-                for k, v in kwargs.items()}
+        return {
+            k: self.params[v["$PARAMETER"]] if isinstance(v, dict) and "$PARAMETER" in v else v
+            for k, v in kwargs.items()
+        }
 
     def _unique(self, index: int, spec: dict[str, Any]) -> dict[str, Any]:
         column, duplicates = spec["kwargs"]["column"], 0
@@ -182,25 +196,38 @@ class QualityGate:
             duplicates += count
             if len(examples) < EXAMPLES:
                 examples.append(value)
-        result = {"element_count": self.records, "unexpected_count": duplicates,
-                  "unexpected_percent": _pct(duplicates, self.records), "partial_unexpected_list": examples,
-                  "unexpected_index_list": [{column: v} for v in examples], "evaluated": "exact, all records"}
+        result = {
+            "element_count": self.records,
+            "unexpected_count": duplicates,
+            "unexpected_percent": _pct(duplicates, self.records),
+            "partial_unexpected_list": examples,
+            "unexpected_index_list": [{column: v} for v in examples],
+            "evaluated": "exact, all records",
+        }
         return self._aggregate(spec, duplicates == 0, result)
 
     def _mean(self, index: int, spec: dict[str, Any]) -> dict[str, Any]:
         total, count = self._sums[index]
         kwargs = self._resolved(spec["kwargs"])
         observed = total / count if count else None
-        ok = observed is not None and (kwargs.get("min_value") is None or observed >= kwargs["min_value"]) and (
-            kwargs.get("max_value") is None or observed <= kwargs["max_value"])
-        return self._aggregate(spec, ok, {"observed_value": observed, "element_count": count,
-                                          "evaluated": "exact, all records"})
+        ok = (
+            observed is not None
+            and (kwargs.get("min_value") is None or observed >= kwargs["min_value"])
+            and (kwargs.get("max_value") is None or observed <= kwargs["max_value"])
+        )
+        return self._aggregate(
+            spec, ok, {"observed_value": observed, "element_count": count, "evaluated": "exact, all records"}
+        )
 
     def _aggregate(self, spec: dict[str, Any], ok: bool, result: dict[str, Any]) -> dict[str, Any]:
         config = {"type": spec["type"], "kwargs": self._resolved(spec["kwargs"]), "meta": spec.get("meta", {})}
-        return {"success": ok, "expectation_config": config, "result": result, "meta": {},
-                "exception_info": {"raised_exception": False, "exception_traceback": None,
-                                   "exception_message": None}}
+        return {
+            "success": ok,
+            "expectation_config": config,
+            "result": result,
+            "meta": {},
+            "exception_info": {"raised_exception": False, "exception_traceback": None, "exception_message": None},
+        }
 
     def close(self) -> None:
         """Release the on-disk key table (finish does; a build that stops early must too)."""
@@ -224,13 +251,19 @@ class QualityGate:
         import great_expectations as gx
 
         report = {
-            "success": passed == len(results), "results": results, "suite_name": self.name,
-            "statistics": {"evaluated_expectations": len(results), "successful_expectations": passed,
-                           "unsuccessful_expectations": len(results) - passed,
-                           "success_percent": _pct(passed, len(results))},
-            "meta": {"great_expectations_version": gx.__version__,
-                     "shardline": {"records": self.records, "batches": self.batches,
-                                   "batch_records": self.batch_records}},
+            "success": passed == len(results),
+            "results": results,
+            "suite_name": self.name,
+            "statistics": {
+                "evaluated_expectations": len(results),
+                "successful_expectations": passed,
+                "unsuccessful_expectations": len(results) - passed,
+                "success_percent": _pct(passed, len(results)),
+            },
+            "meta": {
+                "great_expectations_version": gx.__version__,
+                "shardline": {"records": self.records, "batches": self.batches, "batch_records": self.batch_records},
+            },
         }
         if report["success"]:
             return report
@@ -267,7 +300,9 @@ def failures(report: dict[str, Any]) -> list[str]:
                     keys.append(item.get("key"))
             detail = f"{out['unexpected_count']} of {out.get('element_count')} records, e.g. keys {keys[:EXAMPLE_KEYS]}"
         elif "observed_value" in out:
-            detail = f"observed {out['observed_value']!r}, expected {kwargs.get('min_value')}..{kwargs.get('max_value')}"
+            detail = (
+                f"observed {out['observed_value']!r}, expected {kwargs.get('min_value')}..{kwargs.get('max_value')}"
+            )
         else:
             detail = f"exception: {res.get('exception_info', {}).get('exception_message', 'unknown')}"
         lines.append(f"{conf.get('type')}({column}) [{check}]: {detail}")

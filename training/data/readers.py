@@ -5,6 +5,7 @@ Reading is two steps, so that chunks of a corpus can be read in parallel: `list_
 objects, and problems found while listing) in one deterministic order, with their sizes; `read_sources` reads any
 run of them into Records and Problems. Policies are applied by corpus.checked.
 """
+
 from __future__ import annotations
 
 import errno
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import IO
 
 from infra import storage
-from training.data.config import DataConfig
 from training.data.columnar import list_saved, read_columnar
+from training.data.config import DataConfig
 from training.data.records import Problem, Record, Source, load_callable, unsafe_key
 from training.data.shardset import DataError
 
@@ -179,7 +180,7 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
     if not matched:
         raise DataError(f"{cfg.source}: no objects matching {pattern!r} (data.include)")
     for entry in matched:
-        key = entry.uri[len(prefix) + 1:]
+        key = entry.uri[len(prefix) + 1 :]
         if unsafe_key(key):
             yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..' or absolute component)")
         else:
@@ -252,8 +253,7 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
         if cfg.key_field:
             raw_key = obj.get(cfg.key_field)
             if not isinstance(raw_key, (str, int)) or isinstance(raw_key, bool):
-                yield Problem("undecodable", where,
-                              _not_a(cfg.key_field, obj, "a string or integer", "data.key_field"))
+                yield Problem("undecodable", where, _not_a(cfg.key_field, obj, "a string or integer", "data.key_field"))
                 continue
             key = str(raw_key)
         try:
@@ -268,8 +268,14 @@ def _json_kind(value: object) -> str:
     """A JSON value's type and a short excerpt of it, for messages: 'a number (12)', 'null'."""
     if value is None:
         return "null"
-    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    kind = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
     text = json.dumps(value, ensure_ascii=True)
     return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
 

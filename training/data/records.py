@@ -1,4 +1,5 @@
 """What a corpus listing and reader yield (Source, Record, Problem), the record checks, the bad-input policy fields."""
+
 from __future__ import annotations
 
 import re
@@ -70,8 +71,13 @@ def describe(problem: Problem) -> str:
 def unsafe_key(key: str) -> bool:
     """A key that could escape a directory when used as a path: '..' segments, absolute, drive letter, NUL."""
     k = key.replace("\\", "/")
-    return (not k or "\x00" in k or k.startswith("/") or re.match(r"^[A-Za-z]:", k) is not None
-            or any(part == ".." for part in k.split("/")))
+    return (
+        not k
+        or "\x00" in k
+        or k.startswith("/")
+        or re.match(r"^[A-Za-z]:", k) is not None
+        or any(part == ".." for part in k.split("/"))
+    )
 
 
 def check_record(rec: Record, cfg: DataConfig) -> Problem | None:

@@ -5,6 +5,7 @@ plan.py), its split (a seeded hash of its key) and its position among the chunk'
 named `{split}-{chunk:06d}-{n:06d}.tar`, so chunks can be written by any number of processes and the set comes out
 byte-identical.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,16 +83,23 @@ class Manifest(BaseModel):
 
 def dataset_digest(splits: dict[str, SplitEntry]) -> str:
     """32 hex chars over every shard's name, count, size and sha256: the content and its layout."""
-    canon = [SHARD_FORMAT] + [[split, s.name, s.samples, s.bytes, s.sha256] for split in SPLITS
-                              for s in splits[split].shards]
+    canon = [SHARD_FORMAT] + [
+        [split, s.name, s.samples, s.bytes, s.sha256] for split in SPLITS for s in splits[split].shards
+    ]
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 def layout_of(cfg: DataConfig) -> dict[str, Any]:
     from training.data.plan import CHUNK_MAX_ITEMS
 
-    return {"seed": cfg.seed, "val_fraction": cfg.val_fraction, "max_samples_per_shard": cfg.max_samples_per_shard,
-            "max_shard_bytes": cfg.max_shard_bytes, "chunk_bytes": cfg.chunk_bytes, "chunk_max_items": CHUNK_MAX_ITEMS}
+    return {
+        "seed": cfg.seed,
+        "val_fraction": cfg.val_fraction,
+        "max_samples_per_shard": cfg.max_samples_per_shard,
+        "max_shard_bytes": cfg.max_shard_bytes,
+        "chunk_bytes": cfg.chunk_bytes,
+        "chunk_max_items": CHUNK_MAX_ITEMS,
+    }
 
 
 @dataclass
@@ -114,8 +122,16 @@ class _SplitWriter:
     max_shard_bytes (a record never spans shards). Rollover is written here rather than with webdataset.ShardWriter
     because importing webdataset imports torch: +245 MB resident and ~1 s in every worker process (measured)."""
 
-    def __init__(self, directory: Path, split: str, chunk: int, cfg: DataConfig, pool: Any,
-                 on_closed: Callable[[Path], None] | None, durable: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        split: str,
+        chunk: int,
+        cfg: DataConfig,
+        pool: Any,
+        on_closed: Callable[[Path], None] | None,
+        durable: bool,
+    ) -> None:
         self.directory, self.split, self.chunk, self.cfg, self.pool = directory, split, chunk, cfg, pool
         self.on_closed, self.durable = on_closed, durable
         self.tar: UstarWriter | None = None
@@ -125,8 +141,10 @@ class _SplitWriter:
 
     def write(self, sample: dict[str, Any]) -> str:
         need = _tar_size(sample)
-        if self.tar is None or self.count >= self.cfg.max_samples_per_shard or (
-            self.count > 0 and _padded(self.size + need) > self.cfg.max_shard_bytes
+        if (
+            self.tar is None
+            or self.count >= self.cfg.max_samples_per_shard
+            or (self.count > 0 and _padded(self.size + need) > self.cfg.max_shard_bytes)
         ):
             self._next()
         self.tar.write(sample)  # type: ignore[union-attr]
@@ -166,9 +184,15 @@ class _SplitWriter:
         return out
 
 
-def write_shards(records: Iterable[Record], directory: Path, cfg: DataConfig, chunk: int = 0,
-                 rows: IO[str] | None = None, on_closed: Callable[[Path], None] | None = None,
-                 durable: bool = False) -> Written:
+def write_shards(
+    records: Iterable[Record],
+    directory: Path,
+    cfg: DataConfig,
+    chunk: int = 0,
+    rows: IO[str] | None = None,
+    on_closed: Callable[[Path], None] | None = None,
+    durable: bool = False,
+) -> Written:
     """Split and write one chunk's records as `{split}-{chunk}-NNNNNN.tar` shards (fields .txt and .json) into a
     local directory. `rows` gets one JSON line per record for the quality gate: [key, is_val, n_bytes, utf8_valid,
     shard]; `on_closed` is called with each shard's path once it is complete. `durable`: every shard is fsynced once
@@ -181,8 +205,11 @@ def write_shards(records: Iterable[Record], directory: Path, cfg: DataConfig, ch
         for rec in records:
             split = assign_split(rec.key, cfg.seed, cfg.val_fraction)
             meta = {"key": rec.key, "split": split, "bytes": len(rec.data)}
-            sample = {"__key__": tar_key(chunk, ordinals[split], rec.key), "txt": rec.data,
-                      "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()}
+            sample = {
+                "__key__": tar_key(chunk, ordinals[split], rec.key),
+                "txt": rec.data,
+                "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(),
+            }
             ordinals[split] += 1
             shard = writers[split].write(sample)
             if rows is not None:

@@ -1,4 +1,5 @@
 """The data stage's product (ShardSet) and its one error type (DataError)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, Field

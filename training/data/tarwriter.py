@@ -1,5 +1,6 @@
 """Writing WebDataset tar shards fast and reproducibly: a ustar writer with templated headers and a file that
 hashes what it writes on a background thread."""
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,7 @@ class UstarWriter:
             raise ValueError(f"tar member {name!r} ({size} bytes) does not fit a ustar header")
         size_field = b"%011o\0" % size
         checksum = self._base_sum + sum(raw) + sum(size_field)
-        return b"".join((raw.ljust(100, b"\0"), self._mid, size_field, self._tail, b"%06o\0 " % checksum,
-                         self._rest))
+        return b"".join((raw.ljust(100, b"\0"), self._mid, size_field, self._tail, b"%06o\0 " % checksum, self._rest))
 
     def write(self, obj: dict[str, Any]) -> int:
         parts: list[bytes] = []

@@ -1,4 +1,5 @@
 """What the data stage records in MLflow: the dataset input (digest + location) and the quality report."""
+
 from __future__ import annotations
 
 import json
@@ -40,14 +41,14 @@ def _uri_source_class() -> type:
             return False
 
         @classmethod
-        def _resolve(cls, raw_source: Any) -> "ShardSetSource":
+        def _resolve(cls, raw_source: Any) -> ShardSetSource:
             return cls(str(raw_source))
 
         def to_dict(self) -> dict[str, Any]:
             return {"uri": self.uri}
 
         @classmethod
-        def from_dict(cls, source_dict: dict[Any, Any]) -> "ShardSetSource":
+        def from_dict(cls, source_dict: dict[Any, Any]) -> ShardSetSource:
             return cls(source_dict["uri"])
 
     return ShardSetSource
@@ -59,8 +60,9 @@ def log_dataset(shards: ShardSet, retries: int = 5) -> dict[str, Any] | None:
     from mlflow.data.meta_dataset import MetaDataset
 
     # MLflow's documented way to log a dataset by reference; its stubs mark `profile` abstract, the class is not
-    dataset = MetaDataset(source=dataset_source(shards.uri), name=f"shards-{shards.dataset_digest[:8]}",
-                          digest=shards.dataset_digest)  # type: ignore[abstract]
+    dataset = MetaDataset(
+        source=dataset_source(shards.uri), name=f"shards-{shards.dataset_digest[:8]}", digest=shards.dataset_digest
+    )  # type: ignore[abstract]
     mlflow.log_input(dataset, context="training")
     try:
         report = json.loads(storage.read_bytes(storage.join(shards.uri, VALIDATION_NAME), retries))

@@ -3,6 +3,7 @@ write its shards, count them back, and hand shards and per-record rows to where 
 
 Imports stay light (no webdataset, torch, pandas or Great Expectations): every worker process pays for them.
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,9 @@ def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
     try:
         records = plugin_records(cfg) if chunk.plugin else read_sources(chunk.items, cfg)
         with open(rows_path, "w", encoding="utf-8") as rows:
-            written = write_shards(checked(records, cfg, tally), local, cfg, chunk.index, rows, closed,
-                                   durable=job.durable and not upload)
+            written = write_shards(
+                checked(records, cfg, tally), local, cfg, chunk.index, rows, closed, durable=job.durable and not upload
+            )
         rows_uri = str(rows_path)
         if upload:
             rows_uri = storage.join(job.rows, rows_name(chunk.index))
@@ -106,5 +108,9 @@ def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
         index=chunk.index,
         splits={s: written.splits[s].shards for s in SPLITS},
         samples={s: written.splits[s].num_samples for s in SPLITS},
-        tar_counts=counts, skipped=dict(tally.skipped), examples=tally.examples, rows_uri=rows_uri, pid=os.getpid(),
+        tar_counts=counts,
+        skipped=dict(tally.skipped),
+        examples=tally.examples,
+        rows_uri=rows_uri,
+        pid=os.getpid(),
     )
