@@ -9,7 +9,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install install-test demo test test-fast test-system bench clean
+.PHONY: install install-test demo lint test test-fast test-system bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ test-system:
 	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 	@command -v prometheus >/dev/null 2>&1 || { apt-get update && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; }
+
+# Lint, format, types and the floors (pyproject.toml: [tool.ruff], [tool.mypy], [tool.importlinter]).
+lint: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: install-test test-system
 	$(BIN)/python -m pytest tests
