@@ -4,6 +4,7 @@
 directories live and what happens to a finished one: `LocalHooks` (torchrun, one process: a directory all ranks
 share) or `RayHooks` (Ray Train: reported to the controller). The hooks are the only Ray-specific code here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -108,9 +109,18 @@ class Checkpointer:
     `publish_finished()` after every rank's write has finished, or waited for by the next `save` or `close()`.
     """
 
-    def __init__(self, hooks: LauncherHooks, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                 rank: int, world: int, device: torch.device, report: Callable[[int], dict[str, float]],
-                 async_save: bool | None = None) -> None:
+    def __init__(
+        self,
+        hooks: LauncherHooks,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: TrainConfig,
+        rank: int,
+        world: int,
+        device: torch.device,
+        report: Callable[[int], dict[str, float]],
+        async_save: bool | None = None,
+    ) -> None:
         self.hooks, self.model, self.optimizer, self.cfg = hooks, model, optimizer, cfg
         self.rank, self.world, self.device, self.report = rank, world, device, report
         self.async_save = device.type == "cuda" if async_save is None else async_save
@@ -158,12 +168,30 @@ class Checkpointer:
         directory = self.hooks.new_dir(step, self.rank)
         position = step * self.cfg.grad_accum  # micro batches this rank has consumed
         if self.async_save and not last_step:
-            self.pending = ckpt.AsyncSave.start(directory, self.model, self.optimizer, step, position, self.rank,
-                                                self.world, self._save_group, resumed_from=self.resumed_from,
-                                                threads=self.cfg.checkpoint_threads)
+            self.pending = ckpt.AsyncSave.start(
+                directory,
+                self.model,
+                self.optimizer,
+                step,
+                position,
+                self.rank,
+                self.world,
+                self._save_group,
+                resumed_from=self.resumed_from,
+                threads=self.cfg.checkpoint_threads,
+            )
         else:  # the last save is synchronous: the run returns only once its final checkpoint is published
-            ckpt.save_checkpoint(directory, self.model, self.optimizer, step, position, self.rank, self.world,
-                                 resumed_from=self.resumed_from, threads=self.cfg.checkpoint_threads)
+            ckpt.save_checkpoint(
+                directory,
+                self.model,
+                self.optimizer,
+                step,
+                position,
+                self.rank,
+                self.world,
+                resumed_from=self.resumed_from,
+                threads=self.cfg.checkpoint_threads,
+            )
             self.hooks.publish(directory, step, self.report(step), self.rank)
 
     def close(self) -> None:
@@ -173,6 +201,7 @@ class Checkpointer:
     def _wait_and_publish(self) -> None:
         if self.pending is not None:
             self.pending.finish()
-            self.hooks.publish(str(self.pending.directory), self.pending.step, self.report(self.pending.step),
-                               self.rank)
+            self.hooks.publish(
+                str(self.pending.directory), self.pending.step, self.report(self.pending.step), self.rank
+            )
             self.pending = None

@@ -4,6 +4,7 @@
 checkpoints' state (resume step, the async save in flight) lives in `training.checkpointer.Checkpointer`; the
 only launcher-specific line picks its hooks: report a checkpoint to Ray Train, or keep it in a local directory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,7 @@ def peak_memory_mb(device: torch.device) -> float:
 # Metrics: rank 0 logs to MLflow in a background thread so training never waits on the tracking server
 # ---------------------------------------------------------------------------------------------------------
 
+
 class _MlflowLogger:
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         self.run_id = run_id
@@ -103,9 +105,14 @@ class _MlflowLogger:
         from mlflow.entities import Metric, RunTag
 
         now = int(time.time() * 1000)
-        self._pending.append(self._pool.submit(
-            self._client.log_batch, self.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-            tags=[RunTag(k, v) for k, v in tags.items()]))
+        self._pending.append(
+            self._pool.submit(
+                self._client.log_batch,
+                self.run_id,
+                metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                tags=[RunTag(k, v) for k, v in tags.items()],
+            )
+        )
 
     def close(self) -> None:
         if self._pool is not None:
@@ -120,8 +127,9 @@ class MetricsWindow:
     The run's clock starts at the end of its first step, which pays for allocation and warm-up.
     """
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_tflops: float, world: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak_tflops: float, world: int, device: torch.device
+    ) -> None:
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
         self.world, self.device = world, device
         self.loss = float("nan")  # the last logged loss (mean over ranks)
@@ -140,7 +148,7 @@ class MetricsWindow:
         else:
             self._timed_steps += 1
 
-    def close(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+    def collect(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
         """Collective (the loss is averaged over ranks): this window's metrics; the next window opens."""
         dist.all_reduce(step_loss)  # SUM: gloo has no AVG
         self.loss = step_loss.item() / self.world
@@ -149,8 +157,12 @@ class MetricsWindow:
         elapsed = time.perf_counter() - self._t0
         tps = self.tokens_per_step * self._steps / elapsed
         metrics = {
-            "loss": self.loss, "lr": lr, "grad_norm": float(grad_norm), "tokens_per_s": tps,
-            "step_time_s": elapsed / self._steps, "peak_memory_mb": peak_memory_mb(self.device),
+            "loss": self.loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tps,
+            "step_time_s": elapsed / self._steps,
+            "peak_memory_mb": peak_memory_mb(self.device),
             "mfu": self.flops_per_token * tps / (self.peak_tflops * 1e12 * self.world),
         }
         self.start()
@@ -159,8 +171,7 @@ class MetricsWindow:
     def summary(self, step: int) -> dict[str, float]:
         """What a published checkpoint and the run report: step, last logged loss, mean tokens/s, world size."""
         elapsed = time.perf_counter() - self._run_t0 if self._run_t0 is not None else 0.0
-        timed = self._timed_steps
-        tps = self.tokens_per_step * timed / elapsed if timed and elapsed > 0 else 0.0
+        tps = self.tokens_per_step * self._timed_steps / elapsed if self._timed_steps and elapsed > 0 else 0.0
         return {"step": step, "loss": self.loss, "tokens_per_s": tps, "world_size": self.world}
 
 
@@ -168,8 +179,10 @@ class MetricsWindow:
 # The loop
 # ---------------------------------------------------------------------------------------------------------
 
-def data_stream(shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, start: int,
-                position: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+
+def data_stream(
+    shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, start: int, position: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro batches from optimizer step `start` on; the resume rule lives here.
 
     Same world size (`position` >= 0, the micro batches this rank had consumed when the checkpoint was saved):
@@ -184,7 +197,9 @@ def data_stream(shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, 
     from training.data.loader import train_batches  # the data part's streaming reader
 
     if position >= 0:
-        stream = itertools.islice(train_batches(shard_uris, rank, world, cfg, 0), position, None)
+        stream: Iterator[tuple[torch.Tensor, torch.Tensor]] = itertools.islice(
+            train_batches(shard_uris, rank, world, cfg, 0), position, None
+        )
     else:
         stream = iter(train_batches(shard_uris, rank, world, cfg, start))
     with torch.random.fork_rng(devices=[]):
@@ -192,15 +207,17 @@ def data_stream(shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, 
     return itertools.chain([] if first is None else [first], stream)
 
 
-def forward_backward_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-                          device: torch.device, sync: bool) -> torch.Tensor:
+def forward_backward_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, device: torch.device, sync: bool
+) -> torch.Tensor:
     """One micro batch: forward, loss / grad_accum, backward; gradients are communicated only when `sync`."""
     autocast_dtype = compute_dtype(cfg, device) if cfg.parallelism == "ddp" else torch.float32
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-        sync_ctx = contextlib.nullcontext()
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2
+        set_sync(sync)
+        sync_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     else:  # DDP
-        sync_ctx = contextlib.nullcontext() if sync else model.no_sync()
+        sync_ctx = contextlib.nullcontext() if sync else cast(Any, model).no_sync()
     with sync_ctx, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
         logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)) / cfg.grad_accum
@@ -208,8 +225,14 @@ def forward_backward_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cf
     return loss.detach()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-               step: int, cfg: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Optimizer step `step` (0-based) over cfg.grad_accum micro batches: (this rank's loss, gradient norm, lr)."""
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
@@ -299,7 +322,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
         window.step_done()
         checkpointer.publish_finished()
         if done % cfg.log_every == 0 or done == cfg.steps:
-            metrics = window.close(step_loss, grad_norm, lr)
+            metrics = window.collect(step_loss, grad_norm, lr)
             if logger is not None:
                 logger.log(metrics, done)
                 prom_metrics.export(metrics, done, config.get("run_id", ""))  # a no-op unless on Ray

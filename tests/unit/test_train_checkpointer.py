@@ -1,4 +1,5 @@
 """The Checkpointer's state machine on one gloo rank: cadence, one async save in flight, publish order, restore."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,19 @@ from training.loop import MetricsWindow, build_optimizer
 from training.model import build_gpt
 from training.parallelize import parallelize
 
-CFG = TrainConfig(workers=1, steps=5, checkpoint_every=2, keep_checkpoints=2, grad_accum=3, seq_len=16, n_layer=2,
-                  n_head=2, d_model=16, lr=1e-2, warmup_steps=0)
+CFG = TrainConfig(
+    workers=1,
+    steps=5,
+    checkpoint_every=2,
+    keep_checkpoints=2,
+    grad_accum=3,
+    seq_len=16,
+    n_layer=2,
+    n_head=2,
+    d_model=16,
+    lr=1e-2,
+    warmup_steps=0,
+)
 CPU = torch.device("cpu")
 
 
@@ -56,8 +68,9 @@ def _train(model, optimizer) -> None:
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()
+    }
 
 
 def test_async_saves_are_published_in_order_one_in_flight_and_the_last_synchronously(pg, tmp_path):
@@ -122,7 +135,7 @@ def test_metrics_window_averages_the_loss_and_times_the_run_from_its_first_step(
     assert window.summary(1)["tokens_per_s"] == 0.0  # the first step (warm-up) is not timed
     time.sleep(0.01)
     window.step_done()
-    metrics = window.close(torch.tensor(2.5), torch.tensor(0.5), 1e-3)
+    metrics = window.collect(torch.tensor(2.5), torch.tensor(0.5), 1e-3)
     assert metrics["loss"] == 2.5 and metrics["lr"] == 1e-3 and metrics["grad_norm"] == 0.5
     assert metrics["step_time_s"] > 0 and metrics["tokens_per_s"] == pytest.approx(200 / (2 * metrics["step_time_s"]))
     assert metrics["mfu"] == pytest.approx(1e6 * metrics["tokens_per_s"] / 1e12)
