@@ -7,6 +7,7 @@ exponential backoff on transient errors (endpoint down, timeouts, throttling, 5x
 
 from __future__ import annotations
 
+import functools
 import http.client
 import io
 import os
@@ -257,8 +258,9 @@ class _ResumableReader(io.RawIOBase):
                     self._close()
                 except Exception:  # the broken connection may not close cleanly; it is dropped either way
                     pass
-                pos = self._received
-                self._read, self._close = with_retries(lambda pos=pos: self._open_at(pos), self.uri, self._retries)
+                self._read, self._close = with_retries(
+                    functools.partial(self._open_at, self._received), self.uri, self._retries
+                )
         raise AssertionError("unreachable")
 
     def readinto(self, buf: Any) -> int:

@@ -9,6 +9,7 @@ Layout of one checkpoint directory (Ray Train merges every rank's files into it)
 The state holds tensors only: DCP pickles any non-tensor leaf, and we never unpickle data. Per-rank values
 (RNG, data position) live under `rank<r>.` keys because DCP keeps one copy of a plain tensor per key.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,14 +27,25 @@ import torch
 from torch import nn
 
 from training.checkpoint_manifest import (  # noqa: F401 - re-exported: the checkpoint API lives here
-    MANIFEST_FORMAT, CheckpointError, CheckpointInfo, checked_load_planner, checksum_planner, file_digest,
-    file_record, manifest_name, tensor_checksum, verify_checkpoint, write_manifest, writer,
+    MANIFEST_FORMAT,
+    CheckpointError,
+    CheckpointInfo,
+    checked_load_planner,
+    checksum_planner,
+    file_digest,
+    file_record,
+    manifest_name,
+    tensor_checksum,
+    verify_checkpoint,
+    write_manifest,
+    writer,
 )
 from training.dcp_metadata import read_metadata, safe_reader
 
 # ---------------------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------------------
+
 
 def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data_position: int, rank: int, world_size: int
@@ -51,15 +63,24 @@ def training_state(
         "model": get_model_state_dict(model),
         # param_groups hold floats and tuples (DCP would pickle them); they are rebuilt from the config.
         "optim": get_optimizer_state_dict(model, optimizer)["state"],
-        "train": {"step": torch.tensor(step, dtype=torch.int64),
-                  "world_size": torch.tensor(world_size, dtype=torch.int64)},
+        "train": {
+            "step": torch.tensor(step, dtype=torch.int64),
+            "world_size": torch.tensor(world_size, dtype=torch.int64),
+        },
         f"rank{rank}": mine,
     }
 
 
 def save_checkpoint(
-    directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-    data_position: int, rank: int, world_size: int, resumed_from: int = 0, threads: int = 1,
+    directory: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data_position: int,
+    rank: int,
+    world_size: int,
+    resumed_from: int = 0,
+    threads: int = 1,
 ) -> None:
     """Collective: every rank writes its shards into `directory` (its own or a shared one), then its manifest.
 
@@ -87,6 +108,7 @@ def files_per_rank(state: dict[str, Any], threads: int) -> int:
     A small state in 8 files pays 8 opens, fsyncs and threads for nothing (demo state: 51 ms in one file vs 67 ms
     in eight, bench_checkpoint.py); a large one is written and checksummed in parallel.
     """
+
     def local_bytes(value: Any) -> int:
         if isinstance(value, dict):
             return sum(local_bytes(v) for v in value.values())
@@ -111,8 +133,11 @@ def _pinned_stager() -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:
         return None
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=True))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+        )
+    )
 
 
 class AsyncSave:
@@ -122,8 +147,17 @@ class AsyncSave:
     `pinned` says whether staging went through pinned host memory (else pageable, the fallback).
     """
 
-    def __init__(self, directory: str | os.PathLike, step: int, rank: int, world_size: int, future: Any,
-                 resumed_from: int = 0, writer: Any = None, planner: Any = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        step: int,
+        rank: int,
+        world_size: int,
+        future: Any,
+        resumed_from: int = 0,
+        writer: Any = None,
+        planner: Any = None,
+    ) -> None:
         self.directory, self.step, self.rank, self.world_size = directory, step, rank, world_size
         self._future, self.resumed_from = future, resumed_from
         self._writer, self._planner = writer, planner
@@ -131,10 +165,18 @@ class AsyncSave:
 
     @classmethod
     def start(
-        cls, directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-        data_position: int, rank: int, world_size: int, process_group: Any, resumed_from: int = 0,
+        cls,
+        directory: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        data_position: int,
+        rank: int,
+        world_size: int,
+        process_group: Any,
+        resumed_from: int = 0,
         threads: int = 1,
-    ) -> "AsyncSave":
+    ) -> AsyncSave:
         import torch.distributed.checkpoint as dcp
 
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -170,19 +212,28 @@ class AsyncSave:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        write_manifest(self.directory, self.rank, self.world_size, self.step, self.resumed_from,
-                       files=self._writer.fs.files, tensors=self._planner.tensors)
+        write_manifest(
+            self.directory,
+            self.rank,
+            self.world_size,
+            self.step,
+            self.resumed_from,
+            files=self._writer.fs.files,
+            tensors=self._planner.tensors,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Verify and load
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _no_pickled_leaves(directory: str | os.PathLike) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    pickled = [k for k, v in read_metadata(directory).state_dict_metadata.items()
-               if isinstance(v, BytesStorageMetadata)]
+    pickled = [
+        k for k, v in read_metadata(directory).state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)
+    ]
     if pickled:
         raise CheckpointError(f"{directory}: holds pickled (non-tensor) entries {pickled[:3]}; refusing to load")
 
@@ -272,7 +323,7 @@ def load_unsharded(model: nn.Module, directory: str | os.PathLike) -> Checkpoint
     info = verify_checkpoint(directory)
     _no_pickled_leaves(directory)
     target = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    have = {k[len("model."):] for k in read_metadata(directory).state_dict_metadata if k.startswith("model.")}
+    have = {k[len("model.") :] for k in read_metadata(directory).state_dict_metadata if k.startswith("model.")}
     if set(target) != have:
         extra, missing = sorted(have - set(target)), sorted(set(target) - have)
         raise CheckpointError(f"{directory}: model keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -323,7 +374,7 @@ def local_copy(uri: str) -> Iterator[str]:
     prefix = uri.rstrip("/") + "/"
     with tempfile.TemporaryDirectory(prefix="shardline-ckpt-") as tmp:
         for entry in storage.list_prefix(uri):
-            rel = entry.uri[len(prefix):]
+            rel = entry.uri[len(prefix) :]
             if not rel or "/" in rel or rel in (".", ".."):
                 continue  # a checkpoint is flat; nested keys are not ours
             (Path(tmp) / rel).write_bytes(storage.read_bytes(entry.uri))

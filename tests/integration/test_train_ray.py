@@ -119,7 +119,10 @@ def test_logged_model_is_pt2_with_dynamic_length(tmp_path):
     model = build_gpt(CFG).eval()
     with mlflow.start_run(experiment_id=exp):
         model_uri = log_servable_model(model, CFG.seq_len)
-    assert mlflow.models.get_model_info(model_uri).metadata == {"seq_len": 32}
+    metadata = mlflow.models.get_model_info(model_uri).metadata
+    assert metadata["seq_len"] == 32
+    # the built-in GPT also carries its config and weights (tensors only) for the replicas' KV-cached decoding
+    assert metadata["eager_gpt"]["config"]["seq_len"] == 32
     local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
     assert (local / "data" / "model.pt2").is_file()  # torch.export archive, not a pickle
     assert not list(local.rglob("*.pth"))
