@@ -29,6 +29,7 @@ from deployments.gateway_control import (
     QUIET,
     SERVE_RUN_LOCK,
     EndpointConflict,
+    drop_stale_serve_client,
     ensure_gateway,
     gateway_name,
     prefix_holder,
@@ -204,6 +205,7 @@ def start_proxy(serve: ServeConfig) -> None:
     """Start Serve's controller and HTTP proxy on serve.host:serve.port unless Serve already runs here."""
     from ray import serve as rs
 
+    drop_stale_serve_client()
     rs.start(http_options={"host": serve.host, "port": serve.port}, logging_config=QUIET)
 
 
@@ -238,6 +240,7 @@ def read_state(app_name: str) -> dict[str, Any] | None:
     """The router's state ({"config", "replica_id", "inflight", ...}); None when the application does not run."""
     from ray import serve as rs
 
+    drop_stale_serve_client()
     try:
         if app_name not in rs.status().applications:
             return None
@@ -446,6 +449,7 @@ def remove(serve: ServeConfig, model_name: str) -> bool:
     from ray import serve as rs
 
     app_name = app_name_for(serve, model_name)
+    drop_stale_serve_client()
     if app_name not in rs.status().applications:
         return False
     rs.delete(app_name, _blocking=True)

@@ -75,6 +75,25 @@ def check_endpoint_free(serve: ServeConfig, timeout_s: float = 3.0) -> None:
         )
 
 
+def drop_stale_serve_client() -> None:
+    """Forget Ray Serve's cached controller client when it belongs to a Ray cluster this driver has left.
+
+    Serve keeps its client across `ray.shutdown()` and tells a stale one by the driver's job id, but the first
+    driver of every new local cluster has the same job id (01000000): after a driver reconnects to another
+    cluster in the same process, `serve.status()` and friends would call a controller that is not there. Submitting
+    a call to it fails at once in that case (the actor is from another cluster); nothing is waited for.
+    """
+    from ray.serve import context
+
+    client = context._global_client
+    if client is None:
+        return
+    try:
+        client._controller.check_alive.remote()
+    except Exception:  # noqa: BLE001 - "Can't find actor ... from a different cluster": rediscover it by name
+        context._disconnect()
+
+
 def prefix_holder(serve: ServeConfig) -> str | None:
     """The application holding the gateway's route prefix on the connected cluster, None when it is free.
 
@@ -84,6 +103,7 @@ def prefix_holder(serve: ServeConfig) -> str | None:
     from ray import serve as rs
     from ray.serve.context import _get_global_client
 
+    drop_stale_serve_client()
     try:
         client = _get_global_client()
         details = client.get_serve_details() if client is not None else {}
