@@ -58,6 +58,8 @@ def check_endpoint_free(serve: ServeConfig, timeout_s: float = 3.0) -> None:
         r = httpx.get(f"{base}/-/routes", timeout=timeout_s)
     except httpx.HTTPError:
         return  # nothing answers: Serve's proxy will bind it (or a remote cluster is not up yet)
+    if r.status_code == 503:
+        return  # Serve's proxy before its route table is ready (no application yet): the gateway will be the first
     try:
         routes = r.json()
     except ValueError:

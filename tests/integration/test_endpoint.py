@@ -41,6 +41,8 @@ def world(tmp_path_factory):
     tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": good, "bad": -good}
     first = register(client, *log_model(tables["weak"], "weak", exp, client))
     assert first.decision == "first-champion"
+    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
     serve = ServeConfig(port=free_port())
     try:

@@ -46,6 +46,8 @@ def world(tmp_path_factory):
         assert (
             register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == "first-champion"
         )
+    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     serve = ServeConfig(port=free_port())
     try:
@@ -171,7 +173,8 @@ def test_an_address_shardline_cannot_host_is_refused_in_one_line(world):
     from ray import serve as rs
 
     serve = world["serve"]
-    check_endpoint_free(serve)  # shardline's own gateway holds it: fine
+    endpoint.start_proxy(serve)  # Serve's proxy on this test's port (also when this test runs alone)
+    check_endpoint_free(serve)  # nothing or shardline's own gateway holds it: fine
     # a route prefix held by an application shardline did not start
     foreign = serve.model_copy(update={"route_prefix": "/theirs"})
 
