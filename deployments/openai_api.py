@@ -178,15 +178,22 @@ def completion(
 ) -> dict[str, Any]:
     """OpenAI's `text_completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
     return {
+        **_envelope(cid, model, version),
+        "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "model_version": version,
+        "prompt_bits_per_byte": prompt_bpb,
+    }
+
+
+def _envelope(cid: str, model: str, version: str) -> dict[str, Any]:
+    """The fields every completion object and stream chunk starts with."""
+    return {
         "id": cid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": f"{model}-v{version}",
-        "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
-        "usage": usage(prompt_tokens, completion_tokens),
-        "model_version": version,
-        "prompt_bits_per_byte": prompt_bpb,
     }
 
 
@@ -195,11 +202,7 @@ def chunk(
 ) -> dict[str, Any]:
     """One streamed piece of a completion (the same object, `choices[0].text` holding the new text only)."""
     return {
-        "id": cid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"{model}-v{version}",
+        **_envelope(cid, model, version),
         "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
         "model_version": version,
     }
@@ -208,11 +211,7 @@ def chunk(
 def usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
     return {
-        "id": cid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"{model}-v{version}",
+        **_envelope(cid, model, version),
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),
         "model_version": version,
