@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import sysconfig
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from deployments.registry import apply_promotion, decide_promotion, read_aliases, register_version
@@ -100,3 +102,56 @@ def heldout_bpb(table, texts: list[bytes]) -> float:
         bits -= float(torch.log_softmax(table[x], -1)[torch.arange(len(y)), y].sum()) / math.log(2)
         n += len(y)
     return bits / n
+
+
+@contextmanager
+def serving_world(home: Path, experiment: str, tables: dict, names: tuple[str, ...] = (NAME,)) -> Iterator[dict]:
+    """A registry under `home` where each of `names` has tables["weak"] as its first champion (v1), a local Ray of
+    this process's own and a Serve config on a free port; afterwards the models' applications are removed, Ray is
+    shut down and $SHARDLINE_HOME is put back.
+
+    Yields:
+        {"uri", "exp", "client", "tables", "heldout", "serve", "texts"}.
+    """
+    import os
+
+    import ray
+
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.registry import client_for
+    from infra.cluster import free_port
+    from infra.tracking import setup_tracking
+
+    old_home = os.environ.get("SHARDLINE_HOME")
+    os.environ["SHARDLINE_HOME"] = str(home)
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    exp = setup_tracking(uri, experiment)
+    client = client_for(uri)
+    _, heldout = corpus()
+    for name in names:
+        assert register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == (
+            "first-champion"
+        )
+    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
+        ray.shutdown()
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
+    serve = ServeConfig(port=free_port())
+    try:
+        yield {
+            "uri": uri,
+            "exp": exp,
+            "client": client,
+            "tables": tables,
+            "heldout": heldout,
+            "serve": serve,
+            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
+        }
+    finally:
+        for name in names:
+            endpoint.remove(serve, name)
+        ray.shutdown()
+        if old_home is None:
+            os.environ.pop("SHARDLINE_HOME", None)
+        else:
+            os.environ["SHARDLINE_HOME"] = old_home

@@ -8,60 +8,28 @@ traffic when its lease runs out, and the next reconcile removes it.
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
 import pytest
 from load import Load
-from serve_support import NAME, bigram_logits, corpus, heldout_bpb, log_model, register
+from serve_support import NAME, bigram_logits, corpus, heldout_bpb, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.config import CanaryConfig, ServeConfig
-from deployments.registry import TAG_CANARY_DECISION, TAG_REJECTED, client_for, read_aliases
+from deployments.registry import TAG_CANARY_DECISION, TAG_REJECTED, read_aliases
 from deployments.rollout import run_rollout
-from infra.cluster import free_port
-from infra.tracking import setup_tracking
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    import ray
-
-    home = tmp_path_factory.mktemp("home")
-    old_home = os.environ.get("SHARDLINE_HOME")
-    os.environ["SHARDLINE_HOME"] = str(home)
-    uri = f"sqlite:///{home / 'mlflow.db'}"
-    exp = setup_tracking(uri, "endpoint-it")
-    client = client_for(uri)
-    fit, heldout = corpus()
+    fit, _ = corpus()
     good = bigram_logits(fit, smoothing=0.05)
     tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": good, "bad": -good}
-    first = register(client, *log_model(tables["weak"], "weak", exp, client))
-    assert first.decision == "first-champion"
-    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
-    serve = ServeConfig(port=free_port())
-    try:
-        yield {
-            "uri": uri,
-            "exp": exp,
-            "client": client,
-            "tables": tables,
-            "heldout": heldout,
-            "serve": serve,
-            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
-        }
-    finally:
-        endpoint.remove(serve, NAME)
-        ray.shutdown()
-        if old_home is None:
-            os.environ.pop("SHARDLINE_HOME", None)
-        else:
-            os.environ["SHARDLINE_HOME"] = old_home
+    with serving_world(tmp_path_factory.mktemp("home"), "endpoint-it", tables) as world:
+        yield world
 
 
 def _metric(url: str, name: str, **labels: str) -> float:

@@ -9,22 +9,20 @@ start, or a port held by a process that is not Ray Serve.
 from __future__ import annotations
 
 import http.server
-import os
 import threading
 
 import httpx
 import openai
 import pytest
 from load import Load
-from serve_support import bigram_logits, corpus, log_model, register
+from serve_support import bigram_logits, corpus, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.gateway_control import EndpointConflict, check_endpoint_free, prefix_holder
-from deployments.registry import TAG_CANARY_DECISION, client_for, read_aliases
+from deployments.registry import TAG_CANARY_DECISION, read_aliases
 from deployments.rollout import run_rollout
 from infra.cluster import free_port
-from infra.tracking import setup_tracking
 
 pytestmark = pytest.mark.slow
 MODELS = ("alpha-bytes", "beta-bytes")
@@ -32,42 +30,10 @@ MODELS = ("alpha-bytes", "beta-bytes")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    import ray
-
-    home = tmp_path_factory.mktemp("home")
-    old_home = os.environ.get("SHARDLINE_HOME")
-    os.environ["SHARDLINE_HOME"] = str(home)
-    uri = f"sqlite:///{home / 'mlflow.db'}"
-    exp = setup_tracking(uri, "models-it")
-    client = client_for(uri)
-    fit, heldout = corpus()
+    fit, _ = corpus()
     tables = {"weak": bigram_logits(fit, smoothing=50.0), "good": bigram_logits(fit, smoothing=0.05)}
-    for name in MODELS:
-        assert (
-            register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == "first-champion"
-        )
-    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
-        ray.shutdown()
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    serve = ServeConfig(port=free_port())
-    try:
-        yield {
-            "uri": uri,
-            "exp": exp,
-            "client": client,
-            "tables": tables,
-            "heldout": heldout,
-            "serve": serve,
-            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
-        }
-    finally:
-        for name in MODELS:
-            endpoint.remove(serve, name)
-        ray.shutdown()
-        if old_home is None:
-            os.environ.pop("SHARDLINE_HOME", None)
-        else:
-            os.environ["SHARDLINE_HOME"] = old_home
+    with serving_world(tmp_path_factory.mktemp("home"), "models-it", tables, MODELS) as world:
+        yield world
 
 
 def test_two_models_answer_by_model_behind_one_route(world):
