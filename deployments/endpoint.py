@@ -48,6 +48,7 @@ _CODE_FILES = (
     "deployments/openai_api.py",
     "deployments/http_io.py",
     "deployments/evidence.py",
+    "deployments/router_evidence.py",
     "training/bpb.py",
 )
 

@@ -34,6 +34,7 @@ from deployments.http_io import (
     to_streaming_response,
 )
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
+from deployments.router_evidence import EvidenceRecorder
 from deployments.serve_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Job:
         return "complete", (self.text, params)
 
 
-class Router:
+class Router(EvidenceRecorder):
     """A model's requests: validates, routes each to champion or challenger, shadow-scores, records."""
 
     def __init__(self, app_name: str, models: dict[str, Any], model_name: str = "", evidence: Any = None):
@@ -147,16 +148,6 @@ class Router:
             "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0,
             "now": now,
         }
-
-    async def get_observations(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
-        """Requests recorded at step `epoch` of canary `canary_id` with sequence number >= since: every router
-        replica's, from the application's Evidence deployment (this replica's own when there is none)."""
-        if self.evidence is not None:
-            return await self.evidence.get.remote(canary_id, epoch, since)
-        items = [
-            o for o in self.observations if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since
-        ]
-        return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
     def metrics_text(self) -> str:
         """This replica's Prometheus exposition (the gateway merges every model's into its /metrics)."""
@@ -516,60 +507,3 @@ class Router:
                 failed,
                 (time.perf_counter() - t0) * 1000.0,
             )
-
-    def _record(
-        self,
-        cfg: RouterConfig,
-        endpoint: str,
-        probe: bool,
-        to_challenger: bool,
-        served: dict,
-        shadow: dict | None,
-        failed: dict | None,
-        total_ms: float,
-        mirror: dict | None = None,
-    ) -> None:
-        """One observation per request: the challenger's call (also when it failed and the champion answered),
-        the champion's served call, and the champion's shadow score of the same text."""
-        fallback = failed is not None
-        challenger_call = failed if fallback else (served if to_challenger else None)
-        champion_call = served if (not to_challenger or fallback) and served is not shadow else None
-        if mirror is not None:  # shadow mode: the challenger's copy, and the champion's call that served the client
-            challenger_call, champion_call = mirror, served
-
-        def slim(call: dict | None) -> dict | None:
-            if call is None:
-                return None
-            return {k: call.get(k) for k in ("version", "ok", "bits", "bytes", "latency_ms", "error")}
-
-        observation = {
-            "seq": self.seq,
-            "canary_id": cfg.canary_id,
-            "epoch": cfg.epoch,
-            "t": time.time(),
-            "endpoint": endpoint,
-            "probe": probe,
-            "router_replica": self.replica_id,
-            "op": "complete" if endpoint == "completions" else "score",
-            "role": "challenger" if to_challenger else "champion",
-            "challenger": slim(challenger_call),
-            "champion": slim(champion_call),
-            "shadow": slim(shadow),
-            "fallback": fallback,
-            "client_ok": bool(served.get("ok")),
-            "total_ms": total_ms,
-        }
-        self.seq += 1
-        if self.evidence is None:
-            self.observations.append(observation)
-        elif cfg.canary_id:  # only a canary needs evidence; sent without holding up the client's answer
-            task = asyncio.ensure_future(self._push(observation))
-            self._pushes.add(task)
-            task.add_done_callback(self._pushes.discard)
-
-    async def _push(self, observation: dict[str, Any]) -> None:
-        try:
-            await self.evidence.add.remote(observation)
-        except Exception as e:  # noqa: BLE001 - a lost observation is less evidence, never a failed request
-            self.metrics.rejected("evidence", 500)
-            log.warning("evidence not recorded: %s: %s", type(e).__name__, e)
