@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -161,6 +162,24 @@ def _describe(mode: str, started_here: bool) -> ClusterInfo:
     )
 
 
+def release_serve_handles() -> None:
+    """Stop this driver's Serve handles and forget its Serve client; nothing on the cluster changes.
+
+    Each handle's router pushes autoscaling metrics from a background thread. After `ray.shutdown()` that thread's
+    next Ray call connects the process again (Ray's auto-init, to whatever cluster it finds), which races the
+    driver's next `ray.init` ("called ray.init twice") or leaves it on the wrong cluster. Shutting the handles
+    down first stops the threads; Serve is only imported when this process used it.
+    """
+    if "ray.serve" not in sys.modules:
+        return
+    from ray.serve import context
+
+    client = context._global_client
+    if client is not None:
+        client.shutdown_cached_handles()
+        context._disconnect()
+
+
 def teardown(info: ClusterInfo | None) -> None:
     """Disconnect this driver. The cluster and the Serve app on it keep running: the endpoint outlives the run.
 
@@ -169,6 +188,7 @@ def teardown(info: ClusterInfo | None) -> None:
     global _secrets_file
     import ray
 
+    release_serve_handles()
     if ray.is_initialized():
         ray.shutdown()
     if _secrets_file:

@@ -120,7 +120,7 @@ def serving_world(home: Path, experiment: str, tables: dict, names: tuple[str, .
     from deployments import endpoint
     from deployments.config import ServeConfig
     from deployments.registry import client_for
-    from infra.cluster import free_port
+    from infra.cluster import free_port, teardown
     from infra.tracking import setup_tracking
 
     old_home = os.environ.get("SHARDLINE_HOME")
@@ -133,8 +133,7 @@ def serving_world(home: Path, experiment: str, tables: dict, names: tuple[str, .
         assert register(client, *log_model(tables["weak"], f"{name}-weak", exp, client), name).decision == (
             "first-champion"
         )
-    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
-        ray.shutdown()
+    teardown(None)  # a driver an earlier module left connected, its Serve handles stopped first
     ray.init(address="local", num_cpus=4, include_dashboard=False)  # never join a cluster `ray start` left running
     serve = ServeConfig(port=free_port())
     try:
@@ -150,7 +149,7 @@ def serving_world(home: Path, experiment: str, tables: dict, names: tuple[str, .
     finally:
         for name in names:
             endpoint.remove(serve, name)
-        ray.shutdown()
+        teardown(None)  # this process's Serve handles first: their threads would connect the process again
         if old_home is None:
             os.environ.pop("SHARDLINE_HOME", None)
         else:

@@ -15,16 +15,14 @@ import time
 
 import pytest
 from load import Load
-from serve_support import NAME, bigram_logits, corpus, log_model, register
+from serve_support import NAME, bigram_logits, corpus, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.canary_control import read_status
-from deployments.config import CanaryConfig, ServeConfig
-from deployments.registry import CHALLENGER, TAG_CANARY_DECISION, TAG_CANARY_ID, client_for, read_aliases
+from deployments.config import CanaryConfig
+from deployments.registry import CHALLENGER, TAG_CANARY_DECISION, TAG_CANARY_ID, read_aliases
 from deployments.rollout import run_rollout
 from flows import cli
-from infra.cluster import free_port
-from infra.tracking import setup_tracking
 
 pytestmark = pytest.mark.slow
 
@@ -44,38 +42,17 @@ CFG = CanaryConfig(
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    import ray
-
-    home = tmp_path_factory.mktemp("home")
-    saved = dict(os.environ)
-    os.environ["SHARDLINE_HOME"] = str(home)
-    uri = f"sqlite:///{home / 'mlflow.db'}"
-    exp = setup_tracking(uri, "canary-control-it")
-    client = client_for(uri)
-    fit, heldout = corpus()
+    fit, _ = corpus()
     tables = {
         "weak": bigram_logits(fit, smoothing=50.0),
         "good": bigram_logits(fit, smoothing=0.05),
         "good2": bigram_logits(fit, smoothing=0.04),
     }
-    assert register(client, *log_model(tables["weak"], "weak", exp, client)).decision == "first-champion"
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    serve = ServeConfig(port=free_port())
+    saved = dict(os.environ)  # `shardline canary` runs in this process; whatever it sets is put back
     try:
-        url = endpoint.reconcile(serve, NAME, uri).url
-        yield {
-            "uri": uri,
-            "exp": exp,
-            "client": client,
-            "tables": tables,
-            "heldout": heldout,
-            "serve": serve,
-            "url": url,
-            "texts": [t.decode("utf-8", "ignore")[:600] for t in heldout],
-        }
+        with serving_world(tmp_path_factory.mktemp("home"), "canary-control-it", tables) as w:
+            yield {**w, "url": endpoint.reconcile(w["serve"], NAME, w["uri"]).url}
     finally:
-        endpoint.remove(serve, NAME)
-        ray.shutdown()
         os.environ.clear()
         os.environ.update(saved)
 

@@ -30,10 +30,7 @@ def test_serve_and_canary_on_local_multinode(tmp_path, monkeypatch):
     fit, heldout = corpus()
     register(client, *log_model(bigram_logits(fit, 50.0), "weak", exp, client))
     register(client, *log_model(bigram_logits(fit, 0.05), "good", exp, client))
-    import ray
-
-    if ray.is_initialized():  # an earlier module's Serve handles can re-initialise Ray after its shutdown
-        ray.shutdown()
+    teardown(None)  # a driver an earlier module left connected, its Serve handles stopped first
     info = provision(
         ClusterConfig(mode="local-multinode", num_cpus=1, worker_nodes=1, cpus_per_worker_node=2, object_store_mb=100)
     )
