@@ -21,12 +21,18 @@ TIERS = ("unit", "processes", "integration", "flows", "stack")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start)."""
+    """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start), and the
+    tiers run in TIERS order: the unit tier first, in a process that nothing has connected to Ray yet, and a
+    failure of pure logic shows in seconds, not after the end-to-end tiers."""
     here = Path(__file__).resolve().parent
+    rank = {}
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(here).parts
-        if parts and parts[0] in TIERS:
-            item.add_marker(getattr(pytest.mark, parts[0]))
+        tier = parts[0] if parts and parts[0] in TIERS else ""
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+        rank[item.nodeid] = TIERS.index(tier) if tier else len(TIERS)
+    items.sort(key=lambda item: rank[item.nodeid])  # stable: a module's tests stay together, in file order
 
 
 @pytest.fixture(scope="session")
