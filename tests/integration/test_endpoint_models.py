@@ -9,6 +9,8 @@ start, or a port held by a process that is not Ray Serve.
 from __future__ import annotations
 
 import http.server
+import json
+import subprocess
 import threading
 
 import httpx
@@ -73,6 +75,19 @@ def test_two_models_answer_by_model_behind_one_route(world):
     )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
     assert pieces[-1].usage.completion_tokens == 6 and not pieces[-1].choices
+    # and with `curl -N` (no buffering), as the README shows it: server-sent events, one chunk per token, then [DONE]
+    body = {"model": MODELS[0], "prompt": "import os", "max_tokens": 6, "temperature": 0, "stream": True}
+    curl = subprocess.run(
+        ["curl", "-sS", "-N", "--max-time", "60", "-H", "Content-Type: application/json", "-d", json.dumps(body),
+         f"{url}/v1/completions"],
+        capture_output=True, text=True, timeout=90, check=True,
+    )  # fmt: skip
+    events = [line.removeprefix("data: ") for line in curl.stdout.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", curl.stdout
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 3 and {c["object"] for c in chunks} == {"text_completion"}, curl.stdout  # pieces, not one
+    assert "".join(c["choices"][0]["text"] for c in chunks) == done.choices[0].text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     with pytest.raises(openai.BadRequestError, match="n: only 1 is supported"):
         client.completions.create(model=MODELS[0], prompt="x", n=2)
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
