@@ -95,7 +95,13 @@ class ServeConfig(BaseModel):
     )
     max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
     max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
-    replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per replica (router and models).")
+    replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per model replica.")
+    router_cpus: float = Field(
+        0.05,
+        gt=0,
+        description="Logical CPUs reserved per gateway, router and evidence replica. They forward requests and "
+        "wait (asyncio), the model replicas compute: a stack serving many models keeps its CPUs for training.",
+    )
     model_replicas: int = Field(1, ge=1, description="Replicas per served model version (without autoscaling).")
     router_replicas: int = Field(
         1,

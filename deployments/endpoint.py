@@ -87,6 +87,7 @@ def settings_version(serve: ServeConfig) -> str:
         serve.model_dump_json(
             include={
                 "replica_cpus",
+                "router_cpus",
                 "model_replicas",
                 "model_threads",
                 "drain_timeout_s",
@@ -152,7 +153,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
         evidence_deployment.options(
             name="evidence",
             num_replicas=1,
-            ray_actor_options={**options, "num_cpus": min(0.05, serve.replica_cpus)},
+            ray_actor_options={**options, "num_cpus": serve.router_cpus},
             max_ongoing_requests=256,
         ),
         version,
@@ -166,7 +167,7 @@ def build_app(spec: AppSpec, serve: ServeConfig, runtime_env: dict[str, Any] | N
     router = _pinned(
         router_deployment.options(
             name=ROUTER,
-            ray_actor_options=options,
+            ray_actor_options={**options, "num_cpus": serve.router_cpus},
             user_config=spec.router.model_dump(),
             max_ongoing_requests=64,
             **router_scaling,

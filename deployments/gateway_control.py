@@ -148,7 +148,7 @@ def ensure_gateway(
         deployment = gateway.options(
             name="gateway",
             num_replicas=serve.gateway_replicas,
-            ray_actor_options={"num_cpus": serve.replica_cpus, "runtime_env": dict(runtime_env or {})},
+            ray_actor_options={"num_cpus": serve.router_cpus, "runtime_env": dict(runtime_env or {})},
             user_config=want,
             max_ongoing_requests=256,
             max_queued_requests=serve.max_queued_requests,

@@ -41,9 +41,9 @@ def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int =
 
 
 def serve_of(model_name: str, serve_port: int) -> dict:
-    """A run's [serve] on the stack: its one Serve proxy, and a route prefix of the model's own (each model is an
-    application, and two cannot share a prefix); the stack's own model keeps '/'."""
-    return {"port": serve_port, "route_prefix": "/" if model_name == "stack-test" else f"/{model_name}"}
+    """A run's [serve] on the stack: its one Serve proxy and the stack's gateway on '/', which routes by the request's
+    `model` (every model of the stack is an application behind it)."""
+    return {"port": serve_port, "route_prefix": "/"}
 
 
 @pytest.fixture(scope="session")

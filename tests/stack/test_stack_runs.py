@@ -131,8 +131,6 @@ def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_start
             "registry.model_name=stack-event",
             "--set",
             f"serve.port={stack['serve_port']}",
-            "--set",
-            "serve.route_prefix=/stack-event",
         ],
         stack["env"],
         timeout=120,

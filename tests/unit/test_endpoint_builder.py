@@ -25,12 +25,13 @@ def test_builds_the_champion_application(mlflow_store, monkeypatch):
     with pytest.raises(ValueError, match="no champion"):
         app({"model_name": "tiny", "tracking_uri": uri})
     client_for(uri).set_registered_model_alias("tiny", "champion", _register(uri, exp, "tiny"))
-    built = app({"model_name": "tiny", "tracking_uri": uri, "serve": {"replica_cpus": 0.5}})
+    built = app({"model_name": "tiny", "tracking_uri": uri, "serve": {"replica_cpus": 0.5, "router_cpus": 0.1}})
     router = built._bound_deployment  # the router, bound to the per-version model deployments
     assert router.name == "router"
     assert router._deployment_config.user_config["champion"] == "1"
     assert router._deployment_config.user_config["model_name"] == "tiny"
-    assert router.ray_actor_options["num_cpus"] == 0.5
+    assert router.ray_actor_options["num_cpus"] == 0.1  # a router forwards; the model replicas get replica_cpus
+    assert {m._bound_deployment.ray_actor_options["num_cpus"] for m in router.init_args[1].values()} == {0.5}
 
 
 def test_model_name_is_required():
