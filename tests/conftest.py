@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from store_servers import S3Service, start_azurite, stop_process  # tests/store_servers.py
+from support.store_servers import S3Service, start_azurite, stop_process
 
 TIERS = ("unit", "processes", "integration", "flows", "stack")
 

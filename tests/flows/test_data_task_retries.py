@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import boto3
-from data_helpers import config, make_corpus
 from prefect import flow
-from store_servers import free_port
+from support.data_helpers import config, make_corpus
+from support.store_servers import free_port
 
 from infra.tracking import Lineage, open_parent_run
 from tasks.data import shard_dataset

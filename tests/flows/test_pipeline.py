@@ -105,8 +105,7 @@ def test_first_run_makes_a_champion_with_full_lineage(prefect_server, home):
 def test_second_run_through_the_cli_releases_into_live_traffic(prefect_server, home, s3_server):
     """Same corpus; shards and Ray Train checkpoints on a real S3 API server this time (moto_server, endpoint from
     env). Users send requests to the endpoint the whole time: none fails, and the served version moves 1 -> 2."""
-    sys.path.insert(0, str(REPO / "tests" / "integration"))
-    from load import Load
+    from support.load import Load
 
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
     texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]

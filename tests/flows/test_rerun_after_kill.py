@@ -16,12 +16,10 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+from support.train_support import kill_tree
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from train_support import kill_tree  # noqa: E402
-
-from training import checkpoint as ck  # noqa: E402
-from training import resume  # noqa: E402
+from training import checkpoint as ck
+from training import resume
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -5,16 +5,12 @@ are set, the logged model serves, and a failed gate is not retried."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from train_support import ray_runtime_env, shard_set  # noqa: E402
+from support.train_support import ray_runtime_env, shard_set
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -88,8 +84,8 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
         d_model=32,
         micro_batch=8,
         warmup_steps=5,
-        model_factory="train_support:build_byte_mlp",
-        batch_format="train_support:reversed_blocks",
+        model_factory="support.train_support:build_byte_mlp",
+        batch_format="support.train_support:reversed_blocks",
     )
 
     @flow

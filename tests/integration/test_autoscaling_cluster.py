@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from fake_autoscaler import FakeAutoscalingCluster
+from support.fake_autoscaler import FakeAutoscalingCluster
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -84,7 +84,7 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
         "RAY_AUTH_MODE": "token",
         "SHARDLINE_HOME": str(tmp_path / "home"),
         "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
     }
     env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server
 
@@ -93,7 +93,7 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
     watcher.start()
     try:
         proc = subprocess.run(
-            [sys.executable, str(HERE / "autoscaling_driver.py"), json.dumps(args)],
+            [sys.executable, str(ROOT / "tests" / "support" / "autoscaling_driver.py"), json.dumps(args)],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -131,7 +131,7 @@ def test_a_demand_no_node_can_meet_fails_after_the_placement_timeout_naming_it(t
     """Without an autoscaler that could add `trainer` nodes, the bounded wait ends in one clear error (Ray Train alone
     would retry the start forever)."""
     import ray
-    from train_support import shard_set
+    from support.train_support import shard_set
 
     from training.config import TrainConfig
     from training.trainer import PlacementTimeout, run_training

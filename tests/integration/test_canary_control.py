@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
-from load import Load
-from serve_support import NAME, bigram_logits, corpus, log_model, register, serving_world
+from support.load import Load
+from support.serve_support import NAME, bigram_logits, corpus, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.canary_control import read_status

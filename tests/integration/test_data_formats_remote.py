@@ -8,7 +8,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_helpers import config
+from support.data_helpers import config
 
 from infra import storage
 from training.data import DataError, build_shards

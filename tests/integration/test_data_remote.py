@@ -8,7 +8,7 @@ import time
 
 import boto3
 import pytest
-from data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus
 
 from infra import storage
 from training.config import TrainConfig
@@ -169,7 +169,7 @@ def test_s3_outage_mid_run_is_retried_and_the_stage_completes(tmp_path, monkeypa
     mid-run, however fast or loaded the machine is.
     """
     from moto.server import ThreadedMotoServer
-    from store_servers import free_port
+    from support.store_servers import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

@@ -6,7 +6,7 @@ import json
 
 import mlflow
 import pytest
-from data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus
 
 from infra.tracking import TAG_DATASET_DIGEST
 from tasks.data import shard_dataset

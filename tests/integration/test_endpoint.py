@@ -12,8 +12,8 @@ import time
 
 import httpx
 import pytest
-from load import Load
-from serve_support import NAME, bigram_logits, corpus, heldout_bpb, log_model, register, serving_world
+from support.load import Load
+from support.serve_support import NAME, bigram_logits, corpus, heldout_bpb, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.config import CanaryConfig, ServeConfig

@@ -16,8 +16,8 @@ import threading
 import httpx
 import openai
 import pytest
-from load import Load
-from serve_support import bigram_logits, corpus, log_model, register, serving_world
+from support.load import Load
+from support.serve_support import bigram_logits, corpus, log_model, register, serving_world
 
 from deployments import endpoint
 from deployments.config import CanaryConfig, ServeConfig

@@ -4,8 +4,8 @@ project's code shipped to the replicas as Ray `py_modules`, the way a remote clu
 from __future__ import annotations
 
 import pytest
-from load import Load
-from serve_support import NAME, bigram_logits, corpus, log_model, register
+from support.load import Load
+from support.serve_support import NAME, bigram_logits, corpus, log_model, register
 
 from deployments import endpoint
 from deployments.config import CanaryConfig, ServeConfig

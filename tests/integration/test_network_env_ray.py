@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from train_support import ray_runtime_env
+from support.train_support import ray_runtime_env
 
 from infra.network import network_env
 from training.config import TrainConfig

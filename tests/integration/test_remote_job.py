@@ -20,9 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_support import descendants, kill_tree  # noqa: E402
+from support.train_support import descendants, kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 PLANTED = "planted-secret-0f3c9a"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_support import kill_tree, make_shards
+from support.train_support import kill_tree, make_shards
 
 from training import checkpoint as ck
 from training.config import TrainConfig
@@ -137,7 +137,7 @@ def test_resume_at_another_world_size_follows_the_documented_rule(tmp_path, runs
 
 
 def test_data_stream_rule():
-    from train_support import make_shards as _make  # noqa: F401 - same shards helper as above
+    from support.train_support import make_shards as _make  # noqa: F401 - same shards helper as above
 
     from training.data.loader import train_batches
     from training.loop import data_stream

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from train_support import HERE, RECORD_DIR_ENV, shard_set, worker_records
+from support.train_support import RECORD_DIR_ENV, TESTS, shard_set, worker_records
 
 from training import checkpoint as ck
 from training.config import TrainConfig
@@ -22,7 +22,7 @@ CFG = TrainConfig(
     d_model=32,
     micro_batch=8,
     warmup_steps=2,
-    model_factory="train_support:recording_gpt",
+    model_factory="support.train_support:recording_gpt",
 )
 
 
@@ -36,7 +36,7 @@ def two_node_cluster(tmp_path, monkeypatch):
     records.mkdir()
     # The nodes' processes (and so the Ray workers) inherit this environment: the plug-in model's module and
     # where it records each worker's node.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv(RECORD_DIR_ENV, str(records))
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))  # the head's record lives there
     info = provision(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_support import ray_runtime_env, shard_set
+from support.train_support import ray_runtime_env, shard_set
 
 from training import checkpoint as ck
 from training.config import TrainConfig

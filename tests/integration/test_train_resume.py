@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
+from support.train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
 
 from training import checkpoint as ck
 from training.config import TrainConfig
@@ -33,7 +33,7 @@ CFG = TrainConfig(
     micro_batch=8,
     lr=3e-3,
     warmup_steps=4,
-    model_factory="train_support:recording_gpt",
+    model_factory="support.train_support:recording_gpt",
 )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_support import make_shards
+from support.train_support import make_shards
 
 from training import checkpoint as ck
 from training.config import TrainConfig

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import mlflow
-from data_helpers import make_corpus
+from support.data_helpers import make_corpus
 
 from infra.tracking import TAG_DATASET_DIGEST, TAG_PARENT, TAG_STAGE
 

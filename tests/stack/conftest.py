@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from stack_support import REPO, shardline, small_config, stack_env, status
+from support.stack_support import REPO, shardline, small_config, stack_env, status
 
 from infra.cluster import free_port
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
+from support.stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, wait_for_run
+from support.stack_support import REPO, assert_completed, create_run, deployment, mlflow_runs_of_flow_run, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 IDENTITY = ["-c", "user.email=ci@shardline.invalid", "-c", "user.name=shardline-ci"]

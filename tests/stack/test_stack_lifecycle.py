@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import up_args
-from stack_support import shardline, stack_env, status
+from support.stack_support import shardline, stack_env, status
 
 from flows.stack.procs import http_ok, port_open
 from infra.cluster import free_port

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from stack_support import REPO, shardline
+from support.stack_support import REPO, shardline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

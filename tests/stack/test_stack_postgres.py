@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 from conftest import up_args
-from postgres_server import PostgresServer, pg_bin
-from stack_support import REPO, SHARDLINE, shardline, stack_env, status
+from support.postgres_server import PostgresServer, pg_bin
+from support.stack_support import REPO, SHARDLINE, shardline, stack_env, status
 
 from infra.cluster import free_port
 

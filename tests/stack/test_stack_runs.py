@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from stack_support import (
+from support.stack_support import (
     assert_completed,
     create_run,
     deployment,
@@ -95,7 +95,7 @@ def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(s
 
 
 def test_notify_dataset_starts_a_run_on_that_source_and_a_sourceless_event_starts_none(stack, tmp_path):
-    from data_helpers import make_corpus
+    from support.data_helpers import make_corpus
 
     api = stack["api"]
     on_new_data = deployment(api, "shardline/on-new-data")

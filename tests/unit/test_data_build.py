@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from data_helpers import config, make_corpus, make_jsonl
+from support.data_helpers import config, make_corpus, make_jsonl
 
 from training.data import DataError, build_shards, load_shard_set
 from training.data.quality import QualityError

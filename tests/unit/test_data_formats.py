@@ -11,8 +11,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from data_helpers import config
 from pydantic import ValidationError
+from support.data_helpers import config
 
 from training.data import build_shards
 from training.data.config import DataConfig

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus
 
 from training.data import build, build_shards
 

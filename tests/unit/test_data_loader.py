@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus
 
 from training.config import TrainConfig
 from training.data import build_shards

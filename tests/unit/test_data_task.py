@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlflow
 import pytest
-from data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus
 
 from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI
 from tasks.data import shard_dataset

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kuberay_schema import spec_errors  # tests/kuberay_schema.py
+from support.kuberay_schema import spec_errors
 
 from flows.cli.cluster import render_kuberay
 from flows.config import PipelineConfig, load_config

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-CRD_DIR = Path(__file__).parent / "fixtures" / "kuberay"
+CRD_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "kuberay"
 CRD_FILES = {
     "RayCluster": "ray.io_rayclusters.yaml",
     "RayJob": "ray.io_rayjobs.yaml",

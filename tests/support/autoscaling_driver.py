@@ -18,11 +18,11 @@ from pathlib import Path
 def main() -> None:
     args = json.loads(sys.argv[1])
     from prefect import flow
-    from train_support import shard_set
 
     from infra.cluster import teardown
     from infra.config import ClusterConfig
     from infra.tracking import Lineage, open_parent_run, setup_tracking
+    from support.train_support import shard_set
     from tasks.cluster import provision_cluster
     from tasks.train import train_fsdp
     from training.config import TrainConfig

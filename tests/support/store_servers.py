@@ -16,7 +16,7 @@ from pathlib import Path
 
 from infra.cluster import free_port  # one free-port helper for code and tests
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 AZURITE = REPO / "tests" / "services" / "node_modules" / ".bin" / "azurite-blob"
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="

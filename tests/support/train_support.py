@@ -1,7 +1,7 @@
 """Helpers of the training tests: a tiny shard set, plug-in models, and Ray process lookup (no fakes).
 
-Ray workers import this module by name (`train_support:...` in train.model_factory), so the tests put this
-directory on the workers' PYTHONPATH.
+Ray workers import this module by name (`support.train_support:...` in train.model_factory), so the tests put
+the tests directory (TESTS, the parent of the `support` package) on the workers' PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 RECORD_DIR_ENV = "SHARDLINE_TEST_RECORD_DIR"
 
 
@@ -69,7 +69,7 @@ def shard_set(root: Path, **kw: int):
 
 def ray_runtime_env(**env: str) -> dict:
     """Runtime env that lets Ray workers import this module."""
-    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH", "")]))
     return {"env_vars": {"PYTHONPATH": path, **env}}
 
 
