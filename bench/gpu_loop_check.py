@@ -20,11 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT / "tests"))  # the test helpers: tests/support
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from train_support import make_shards  # noqa: E402
+from support.train_support import make_shards  # noqa: E402
 
 from training import checkpoint as ckpt  # noqa: E402
 from training.config import TrainConfig  # noqa: E402

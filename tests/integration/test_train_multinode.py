@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.train_support import RECORD_DIR_ENV, TESTS, shard_set, worker_records
+from support.train_support import RECORD_DIR_ENV, REPO, TESTS, shard_set, worker_records
 
 from training import checkpoint as ck
 from training.config import TrainConfig
@@ -36,7 +36,9 @@ def two_node_cluster(tmp_path, monkeypatch):
     records.mkdir()
     # The nodes' processes (and so the Ray workers) inherit this environment: the plug-in model's module and
     # where it records each worker's node.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.setenv(RECORD_DIR_ENV, str(records))
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))  # the head's record lives there
     info = provision(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
 RECORD_DIR_ENV = "SHARDLINE_TEST_RECORD_DIR"
 
 
@@ -68,8 +69,9 @@ def shard_set(root: Path, **kw: int):
 
 
 def ray_runtime_env(**env: str) -> dict:
-    """Runtime env that lets Ray workers import this module."""
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    """Runtime env that lets Ray workers import this module. The repository comes right after the tests folder:
+    tests/flows (no __init__) would otherwise pass for the `flows` package."""
+    path = os.pathsep.join(filter(None, [str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")]))
     return {"env_vars": {"PYTHONPATH": path, **env}}
 
 
