@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from deployments.config import ServeConfig
+from infra.cluster import release_serve_handles
 
 log = logging.getLogger(__name__)
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per request would flood every log
@@ -93,7 +94,7 @@ def drop_stale_serve_client() -> None:
     try:
         client._controller.check_alive.remote()
     except Exception:  # noqa: BLE001 - "Can't find actor ... from a different cluster": rediscover it by name
-        context._disconnect()
+        release_serve_handles()  # the old client's handles too: their metrics threads would outlive it
 
 
 def prefix_holder(serve: ServeConfig) -> str | None:

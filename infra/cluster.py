@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -176,7 +177,10 @@ def release_serve_handles() -> None:
 
     client = context._global_client
     if client is not None:
-        client.shutdown_cached_handles()
+        try:
+            client.shutdown_cached_handles()
+        except Exception as e:  # noqa: BLE001 - best effort on a teardown path: a dead controller, a closed loop
+            logging.getLogger(__name__).debug("could not shut down Serve handles: %s", e)
         context._disconnect()
 
 
