@@ -57,7 +57,9 @@ def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack)
     assert champion.tags["shardline.prefect_flow_run_id"] == run["id"]
     endpoint = stack["status"].get("endpoint")
     if endpoint is not None:  # the endpoint part (issue 7's serving app) serves the new champion
-        served = httpx.post(f"{endpoint['url']}/v1/score", json={"text": "def f(x):\n    return x\n"}, timeout=60)
+        served = httpx.post(
+            f"{endpoint['url']}/v1/score", json={"model": "stack-test", "text": "def f(x):\n    return x\n"}, timeout=60
+        )
         assert served.status_code == 200, served.text
         assert served.json()["model_version"] == champion.version
 
