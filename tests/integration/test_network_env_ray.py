@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.train_support import ray_runtime_env
+from support.train_support import ray_runtime_env, report_worker_env
 
 from infra.network import network_env
 from training.config import TrainConfig
@@ -26,26 +26,13 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _report_env() -> None:
-    import tempfile
-
-    import ray.train
-
-    seen = {
-        k: os.environ.get(k, "<unset>")
-        for k in ("NCCL_IB_DISABLE", "NCCL_NET", "UCX_TLS", "NCCL_SOCKET_IFNAME", "SHARDLINE_PROBE")
-    }
-    with tempfile.TemporaryDirectory() as tmp:  # Train V2 keeps only metrics reported with a checkpoint
-        ray.train.report(seen, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-
-
 def test_training_workers_see_the_tcp_profile(ray_cluster, tmp_path):
     from ray.train import ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env = network_env("tcp", {"NCCL_SOCKET_IFNAME": "lo"})
     trainer = TorchTrainer(
-        _report_env,
+        report_worker_env,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False),
         torch_config=TorchConfig(backend="gloo"),
         run_config=run_config(TrainConfig(), "network-env", str(tmp_path), worker_env=env),

@@ -75,6 +75,22 @@ def ray_runtime_env(**env: str) -> dict:
     return {"env_vars": {"PYTHONPATH": path, **env}}
 
 
+def report_worker_env() -> None:
+    """A Ray Train loop that reports the network variables its worker sees (tests/integration/test_network_env_ray).
+
+    Here, not in the test module: workers import it by module name, and only tests/ is on their PYTHONPATH."""
+    import tempfile
+
+    import ray.train
+
+    seen = {
+        k: os.environ.get(k, "<unset>")
+        for k in ("NCCL_IB_DISABLE", "NCCL_NET", "UCX_TLS", "NCCL_SOCKET_IFNAME", "SHARDLINE_PROBE")
+    }
+    with tempfile.TemporaryDirectory() as tmp:  # Train V2 keeps only metrics reported with a checkpoint
+        ray.train.report(seen, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
 # ------------------------------------------------------------------------------------------ plug-in models
 
 
