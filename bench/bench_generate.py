@@ -55,8 +55,8 @@ def main() -> None:
     from flows.config import load_config
     from infra.tracking import setup_tracking
     from training.bpb import text_bits
-    from training.evaluate import log_servable_model
     from training.model import build_gpt
+    from training.servable import log_servable_model
 
     # serve.batch only reads the replica's max_ongoing_requests to warn; there is no replica in this process
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None

@@ -29,8 +29,8 @@ def _register_demo_model(uri: str, name: str, exp: str) -> str:
 
     from deployments.registry import client_for, register_version
     from flows.config import load_config
-    from training.evaluate import log_servable_model
     from training.model import build_gpt
+    from training.servable import log_servable_model
 
     cfg = load_config(REPO / "configs" / "demo.toml")
     mlflow.set_tracking_uri(uri)

@@ -30,18 +30,20 @@ def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
 
 
 def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
-    """The engine backend of a logged model: a KV-cached GPT when its metadata names eager weights
-    (training.evaluate.log_servable_model does so for the built-in GPT), else the pt2 program, recomputed."""
+    """The engine backend of a logged model: a KV-cached GPT when its metadata names eager GPT weights
+    (training.servable.log_servable_model does so for the built-in GPT), else the served model (the pt2 program,
+    or a model export could not capture, rebuilt by its factory), recomputed."""
     import mlflow
 
     from deployments.engine import Recompute
     from deployments.registry import seq_len_of
     from training.model import EAGER_METADATA
+    from training.servable import load_served_model
 
     seq_len = seq_len_of(model_uri)
     eager = (mlflow.models.get_model_info(model_uri).metadata or {}).get(EAGER_METADATA)
     if not eager:
-        return Recompute(mlflow.pytorch.load_model(model_uri, map_location="cpu"), seq_len, slots)
+        return Recompute(load_served_model(model_uri), seq_len, slots)
     from deployments.kv_cache import CachedGPT
     from training.model import load_gpt
 

@@ -247,15 +247,18 @@ def seq_len_of(model_uri: str) -> int:
 
 
 def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
-    """(version, loaded model) of `name`'s champion, the served pt2 program; None when there is no champion."""
+    """(version, loaded model) of `name`'s champion as it is served (training.servable: the pt2 program or the
+    eager model); None when there is no champion."""
     import mlflow
+
+    from training.servable import load_served_model
 
     aliases = read_aliases(client_for(tracking_uri), name)
     version = aliases.get(CHAMPION)
     if version is None:
         return None
     mlflow.set_registry_uri(tracking_uri)
-    return version, mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+    return version, load_served_model(f"models:/{name}/{version}")
 
 
 def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:

@@ -1,5 +1,6 @@
 """validate_checkpoint: verify the DCP checkpoint, gate on held-out bits per byte (absolute and against the
-champion), log the servable model and prove it runs at serving shapes before anything is registered."""
+champion), log the servable model (training.servable) and prove it runs at serving shapes before anything is
+registered."""
 
 from __future__ import annotations
 
@@ -15,14 +16,8 @@ from tasks.retry import TIMEOUT_S, retry_unless
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
-from training.evaluate import (
-    GateFailed,
-    ValidationResult,
-    check_servable,
-    held_out_bpb,
-    load_checkpoint_model,
-    log_servable_model,
-)
+from training.evaluate import GateFailed, ValidationResult, held_out_bpb, load_checkpoint_model
+from training.servable import log_servable_model
 from training.trainer import TrainResult
 
 
@@ -102,8 +97,10 @@ def validate_checkpoint(
         )
         if failures:
             raise GateFailed("; ".join(failures))
-        model_uri = log_servable_model(model, train_cfg.seq_len)
-        check_servable(model_uri, model, train_cfg.seq_len, train_cfg.model_factory)
+        # the pt2 program, or the eager form when export cannot serve it; proven at every serving shape either way
+        model_uri = log_servable_model(
+            model, train_cfg.seq_len, factory=train_cfg.model_factory, train_config=train_cfg.model_dump(mode="json")
+        )
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(
             validation_run_id=run_id,

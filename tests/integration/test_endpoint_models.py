@@ -99,6 +99,40 @@ def test_two_models_answer_by_model_behind_one_route(world):
     assert r.status_code == 200 and r.json()["model"] == MODELS[1]
 
 
+def test_a_model_export_cannot_capture_is_served_eagerly_behind_the_gateway(world):
+    """A byte-level GRU (torch.export specialises its sequence length): validation's log_servable_model logs it in
+    its eager form, and the replicas rebuild it from its factory and weights. It completes and scores through the
+    gateway, with the numbers the trained model gives."""
+    import mlflow
+    from support.train_support import build_byte_gru, ray_runtime_env
+
+    from training.config import TrainConfig
+    from training.evaluate import bits_per_byte
+    from training.servable import eager_spec, log_servable_model
+
+    cfg = TrainConfig(seq_len=32, d_model=16, model_factory="support.train_support:build_byte_gru")
+    model = build_byte_gru(cfg).eval().requires_grad_(False)
+    client, name, serve = world["client"], "gru-bytes", world["serve"]
+    train_run = client.create_run(world["exp"], run_name="train-gru").info.run_id
+    with mlflow.start_run(experiment_id=world["exp"], run_name="validate-gru"):
+        uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+    assert eager_spec(uri) is not None
+    assert register(client, train_run, uri, name).decision == "first-champion"
+    try:
+        # the factory's code reaches the replicas like the rest of the code: here, tests/ on their PYTHONPATH
+        url = endpoint.reconcile(serve, name, world["uri"], runtime_env=ray_runtime_env()).url
+        with httpx.Client(timeout=60) as http:
+            body = {"model": name, "prompt": "def f():", "max_tokens": 5, "temperature": 0}
+            r = http.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == name and r.json()["usage"]["completion_tokens"] == 5
+            s = http.post(f"{url}/v1/score", json={"model": name, "text": "import sys"})
+            assert s.status_code == 200, s.text
+        assert s.json()["bits_per_byte"] == pytest.approx(bits_per_byte(model, [b"import sys"], 32), rel=1e-4)
+    finally:
+        endpoint.remove(serve, name)
+
+
 CFG = CanaryConfig(
     steps=[50, 100],
     min_requests=6,

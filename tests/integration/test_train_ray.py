@@ -111,8 +111,8 @@ def test_global_batch_mismatch_fails_before_any_worker_starts(ray_cluster, track
 def test_logged_model_is_pt2_with_dynamic_length(tmp_path):
     import mlflow
 
-    from training.evaluate import log_servable_model
     from training.model import build_gpt
+    from training.servable import log_servable_model
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'm.db'}")
     exp = mlflow.create_experiment("m", artifact_location=(tmp_path / "art").as_uri())

@@ -151,7 +151,7 @@ def _register(uri: str, exp: str, model: torch.nn.Module, name: str) -> str:
     import mlflow
 
     from deployments.registry import client_for, register_version
-    from training.evaluate import log_servable_model
+    from training.servable import log_servable_model
 
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(experiment_id=exp) as run:

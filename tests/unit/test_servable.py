@@ -1,12 +1,15 @@
-"""Any model that trains must serve: validation loads the logged pt2 model back and runs it at serving shapes."""
+"""Any model that trains must serve: validation logs the pt2 program, or the eager form when export cannot serve the
+model, loads it back as serving will and runs it at serving shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support.train_support import build_byte_gru
 from torch import nn
 
-from training.evaluate import NotServable, check_servable, log_servable_model, serving_shapes
+from training.evaluate import NotServable
+from training.servable import check_servable, eager_spec, log_servable_model, serving_shapes
 
 
 class Causal(nn.Module):
@@ -28,11 +31,21 @@ class SpecialisesOnLength(Causal):
         return self.head(self.emb(x)).reshape(x.shape[0], 16, 256)
 
 
-def _logged(model: nn.Module, seq_len: int) -> str:
+def build_specialised(cfg) -> nn.Module:
+    return SpecialisesOnLength()
+
+
+def _logged(model: nn.Module, seq_len: int, factory: str = "", train_config: dict | None = None) -> str:
     import mlflow
 
     with mlflow.start_run():
-        return log_servable_model(model.eval(), seq_len)
+        return log_servable_model(model.eval(), seq_len, factory=factory, train_config=train_config)
+
+
+def _logged_models() -> list:
+    import mlflow
+
+    return mlflow.search_logged_models(output_format="list")
 
 
 def test_serving_shapes_cover_one_token_to_a_full_batch():
@@ -46,10 +59,58 @@ def test_a_servable_model_passes(mlflow_store):
 
 
 def test_a_model_that_cannot_serve_every_shape_is_rejected_before_registration(mlflow_store):
-    model = SpecialisesOnLength()
-    uri = _logged(model, 32)
-    with pytest.raises(NotServable, match=r"train.model_factory='tests:Specialises'.*serving shape \[1, 1\]"):
-        check_servable(uri, model, 32, "tests:Specialises")
+    """Neither form serves it (its own forward fails at T != 16): rejected, naming the shape, and neither logged
+    model is left in the run."""
+    from training.config import TrainConfig
+
+    model, factory = SpecialisesOnLength(), f"{__name__}:build_specialised"
+    with pytest.raises(NotServable, match=rf"train.model_factory='{factory}': the eagerly .*serving shape \[1, 1\]"):
+        _logged(model, 32, factory, TrainConfig(seq_len=32).model_dump(mode="json"))
+    assert _logged_models() == []
+    with pytest.raises(NotServable, match=r"^the exported model fails at serving shape \[1, 1\]: Guard failed"):
+        _logged(model, 32)  # no factory: the pt2 form only
+    assert _logged_models() == []
+
+
+def test_a_model_export_cannot_capture_is_served_eagerly_from_its_factory_and_weights(mlflow_store):
+    """A byte-level GRU: torch.export specialises T to the example's 16, so the pt2 program fails at [1, 1]. It is
+    logged eagerly instead (weights + TrainConfig), and that form answers at every serving shape: through
+    load_served_model (validation, the champion comparison), the engine's backend (the endpoint) and
+    mlflow.pyfunc."""
+    import mlflow
+    import numpy as np
+
+    from deployments.engine import Recompute
+    from deployments.model_server import load_backend, score_many
+    from training.config import TrainConfig
+    from training.servable import load_served_model
+
+    cfg = TrainConfig(seq_len=32, d_model=16, model_factory="support.train_support:build_byte_gru")
+    model = build_byte_gru(cfg).eval().requires_grad_(False)  # the served forms run without autograd too
+    uri = _logged(model, 32, cfg.model_factory, cfg.model_dump(mode="json"))
+
+    spec = eager_spec(uri)
+    assert spec is not None and spec["factory"] == "support.train_support:build_byte_gru"
+    assert spec["why"].startswith("the exported model fails at serving shape [1, 1]: Guard failed")
+    assert [m.model_id for m in _logged_models()] == [uri.removeprefix("models:/")]  # the pt2 attempt is gone
+    assert mlflow.models.get_model_info(uri).metadata["seq_len"] == 32
+
+    x = torch.randint(0, 256, (3, 5))
+    served = load_served_model(uri)
+    assert torch.equal(served(x), model(x))
+
+    backend = load_backend(uri, slots=2)
+    assert isinstance(backend, Recompute)
+    first = backend.prefill(0, list(b"def f"))
+    assert torch.allclose(first[-1], model(torch.tensor([list(b"def f")]))[0, -1])
+    step = backend.decode([0], [ord("(")])
+    assert torch.allclose(step[0], model(torch.tensor([list(b"def f(")]))[0, -1])
+    ((bits, n),) = score_many(backend.model, [b"import os\n"], 32)
+    assert n == 9 and 0 < bits / n < 16
+
+    predicted = mlflow.pyfunc.load_model(uri).predict(np.array([[100, 101, 102]], dtype=np.int64))
+    assert predicted.shape == (1, 3, 256)
+    assert np.allclose(predicted, model(torch.tensor([[100, 101, 102]])).numpy(), atol=1e-5)
 
 
 def test_validation_scores_the_champions_exported_program_like_the_eager_model(mlflow_store):
@@ -60,5 +121,6 @@ def test_validation_scores_the_champions_exported_program_like_the_eager_model(m
 
     model = Causal()
     exported = mlflow.pytorch.load_model(_logged(model, 32), map_location="cpu")
+    assert eager_spec(_logged(model, 32)) is None  # export captures it: the pt2 program is what serves
     texts = [b"def main():\n    return 0\n" * 5, b"import os"]
     assert bits_per_byte(exported, texts, 32) == pytest.approx(bits_per_byte(model, texts, 32), rel=1e-5)

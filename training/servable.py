@@ -1,0 +1,215 @@
+"""The served form of a trained model: logged to MLflow the way the endpoint loads it, and proven at serving shapes.
+
+Two forms, chosen per model by what works, never by configuration:
+- **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic. Loading it
+  unpickles nothing and needs none of the model's code.
+- **eager** (the fallback): when export fails, or its program does not answer at every serving shape (export
+  specialised a dimension, as it does for an `nn.GRU`'s sequence length), the model is logged as its weights (plain
+  tensors, read back with `weights_only=True`) and the TrainConfig its `train.model_factory` rebuilds it from. The
+  factory's code reaches the Serve replicas the way the rest of the code does (the runtime env's PYTHONPATH or
+  working_dir), so this form needs the model's own code wherever it loads. It is an MLflow pyfunc model
+  (models-from-code, training/eager_pyfunc.py: nothing pickled), so `mlflow.pyfunc.load_model` also works.
+
+Either way validation loads the logged form back exactly as serving will (`load_served_model`) and runs it at every
+serving shape against the trained model before anything is registered; a model neither form can serve is
+`NotServable`, and nothing it logged is left behind.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.evaluate import NotServable
+
+# metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
+EAGER_FACTORY = "eager_factory"
+EAGER_STATE_FILE = "state_dict.pt"
+EAGER_CODE = Path(__file__).with_name("eager_pyfunc.py")
+
+
+def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
+    """[B, T] shapes the endpoint calls a model with: one token, a completion's growing context, scoring batches."""
+    return sorted({(1, 1), (1, 2), (1, max(1, seq_len // 2) + 1), (1, seq_len), (3, 2), (8, seq_len)})
+
+
+def _signature() -> Any:
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    return ModelSignature(
+        inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1))]),
+        outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, 256))]),
+    )
+
+
+def _requirements() -> list[str]:
+    import mlflow
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
+
+
+def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
+    """The model as a pt2 program (batch and time dynamic). The built-in GPT also gets its weights as an extra file
+    and metadata[EAGER_METADATA] = {"config", "weights"}: a program cannot carry a KV cache, so serving rebuilds the
+    eager GPT from them and decodes incrementally."""
+    import mlflow
+    import numpy as np
+
+    from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
+
+    # B and T > 1 in the example, so torch.export keeps both dimensions dynamic.
+    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
+    example = np.frombuffer(text, dtype=np.uint8).astype(np.int64).reshape(2, -1)
+    metadata: dict = {"seq_len": seq_len}
+    with tempfile.TemporaryDirectory() as tmp:
+        extra_files = None
+        if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
+            save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
+            extra_files = [str(Path(tmp) / EAGER_WEIGHTS_FILE)]
+            # mlflow copies extra files to extra_files/<name> inside the logged model
+            metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
+        info = mlflow.pytorch.log_model(
+            model.eval(),
+            name=name,
+            serialization_format="pt2",
+            signature=_signature(),
+            input_example=example,
+            metadata=metadata,
+            extra_files=extra_files,
+            pip_requirements=_requirements(),
+        )
+    return info.model_uri
+
+
+def _log_eager(model: nn.Module, seq_len: int, name: str, factory: str, train_config: dict, why: str) -> str:
+    """The model as its weights plus what rebuilds it (factory and TrainConfig), as a models-from-code pyfunc."""
+    import mlflow
+
+    spec = {"factory": factory, "train_config": train_config, "weights": f"artifacts/{EAGER_STATE_FILE}", "why": why}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / EAGER_STATE_FILE
+        torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, weights)
+        info = mlflow.pyfunc.log_model(
+            name=name,
+            python_model=str(EAGER_CODE),
+            artifacts={"weights": str(weights)},
+            model_config={"factory": factory, "train_config": train_config},
+            signature=_signature(),
+            metadata={"seq_len": seq_len, EAGER_FACTORY: spec},
+            pip_requirements=_requirements(),
+        )
+    return info.model_uri
+
+
+def _discard(model_uri: str) -> None:
+    """Delete a logged model validation will not use (models:/m-<id>), so nothing rejected stays in the run."""
+    import mlflow
+
+    model_id = model_uri.removeprefix("models:/")
+    if model_id.startswith("m-"):
+        mlflow.MlflowClient().delete_logged_model(model_id)
+
+
+def _first_line(err: BaseException) -> str:
+    return ((str(err).strip().splitlines() or [type(err).__name__])[0])[:300]
+
+
+def log_servable_model(
+    model: nn.Module, seq_len: int, name: str = "model", factory: str = "", train_config: dict | None = None
+) -> str:
+    """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
+    every serving shape, and return its models:/ URI: the pt2 program when it serves, else the eager form
+    (module docstring). Input int64 [B, T] byte values with T <= seq_len, output float32 logits [B, T, 256];
+    metadata["seq_len"] records seq_len.
+
+    Args:
+        factory, train_config: `train.model_factory` and the TrainConfig (as JSON) that rebuild the model; without
+            them only the pt2 form is tried.
+
+    Raises:
+        NotServable: neither form answers at every serving shape (naming the factory, the shape and the cause).
+    """
+    who = f"train.model_factory={factory!r}: " if factory else ""
+    try:
+        uri = _log_pt2(model, seq_len, name)
+    except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
+        why = f"torch.export failed: {_first_line(e)}"
+    else:
+        try:
+            check_servable(uri, model, seq_len, factory)
+            return uri
+        except NotServable as e:
+            _discard(uri)
+            why = str(e).removeprefix(who)
+    if not factory or train_config is None:
+        raise NotServable(f"{who}{why}")
+    uri = _log_eager(model, seq_len, name, factory, train_config, why)
+    try:
+        check_servable(uri, model, seq_len, factory)
+    except NotServable:
+        _discard(uri)
+        raise
+    return uri
+
+
+def build_eager(spec: dict, weights_path: str) -> nn.Module:
+    """The model of an eager spec (metadata[EAGER_FACTORY]): its factory called with its TrainConfig, then its
+    weights loaded (tensors only), in eval mode.
+
+    Raises:
+        ValueError: the factory does not import (naming it); RuntimeError: the weights do not fit the model.
+    """
+    from training.config import TrainConfig, load_object
+
+    model = load_object(spec["factory"], "train.model_factory")(TrainConfig(**spec["train_config"]))
+    model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+def eager_spec(model_uri: str) -> dict | None:
+    """metadata[EAGER_FACTORY] of a logged model, or None for a pt2 program."""
+    import mlflow
+
+    return (mlflow.models.get_model_info(model_uri).metadata or {}).get(EAGER_FACTORY)
+
+
+def load_served_model(model_uri: str) -> Any:
+    """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, 256]: the pt2 program,
+    or the eager model rebuilt from its factory and weights."""
+    import mlflow
+
+    if eager_spec(model_uri) is None:
+        return mlflow.pytorch.load_model(model_uri, map_location="cpu")
+    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().model  # eager_pyfunc.EagerModel's
+
+
+def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:
+    """Load the logged model back as serving will and run it at every serving shape against the trained model.
+
+    Raises:
+        NotServable: naming the model factory, the form, the shape and the cause (a failed guard, other logits).
+    """
+    form = "the exported model" if eager_spec(model_uri) is None else "the eagerly served model"
+    who = f"train.model_factory={factory!r}: " if factory else ""
+    try:
+        loaded = load_served_model(model_uri)
+    except Exception as e:  # noqa: BLE001 - a form that does not load cannot serve
+        raise NotServable(f"{who}{form} does not load: {_first_line(e)}") from None
+    gen = torch.Generator().manual_seed(0)
+    for b, t in serving_shapes(seq_len):
+        x = torch.randint(0, 256, (b, t), generator=gen)
+        try:
+            with torch.no_grad():
+                got, want = loaded(x), eager(x)
+        except Exception as e:  # noqa: BLE001 - any failure here means the endpoint would fail the same way
+            raise NotServable(f"{who}{form} fails at serving shape [{b}, {t}]: {_first_line(e)}") from None
+        if tuple(got.shape) != (b, t, 256) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
+            raise NotServable(
+                f"{who}{form}'s logits at shape [{b}, {t}] differ from the trained model's (shape {tuple(got.shape)})"
+            )
