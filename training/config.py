@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+DEFAULT_FACTORY = "training.model:build_gpt"
 
 
 class TrainConfig(BaseModel):
@@ -26,7 +28,7 @@ class TrainConfig(BaseModel):
 
     # model
     model_factory: str = Field(
-        "training.model:build_gpt",
+        DEFAULT_FACTORY,
         description="Import path 'module:function' that takes this TrainConfig and returns an nn.Module.",
     )
     batch_format: str = Field(
@@ -38,6 +40,13 @@ class TrainConfig(BaseModel):
     n_head: int = Field(4, ge=1, description="Attention heads.")
     d_model: int = Field(128, ge=8, description="Model width.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    hf_config: dict[str, Any] | str = Field(
+        default_factory=dict,
+        description="A Hugging Face transformers causal LM to train instead of the built-in GPT: its config inline "
+        "(a table with model_type, e.g. 'llama') or a config.json path (local, s3://, az://), read at config load "
+        "and kept inline. Built with AutoModelForCausalLM.from_config; nothing is fetched from a hub. Byte tokens: "
+        "vocab_size >= 256. n_layer, n_head, d_model and dropout do not apply (the config sizes the model).",
+    )
 
     # optimisation
     micro_batch: int = Field(8, ge=1, description="Sequences per rank per forward pass.")
@@ -95,6 +104,27 @@ class TrainConfig(BaseModel):
         "'models:/name@alias', or a checkpoint URI. Only the model weights are loaded; optimizer and schedule "
         "start fresh.",
     )
+
+    @field_validator("hf_config")
+    @classmethod
+    def _resolve_hf_config(cls, value: dict[str, Any] | str, info: ValidationInfo) -> dict[str, Any] | str:
+        if not value:
+            return value
+        from training.hf_model import resolve_hf_config
+
+        return resolve_hf_config(value, int(info.data.get("seq_len", 0)))
+
+    @model_validator(mode="after")
+    def _hf_factory(self) -> TrainConfig:
+        if self.hf_config:
+            from training.hf_model import HF_FACTORY
+
+            if self.model_factory not in (DEFAULT_FACTORY, HF_FACTORY):
+                raise ValueError(
+                    f"train.hf_config and train.model_factory={self.model_factory!r} both name the model; set one"
+                )
+            self.model_factory = HF_FACTORY
+        return self
 
 
 class ValidationConfig(BaseModel):

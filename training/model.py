@@ -136,8 +136,12 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 * L * d * T.
 
     N counts the matmul weights a token passes through (everything but the embedding lookups). For a
-    model that is not a GPT (a plugged-in factory) the attention term is left out: 6N.
+    model that is not a GPT (a plugged-in factory) the attention term is left out: 6N. A model with its own
+    `flops_per_token(seq_len)` (training.hf_model.CausalLM) is asked.
     """
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return float(own(seq_len))
     n = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("wte.", "wpe.")))
     attn = 0.0
     blocks = getattr(model, "blocks", None)

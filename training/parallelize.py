@@ -9,9 +9,25 @@ from training.config import TrainConfig
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The repeated transformer blocks (`model.blocks`), the unit of sharding and recomputation."""
+    """The repeated transformer blocks, the unit of sharding and recomputation: `model.blocks` (the built-in GPT),
+    else the ModuleList whose every child is a class the model declares in `_no_split_modules` (transformers models;
+    Accelerate's and torchtitan's rule), looked through activation checkpointing's wrapper."""
     blocks = getattr(model, "blocks", None)
-    return blocks if isinstance(blocks, nn.ModuleList) else None
+    if isinstance(blocks, nn.ModuleList):
+        return blocks
+    declared: set[str] = set()
+    for module in model.modules():
+        declared.update(getattr(module, "_no_split_modules", None) or ())
+    if not declared:
+        return None
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module)
+            and all(type(getattr(child, "_checkpoint_wrapped_module", child)).__name__ in declared for child in module)
+        ):
+            return module
+    return None
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -27,7 +43,10 @@ def apply_ac(model: nn.Module) -> nn.Module:
 
     blocks = _blocks(model)
     if blocks is None:
-        raise ValueError("train.activation_checkpointing needs a model with a `blocks` nn.ModuleList")
+        raise ValueError(
+            "train.activation_checkpointing needs a model with a `blocks` nn.ModuleList or declared "
+            "`_no_split_modules` layers"
+        )
     for i, block in enumerate(blocks):
         # The wrapper's `_checkpoint_wrapped_module.` prefix is stripped by DCP's get_model_state_dict,
         # so checkpoints keep the plain model's FQNs.

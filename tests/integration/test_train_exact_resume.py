@@ -1,6 +1,7 @@
 """Exact resume: a torchrun training SIGKILLed mid-run and relaunched ends with the same weights and the same loss
-history as an uninterrupted run (CPU, one thread per rank, same world size); another world size follows the
-documented rule (model and optimizer resharded, a fresh data stream seeded by the resume step)."""
+history as an uninterrupted run (CPU, one thread per rank, same world size), for the built-in GPT and for a
+transformers Llama; another world size follows the documented rule (model and optimizer resharded, a fresh data
+stream seeded by the resume step)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import torch
 from support.train_support import kill_tree, make_shards
 
 from training import checkpoint as ck
-from training.config import TrainConfig
-from training.model import build_gpt
+from training.config import TrainConfig, load_object
 
 CFG = TrainConfig(
     workers=2,
@@ -37,6 +37,19 @@ CFG = TrainConfig(
     dropout=0.1,
     threads_per_worker=1,
 )
+# A transformers Llama (built from its config, FSDP2 per LlamaDecoderLayer, activation checkpointing on)
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+}
+HF_CFG = CFG.model_copy(update={"hf_config": TINY_LLAMA, "dropout": 0.0, "activation_checkpointing": True})
+HF_CFG = TrainConfig.model_validate(HF_CFG.model_dump())  # through the validators: model_factory follows hf_config
 
 
 def _launch(
@@ -74,7 +87,7 @@ def _losses(client, run_id: str) -> dict[int, float]:
 
 
 def _weights(directory: Path, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    model = build_gpt(cfg)
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg)
     ck.load_unsharded(model, directory)
     return model.state_dict()
 
@@ -89,13 +102,15 @@ def runs(mlflow_store):
 
 
 @pytest.mark.slow
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, runs):
+@pytest.mark.parametrize("model", ["gpt", "transformers-llama"])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, runs, model):
     uri, client, new_run = runs
+    cfg = {"gpt": CFG, "transformers-llama": HF_CFG}[model]
     full_run = new_run()
-    _finish(_launch(tmp_path, CFG, "full", uri, full_run, 2))
+    _finish(_launch(tmp_path, cfg, "full", uri, full_run, 2))
 
     first, second = new_run(), new_run()
-    proc = _launch(tmp_path, CFG, "cut", uri, first, 2)
+    proc = _launch(tmp_path, cfg, "cut", uri, first, 2)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if ck.latest_complete([str(p) for p in (tmp_path / "cut").glob("checkpoint_0*")]):
@@ -105,20 +120,22 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, runs):
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be interrupted"
     complete = ck.latest_complete([str(p) for p in (tmp_path / "cut").glob("checkpoint_0*")])
-    assert complete is not None and complete[0] < CFG.steps
-    summary = _finish(_launch(tmp_path, CFG, "cut", uri, second, 2))
-    assert summary["step"] == CFG.steps
+    assert complete is not None and complete[0] < cfg.steps
+    summary = _finish(_launch(tmp_path, cfg, "cut", uri, second, 2))
+    assert summary["step"] == cfg.steps
 
-    final = tmp_path / "cut" / f"checkpoint_{CFG.steps:08d}"
+    final = tmp_path / "cut" / f"checkpoint_{cfg.steps:08d}"
     resumed_from = json.loads((final / ck.manifest_name(0)).read_text())["resumed_from"]
     assert resumed_from == complete[0]  # the newest complete checkpoint when the run died
     full, before, after = _losses(client, full_run), _losses(client, first), _losses(client, second)
-    assert sorted(after) == list(range(resumed_from + 1, CFG.steps + 1))
+    assert sorted(after) == list(range(resumed_from + 1, cfg.steps + 1))
     history = {**{s: v for s, v in before.items() if s <= resumed_from}, **after}
     assert history == full  # every step's loss, bit for bit
-    expected = _weights(tmp_path / "full" / f"checkpoint_{CFG.steps:08d}", CFG)
-    got = _weights(final, CFG)
+    expected = _weights(tmp_path / "full" / f"checkpoint_{cfg.steps:08d}", cfg)
+    got = _weights(final, cfg)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+    if model != "gpt":
+        assert "lm.model.layers.0.mlp.up_proj.weight" in expected  # the transformers model, under its own names
 
 
 def test_resume_at_another_world_size_follows_the_documented_rule(tmp_path, runs):

@@ -22,7 +22,7 @@ def test_defaults_are_the_embedded_single_machine_setup():
     assert cfg.validation.max_texts == 0  # the whole held-out split
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "debug.toml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
 def test_shipped_configs_load(name):
     cfg = load_config(REPO / "configs" / name)
     assert cfg.train.steps >= cfg.train.checkpoint_every

@@ -1,0 +1,106 @@
+"""`train.hf_config`: a transformers causal LM built from its config (never from a hub), sharded per declared
+decoder layer, served in the form validation proves, and every bad config refused in one line at config load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flows.config import ConfigError, load_config
+from training.config import TrainConfig, load_object
+from training.hf_model import HF_FACTORY
+from training.model import flops_per_token
+from training.parallelize import _blocks, apply_ac
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+}
+
+
+def _model(spec: dict = TINY_LLAMA, seq_len: int = 32):
+    cfg = TrainConfig(seq_len=seq_len, hf_config=spec)
+    torch.manual_seed(0)
+    return cfg, load_object(cfg.model_factory, "train.model_factory")(cfg)
+
+
+def test_an_inline_config_builds_the_transformers_model_behind_the_byte_interface():
+    cfg, model = _model()
+    assert cfg.model_factory == HF_FACTORY and type(model.lm).__name__ == "LlamaForCausalLM"
+    logits = model(torch.randint(0, 256, (3, 7)))
+    assert logits.shape == (3, 7, 256)
+    # FSDP2 and activation checkpointing find the layers the model declares (_no_split_modules), wrapped or not
+    layers = _blocks(model)
+    assert layers is model.lm.model.layers and [type(x).__name__ for x in layers] == ["LlamaDecoderLayer"] * 2
+    apply_ac(model)
+    assert _blocks(model) is model.lm.model.layers and type(layers[0]).__name__ == "CheckpointWrapper"
+    # MFU's formula: 6N + 12 L d T, N without the input embedding (the untied head counts)
+    n = sum(p.numel() for p in model.parameters()) - 256 * 32
+    assert flops_per_token(model, 32) == 6.0 * n + 12.0 * 2 * 32 * 32
+
+
+def test_a_config_json_is_read_once_and_kept_inline(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    (tmp_path / "run.toml").write_text(f'[train]\nseq_len = 32\nhf_config = "{path}"\n')
+    cfg = load_config(tmp_path / "run.toml").train
+    assert cfg.hf_config == TINY_LLAMA and cfg.model_factory == HF_FACTORY
+    path.unlink()  # workers, parameters and the registered model carry the config, not the file
+    assert TrainConfig.model_validate(cfg.model_dump()).hf_config == TINY_LLAMA
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "message"),
+    [
+        ('{ model_type = "nonesuch" }', "model_type 'nonesuch' is not an architecture transformers knows"),
+        ('{ model_type = "vit" }', "model_type 'vit' is not a causal language model"),
+        ("{ vocab_size = 256 }", "needs model_type"),
+        ('{ model_type = "llama", vocab_size = 100 }', "vocab_size 100 is smaller than the 256 byte tokens"),
+        (
+            '{ model_type = "llama", max_position_embeddings = 16 }',
+            "max_position_embeddings 16 is shorter than train.seq_len 32",
+        ),
+        ('"CONFIG"', "not a JSON config"),
+        ('"MISSING"', "MISSING: cannot read it"),
+    ],
+)
+def test_a_bad_hf_config_is_one_line_at_config_load(tmp_path, hf_config, message):
+    (tmp_path / "bad.json").write_text('{"model_type": "llama",')  # cut short: does not parse
+    hf_config = hf_config.replace("CONFIG", str(tmp_path / "bad.json")).replace("MISSING", str(tmp_path / "no.json"))
+    (tmp_path / "run.toml").write_text(f"[train]\nseq_len = 32\nhf_config = {hf_config}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "run.toml")
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and "train.hf_config" in text and message.replace("MISSING", "") in text
+
+
+def test_hf_config_and_another_model_factory_are_refused_together(tmp_path):
+    (tmp_path / "run.toml").write_text(
+        '[train]\nseq_len = 32\nmodel_factory = "training.model:build_gpt_x"\n'
+        'hf_config = { model_type = "llama", max_position_embeddings = 64 }\n'
+    )
+    with pytest.raises(ConfigError, match="both name the model; set one"):
+        load_config(tmp_path / "run.toml")
+
+
+def test_the_transformers_model_serves_in_the_form_validation_proves(mlflow_store):
+    """Logged as validation logs it (a pt2 program when torch.export captures it, else the eager form); loaded back
+    as the endpoint loads it, it gives the trained model's logits."""
+    import mlflow
+
+    from training.servable import load_served_model, log_servable_model
+
+    cfg, model = _model()
+    model.eval().requires_grad_(False)
+    with mlflow.start_run():
+        uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+    x = torch.randint(0, 256, (2, 9))
+    assert torch.allclose(load_served_model(uri)(x), model(x), atol=1e-4)

@@ -1,0 +1,117 @@
+"""A Hugging Face `transformers` causal LM as a shardline model (`train.hf_config`), byte-level.
+
+The model is built from its config with `AutoModelForCausalLM.from_config`: nothing is fetched from a model hub,
+ever. Its config is given inline in the TOML (a `[train.hf_config]` table with `model_type`) or as a config.json
+path (local, s3://, az://), which config loading reads once and keeps inline (`resolve_hf_config`), so workers,
+Prefect parameters and the registered model carry the config itself and never go back to the file.
+
+Tokens are bytes (the default tokenizer): the config's `vocab_size` must hold the 256 byte values; a larger vocabulary
+trains and serves only its first 256 logits. FSDP2 shards each decoder layer, found as the model declares it
+(`_no_split_modules`, as Accelerate and torchtitan find it; training.parallelize), and activation checkpointing,
+mixed precision and exact resume work as they do for the built-in GPT.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 256  # byte tokens (training.model.VOCAB; not imported: training.config imports this module)
+HF_FACTORY = "training.hf_model:build_hf_model"
+
+
+def _transformers_config(spec: dict[str, Any]) -> Any:
+    """The transformers config of an inline spec (a dict with model_type).
+
+    Raises:
+        ValueError: one line: no model_type, a model_type transformers does not know, a model that is not a causal
+            LM, or settings the config class refuses.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = spec.get("model_type")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError("needs model_type (e.g. 'llama'), the architecture transformers builds")
+    try:
+        config = AutoConfig.for_model(kind, **{k: v for k, v in spec.items() if k != "model_type"})
+    except ValueError as e:
+        if "Unrecognized model identifier" in str(e):
+            raise ValueError(f"model_type {kind!r} is not an architecture transformers knows") from None
+        raise ValueError(f"model_type {kind!r}: {str(e).splitlines()[0][:200]}") from None
+    if type(config) not in AutoModelForCausalLM._model_mapping:  # transformers' own registry of causal LMs
+        raise ValueError(f"model_type {kind!r} is not a causal language model (AutoModelForCausalLM cannot build it)")
+    if int(getattr(config, "vocab_size", 0) or 0) < VOCAB:
+        raise ValueError(
+            f"vocab_size {getattr(config, 'vocab_size', None)} is smaller than the {VOCAB} byte tokens it must embed"
+        )
+    return config
+
+
+def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, Any]:
+    """The inline config of `train.hf_config` (a dict, or a config.json path or URI, read now), checked against
+    transformers and `seq_len`.
+
+    Raises:
+        ValueError: one line naming the file or the problem (unreadable, not JSON, unknown architecture, ...).
+    """
+    if isinstance(value, str):
+        from infra import storage
+
+        try:
+            raw = storage.read_bytes(value)
+        except Exception as e:  # noqa: BLE001 - any read failure is this field's problem, said in one line
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"{value}: cannot read it ({cause})") from None
+        try:
+            spec = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{value}: not a JSON config ({e})") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"{value}: a config.json holds a JSON object, not {type(spec).__name__}")
+    else:
+        spec = dict(value)
+    config = _transformers_config(spec)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and int(positions) < seq_len:
+        raise ValueError(f"max_position_embeddings {positions} is shorter than train.seq_len {seq_len}")
+    return spec
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM behind the built-in GPT's interface: forward(idx int64 [B, T]) -> logits [B, T, 256].
+
+    The transformers model is `self.lm`; its state dict keys are `lm.<transformers' own keys>`."""
+
+    def __init__(self, spec: dict[str, Any], seq_len: int) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.seq_len = seq_len
+        self.lm = AutoModelForCausalLM.from_config(_transformers_config(spec))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # no cache: training and the served program run whole windows (the engine recomputes them)
+        return self.lm(input_ids=idx, use_cache=False).logits[..., :VOCAB]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, PaLM appendix B: 6N + 12 * L * d * T, N the parameters a token's matmuls use
+        (every parameter but the input embedding; the output head counts even when tied to it)."""
+        config = self.lm.config
+        embed = self.lm.get_input_embeddings().weight
+        n = sum(p.numel() for p in self.parameters() if p is not embed)
+        if getattr(config, "tie_word_embeddings", False):
+            n += embed.numel()  # the head's matmul, whose weight is the embedding's
+        layers, width = int(config.num_hidden_layers), int(config.hidden_size)
+        return 6.0 * n + 12.0 * layers * width * seq_len
+
+
+def build_hf_model(cfg: Any) -> CausalLM:
+    """The `train.model_factory` of `train.hf_config` (set by TrainConfig when hf_config is; `cfg` is that
+    TrainConfig): the transformers
+    model built from the config, randomly initialised (seeded by the loop, so every rank starts equal)."""
+    if not isinstance(cfg.hf_config, dict) or not cfg.hf_config:
+        raise ValueError("train.hf_config: empty; build_hf_model needs the model's config")
+    return CausalLM(cfg.hf_config, cfg.seq_len)
