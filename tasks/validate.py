@@ -99,7 +99,11 @@ def validate_checkpoint(
             raise GateFailed("; ".join(failures))
         # the pt2 program, or the eager form when export cannot serve it; proven at every serving shape either way
         model_uri = log_servable_model(
-            model, train_cfg.seq_len, factory=train_cfg.model_factory, train_config=train_cfg.model_dump(mode="json")
+            model,
+            train_cfg.seq_len,
+            factory=train_cfg.model_factory,
+            # what rebuilds the model's shape; where its first weights came from is not needed to serve it
+            train_config=train_cfg.model_dump(mode="json", exclude={"hf_weights", "init_from"}),
         )
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(

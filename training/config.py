@@ -105,6 +105,13 @@ class TrainConfig(BaseModel):
         "start fresh.",
     )
 
+    hf_weights: str = Field(
+        "",
+        description="A transformers model's save_pretrained directory (config.json and model.safetensors; local, "
+        "s3://, az://) whose weights a run starts from: continued training or fine-tuning. Its config.json is the "
+        "model's config unless hf_config is given. train.init_from, when it finds a checkpoint, and resume win.",
+    )
+
     @field_validator("hf_config")
     @classmethod
     def _resolve_hf_config(cls, value: dict[str, Any] | str, info: ValidationInfo) -> dict[str, Any] | str:
@@ -114,8 +121,22 @@ class TrainConfig(BaseModel):
 
         return resolve_hf_config(value, int(info.data.get("seq_len", 0)))
 
+    @field_validator("hf_weights")
+    @classmethod
+    def _check_hf_weights(cls, value: str) -> str:
+        if value:
+            from training.hf_model import weight_files
+
+            weight_files(value)
+        return value
+
     @model_validator(mode="after")
     def _hf_factory(self) -> TrainConfig:
+        if self.hf_weights and not self.hf_config:
+            from infra.storage import join
+            from training.hf_model import resolve_hf_config
+
+            self.hf_config = resolve_hf_config(join(self.hf_weights.rstrip("/"), "config.json"), self.seq_len)
         if self.hf_config:
             from training.hf_model import HF_FACTORY
 

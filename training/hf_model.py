@@ -21,6 +21,8 @@ from torch import nn
 
 VOCAB = 256  # byte tokens (training.model.VOCAB; not imported: training.config imports this module)
 HF_FACTORY = "training.hf_model:build_hf_model"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained's index when it splits the weights
 
 
 def _transformers_config(spec: dict[str, Any]) -> Any:
@@ -78,6 +80,64 @@ def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, An
     if positions is not None and int(positions) < seq_len:
         raise ValueError(f"max_position_embeddings {positions} is shorter than train.seq_len {seq_len}")
     return spec
+
+
+def weight_files(directory: str) -> list[str]:
+    """The safetensors files of a `save_pretrained` directory (local, s3://, az://), checked at config load.
+
+    Raises:
+        ValueError: one line: the directory holds no config.json, no safetensors weights (pickled
+            `pytorch_model.bin` weights are never loaded), or an index naming files that are not there.
+    """
+    from infra import storage
+
+    base = directory.rstrip("/")
+    names = {e.uri.removeprefix(base + "/") for e in storage.list_prefix(base)}
+    if not names:
+        raise ValueError(f"{directory}: no such directory, or it is empty")
+    if "config.json" not in names:
+        raise ValueError(f"{directory}: missing config.json (save_pretrained writes it beside the weights)")
+    if WEIGHTS in names:
+        return [storage.join(base, WEIGHTS)]
+    if WEIGHTS_INDEX in names:
+        index = json.loads(storage.read_bytes(storage.join(base, WEIGHTS_INDEX)))
+        files = sorted(set(index.get("weight_map", {}).values()))
+        missing = [f for f in files if f not in names]
+        if not files or missing:
+            raise ValueError(f"{directory}: {WEIGHTS_INDEX} names files that are not there: {missing or 'none'}")
+        return [storage.join(base, f) for f in files]
+    pickled = " (pytorch_model.bin is pickle, never loaded: save with safe_serialization=True)" * (
+        "pytorch_model.bin" in names
+    )
+    raise ValueError(f"{directory}: missing {WEIGHTS}{pickled}")
+
+
+def load_pretrained(model: nn.Module, directory: str) -> None:
+    """`train.hf_weights`: the directory's safetensors weights into the plain CausalLM (before FSDP wraps it).
+    Tied output heads may be absent from the files; any other missing, unexpected or misshapen tensor is an error.
+
+    Raises:
+        ValueError: naming the directory and the tensors that do not fit.
+    """
+    from safetensors.torch import load as load_safetensors
+
+    from infra import storage
+
+    if not isinstance(model, CausalLM):
+        raise ValueError("train.hf_weights needs train.hf_config's model (a transformers causal LM)")
+    state: dict[str, torch.Tensor] = {}
+    for uri in weight_files(directory):
+        state.update(load_safetensors(storage.read_bytes(uri)))  # tensors only: safetensors runs no code
+    try:
+        missing, unexpected = model.lm.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes that do not fit the config
+        raise ValueError(f"train.hf_weights={directory}: {str(e).strip().splitlines()[-1].strip()[:300]}") from None
+    tied = {"lm_head.weight"} if getattr(model.lm.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"train.hf_weights={directory}: weights do not fit the model: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
 
 
 class CausalLM(nn.Module):

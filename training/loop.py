@@ -296,6 +296,10 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     model = load_object(cfg.model_factory, "train.model_factory")(cfg)
     if config.get("init_checkpoint"):  # continued training; a checkpoint of this run (below) still wins
         _init_weights(model, config["init_checkpoint"])
+    elif cfg.hf_weights:  # fine-tuning a transformers model's save_pretrained weights; resume (below) still wins
+        from training.hf_model import load_pretrained
+
+        load_pretrained(model, cfg.hf_weights)
     model = model.to(device)
     fpt = flops_per_token(model, cfg.seq_len)
     model = parallelize(model, cfg, device, world)

@@ -104,3 +104,45 @@ def test_the_transformers_model_serves_in_the_form_validation_proves(mlflow_stor
         uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
     x = torch.randint(0, 256, (2, 9))
     assert torch.allclose(load_served_model(uri)(x), model(x), atol=1e-4)
+
+
+def _saved(tmp_path, spec: dict = TINY_LLAMA):
+    """A tiny Llama written by transformers' own save_pretrained (config.json + model.safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind = spec["model_type"]
+    torch.manual_seed(7)
+    lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{k: v for k, v in spec.items() if k != "model_type"}))
+    lm.save_pretrained(tmp_path / "pretrained")
+    return tmp_path / "pretrained", lm.state_dict()
+
+
+def test_hf_weights_start_the_model_from_a_save_pretrained_directory(tmp_path):
+    from training.hf_model import load_pretrained
+
+    directory, saved = _saved(tmp_path)
+    cfg = TrainConfig(seq_len=32, hf_weights=str(directory))
+    assert cfg.hf_config["hidden_size"] == 32 and cfg.model_factory == HF_FACTORY  # the directory's config.json
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg)
+    assert not torch.equal(model.lm.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    load_pretrained(model, cfg.hf_weights)
+    assert all(torch.equal(model.lm.state_dict()[k], v) for k, v in saved.items())
+    # weights of another shape than the config: one line naming the directory
+    wider = TrainConfig(seq_len=32, hf_weights=str(directory), hf_config={**TINY_LLAMA, "intermediate_size": 96})
+    with pytest.raises(ValueError, match=rf"train.hf_weights={directory}: .*size mismatch|train.hf_weights={directory}"):
+        load_pretrained(load_object(wider.model_factory, "f")(wider), str(directory))
+
+
+def test_a_weights_directory_missing_files_is_one_line_at_config_load(tmp_path):
+    directory, _ = _saved(tmp_path)
+    (directory / "model.safetensors").rename(directory / "pytorch_model.bin")  # as if saved with pickle
+    (tmp_path / "run.toml").write_text(f'[train]\nseq_len = 32\nhf_weights = "{directory}"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "run.toml")
+    assert len(str(err.value).splitlines()) == 1
+    assert "train.hf_weights" in str(err.value) and "missing model.safetensors (pytorch_model.bin is pickle" in str(
+        err.value
+    )
+    (directory / "config.json").unlink()
+    with pytest.raises(ConfigError, match="missing config.json"):
+        load_config(tmp_path / "run.toml")
