@@ -30,18 +30,27 @@ def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
 
 
 def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
-    """The engine backend of a logged model: a KV-cached GPT when its metadata names eager GPT weights
-    (training.servable.log_servable_model does so for the built-in GPT), else the served model (the pt2 program,
+    """The engine backend of a logged model: a KV-cached GPT, or transformers model, when its metadata names its
+    eager weights (training.servable.log_servable_model does so for both), else the served model (the pt2 program,
     or a model export could not capture, rebuilt by its factory), recomputed."""
     import mlflow
 
     from deployments.engine import Recompute
     from deployments.registry import seq_len_of
+    from training.hf_model import EAGER_HF
     from training.model import EAGER_METADATA
     from training.servable import load_served_model
 
     seq_len = seq_len_of(model_uri)
-    eager = (mlflow.models.get_model_info(model_uri).metadata or {}).get(EAGER_METADATA)
+    metadata = mlflow.models.get_model_info(model_uri).metadata or {}
+    eager = metadata.get(EAGER_METADATA)
+    if metadata.get(EAGER_HF):  # a transformers model: its own KV cache
+        from deployments.kv_cache_hf import CachedCausalLM
+        from training.hf_model import load_causal_lm
+
+        spec = metadata[EAGER_HF]
+        path = mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri.rstrip('/')}/{spec['weights']}")
+        return CachedCausalLM(load_causal_lm(spec["config"], seq_len, path), slots)
     if not eager:
         return Recompute(load_served_model(model_uri), seq_len, slots)
     from deployments.kv_cache import CachedGPT
@@ -111,7 +120,8 @@ class ModelServer:
         self.version = version
         self.backend = load_backend(f"models:/{model_name}/{version}", slots)
         self.model, self.seq_len = self.backend.model, self.backend.seq_len
-        self.kv_cache = isinstance(self.backend, CachedGPT)  # False: a pt2 program, recomputed each step
+        # False: a program or eager model, recomputed each step
+        self.kv_cache = isinstance(self.backend, CachedGPT) or getattr(self.backend, "kv_cache", False)
         self.engine = Engine(self.backend)
         self.score_batch = score_batch
         if score_batch > 1:

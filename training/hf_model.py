@@ -21,6 +21,10 @@ from torch import nn
 
 VOCAB = 256  # byte tokens (training.model.VOCAB; not imported: training.config imports this module)
 HF_FACTORY = "training.hf_model:build_hf_model"
+# The logged model's metadata key naming a transformers model's config and weights beside its pt2 program: serving
+# rebuilds it from them to decode with transformers' KV cache (deployments.kv_cache_hf).
+EAGER_HF = "eager_hf"
+EAGER_HF_FILE = "hf_state_dict.pt"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained's index when it splits the weights
 
@@ -149,7 +153,7 @@ class CausalLM(nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.seq_len = seq_len
+        self.seq_len, self.spec = seq_len, dict(spec)
         self.lm = AutoModelForCausalLM.from_config(_transformers_config(spec))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -166,6 +170,13 @@ class CausalLM(nn.Module):
             n += embed.numel()  # the head's matmul, whose weight is the embedding's
         layers, width = int(config.num_hidden_layers), int(config.hidden_size)
         return 6.0 * n + 12.0 * layers * width * seq_len
+
+
+def load_causal_lm(spec: dict[str, Any], seq_len: int, weights_path: str) -> CausalLM:
+    """A CausalLM from its inline config and a state dict file (tensors only, `weights_only=True`), in eval mode."""
+    model = CausalLM(spec, seq_len)
+    model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
+    return model.eval()
 
 
 def build_hf_model(cfg: Any) -> CausalLM:

@@ -115,7 +115,7 @@ def build_gpt(cfg: TrainConfig) -> GPT:
     return GPT(cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout)
 
 
-def save_weights(model: GPT, path: str) -> None:
+def save_weights(model: nn.Module, path: str) -> None:
     """The state dict as plain tensors (torch.save of a dict of tensors; `load_gpt` reads it with
     weights_only=True, so loading unpickles no objects)."""
     torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path)

@@ -56,11 +56,12 @@ def _requirements() -> list[str]:
 
 def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
     """The model as a pt2 program (batch and time dynamic). The built-in GPT also gets its weights as an extra file
-    and metadata[EAGER_METADATA] = {"config", "weights"}: a program cannot carry a KV cache, so serving rebuilds the
-    eager GPT from them and decodes incrementally."""
+    and metadata[EAGER_METADATA] = {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot
+    carry a KV cache, so serving rebuilds the eager model from them and decodes incrementally."""
     import mlflow
     import numpy as np
 
+    from training.hf_model import EAGER_HF, EAGER_HF_FILE, CausalLM
     from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
 
     # B and T > 1 in the example, so torch.export keeps both dimensions dynamic.
@@ -74,6 +75,10 @@ def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
             extra_files = [str(Path(tmp) / EAGER_WEIGHTS_FILE)]
             # mlflow copies extra files to extra_files/<name> inside the logged model
             metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
+        elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
+            save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
+            extra_files = [str(Path(tmp) / EAGER_HF_FILE)]
+            metadata[EAGER_HF] = {"config": model.spec, "weights": f"extra_files/{EAGER_HF_FILE}"}
         info = mlflow.pytorch.log_model(
             model.eval(),
             name=name,

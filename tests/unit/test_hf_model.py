@@ -147,3 +147,45 @@ def test_a_weights_directory_missing_files_is_one_line_at_config_load(tmp_path):
     (directory / "config.json").unlink()
     with pytest.raises(ConfigError, match="missing config.json"):
         load_config(tmp_path / "run.toml")
+
+
+def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_store):
+    """Validation logs a transformers model's weights beside its pt2 program; the endpoint's backend is then the
+    KV-cached model. Greedy completions through the engine equal recomputing the window while they fit in it."""
+    import asyncio
+    from contextlib import aclosing
+
+    import mlflow
+
+    from deployments.engine import Engine
+    from deployments.generation import Completion, generate, merge_logprobs
+    from deployments.kv_cache_hf import CachedCausalLM
+    from deployments.model_server import load_backend
+    from training.servable import log_servable_model
+
+    cfg, model = _model()
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm.lm_head.weight.mul_(30.0)  # sharper logits: greedy choices are not near-ties
+    with mlflow.start_run():
+        uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+    version = mlflow.register_model(uri, "tiny-llama").version
+    backend = load_backend(f"models:/tiny-llama/{version}", slots=2)
+    assert isinstance(backend, CachedCausalLM)
+
+    async def greedy(prompt: bytes, n: int) -> list[str]:
+        async with aclosing(Engine(backend).stream(prompt, Completion(n, temperature=0.0, logprobs=0))) as events:
+            out = [e async for e in events]
+        return merge_logprobs([e["logprobs"] for e in out if "text" in e])["tokens"]
+
+    def recomputed(prompt: bytes, n: int) -> list[str]:
+        events = list(generate(model, prompt, 32, n, temperature=0.0, logprobs=0))
+        return merge_logprobs([e["logprobs"] for e in events if "text" in e])["tokens"]
+
+    prompt = b"def main():"
+    assert asyncio.run(greedy(prompt, 32 - len(prompt) + 1)) == recomputed(prompt, 32 - len(prompt) + 1)
+    # one-token steps of the cache give the logits of the whole window at its last position
+    first = backend.prefill(0, list(b"import o"))
+    assert torch.allclose(first, model(torch.tensor([list(b"import o")]))[0], atol=1e-4)
+    step = backend.decode([0], [ord("s")])
+    assert torch.allclose(step[0], model(torch.tensor([list(b"import os")]))[0, -1], atol=1e-4)
