@@ -39,7 +39,7 @@ def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
     from deployments.registry import seq_len_of
     from training.hf_model import EAGER_HF
     from training.model import EAGER_METADATA
-    from training.servable import load_served_model
+    from training.servable import load_served_model, model_file
 
     seq_len = seq_len_of(model_uri)
     metadata = mlflow.models.get_model_info(model_uri).metadata or {}
@@ -49,18 +49,49 @@ def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
         from training.hf_model import load_causal_lm
 
         spec = metadata[EAGER_HF]
-        path = mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri.rstrip('/')}/{spec['weights']}")
-        return CachedCausalLM(load_causal_lm(spec["config"], seq_len, path), slots)
+        return CachedCausalLM(load_causal_lm(spec["config"], seq_len, model_file(model_uri, spec["weights"])), slots)
     if not eager:
         return Recompute(load_served_model(model_uri), seq_len, slots)
     from deployments.kv_cache import CachedGPT
     from training.model import load_gpt
 
-    path = mlflow.artifacts.download_artifacts(artifact_uri=f"{model_uri.rstrip('/')}/{eager['weights']}")
-    model = load_gpt(eager["config"], path)
+    model = load_gpt(eager["config"], model_file(model_uri, eager["weights"]))
     if model.seq_len != seq_len:
         raise ValueError(f"{model_uri}: eager GPT seq_len {model.seq_len} != logged seq_len {seq_len}")
     return CachedGPT(model, slots)
+
+
+def check_backend(model_uri: str, model: Any, seq_len: int, steps: int = 6) -> None:
+    """Before any traffic: the backend a replica builds for `model_uri` gives `model`'s logits. A KV-cached backend
+    (the GPT's, a transformers model's) prefills a prompt and decodes `steps` tokens, each compared with a whole
+    forward over the same context; a recomputing backend runs the program validation already proved.
+
+    Raises:
+        NotServable: the cached decoding differs from the model (naming the step), or the backend does not build.
+    """
+    import torch
+
+    from deployments.kv_cache import CachedGPT
+    from training.evaluate import NotServable
+
+    try:
+        backend = load_backend(model_uri, slots=1)
+    except Exception as e:  # noqa: BLE001 - a backend that does not build cannot serve
+        raise NotServable(f"the serving backend does not build: {(str(e).strip().splitlines() or [''])[0]}") from None
+    if not (isinstance(backend, CachedGPT) or getattr(backend, "kv_cache", False)):
+        return
+    n = max(1, min(seq_len - steps, seq_len // 2))
+    tokens = torch.randint(0, 256, (n + steps,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        got = [backend.prefill(0, tokens[:n])[-1]]
+        got += [backend.decode([0], [t])[0] for t in tokens[n : n + steps - 1]]
+        for i, logits in enumerate(got):
+            want = model(torch.tensor([tokens[: n + i]]))[0, -1].float()
+            if not torch.allclose(logits, want, atol=1e-3, rtol=1e-3):
+                raise NotServable(
+                    f"{type(backend).__name__}: KV-cached decoding differs from the model's forward at step {i} "
+                    f"(context {n + i} tokens)"
+                )
 
 
 def score_many(

@@ -258,7 +258,11 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
     if version is None:
         return None
     mlflow.set_registry_uri(tracking_uri)
-    return version, load_served_model(f"models:/{name}/{version}")
+    try:
+        return version, load_served_model(f"models:/{name}/{version}")
+    except Exception as e:  # noqa: BLE001 - e.g. an eager champion whose factory or TrainConfig changed since
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise RegistryError(f"{name} champion v{version} does not load as served: {cause}") from None
 
 
 def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:

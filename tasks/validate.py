@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
+from deployments.model_server import check_backend
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
@@ -105,6 +106,7 @@ def validate_checkpoint(
             # what rebuilds the model's shape; where its first weights came from is not needed to serve it
             train_config=train_cfg.model_dump(mode="json", exclude={"hf_weights", "init_from"}),
         )
+        check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(
             validation_run_id=run_id,

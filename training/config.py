@@ -136,7 +136,10 @@ class TrainConfig(BaseModel):
             from infra.storage import join
             from training.hf_model import resolve_hf_config
 
-            self.hf_config = resolve_hf_config(join(self.hf_weights.rstrip("/"), "config.json"), self.seq_len)
+            try:
+                self.hf_config = resolve_hf_config(join(self.hf_weights.rstrip("/"), "config.json"), self.seq_len)
+            except ValueError as e:
+                raise ValueError(f"train.hf_weights: {e}") from None
         if self.hf_config:
             from training.hf_model import HF_FACTORY
 

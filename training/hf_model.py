@@ -14,6 +14,7 @@ mixed precision and exact resume work as they do for the built-in GPT.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,8 +42,11 @@ def _transformers_config(spec: dict[str, Any]) -> Any:
     kind = spec.get("model_type")
     if not isinstance(kind, str) or not kind:
         raise ValueError("needs model_type (e.g. 'llama'), the architecture transformers builds")
+    # parameters stay fp32 (train.mixed_precision decides the compute dtype): a save_pretrained config's dtype is
+    # what its weights were stored in, and from_config would otherwise build the model in it
+    settings = {k: v for k, v in spec.items() if k not in ("model_type", "dtype", "torch_dtype")}
     try:
-        config = AutoConfig.for_model(kind, **{k: v for k, v in spec.items() if k != "model_type"})
+        config = AutoConfig.for_model(kind, **settings)
     except ValueError as e:
         if "Unrecognized model identifier" in str(e):
             raise ValueError(f"model_type {kind!r} is not an architecture transformers knows") from None
@@ -93,10 +97,19 @@ def weight_files(directory: str) -> list[str]:
         ValueError: one line: the directory holds no config.json, no safetensors weights (pickled
             `pytorch_model.bin` weights are never loaded), or an index naming files that are not there.
     """
+    import posixpath
+
     from infra import storage
 
-    base = directory.rstrip("/")
-    names = {e.uri.removeprefix(base + "/") for e in storage.list_prefix(base)}
+    try:
+        loc = storage.parse(directory)
+        base = storage.join(f"{loc.scheme}://{loc.bucket}", posixpath.normpath(loc.key)) if loc.bucket else ""
+        base = base or str(Path(loc.key).resolve())
+        names = {e.uri.removeprefix(base.rstrip("/") + "/") for e in storage.list_prefix(base)}
+    except Exception as e:  # noqa: BLE001 - a bad URI or an unreachable store is this field's problem, in one line
+        raise ValueError(
+            f"{directory}: cannot list it ({(str(e).strip().splitlines() or [type(e).__name__])[0]})"
+        ) from None
     if not names:
         raise ValueError(f"{directory}: no such directory, or it is empty")
     if "config.json" not in names:

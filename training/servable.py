@@ -184,14 +184,26 @@ def eager_spec(model_uri: str) -> dict | None:
     return (mlflow.models.get_model_info(model_uri).metadata or {}).get(EAGER_FACTORY)
 
 
+def model_file(model_uri: str, relative: str) -> str:
+    """A local copy of one file of a logged model (`models:/NAME/VERSION`, `models:/NAME@alias` or `models:/m-<id>`),
+    by way of the store the model's artifacts are in."""
+    import mlflow
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+
+    root = ModelsArtifactRepository.get_underlying_uri(model_uri)
+    return str(mlflow.artifacts.download_artifacts(artifact_uri=f"{root.rstrip('/')}/{relative}"))
+
+
 def load_served_model(model_uri: str) -> Any:
     """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, 256]: the pt2 program,
-    or the eager model rebuilt from its factory and weights."""
+    or the eager model rebuilt by the installed factory from its weights file alone (the code logged with the
+    pyfunc is never run here: a store that could rewrite it could make MLflow unpickle instead)."""
     import mlflow
 
-    if eager_spec(model_uri) is None:
+    spec = eager_spec(model_uri)
+    if spec is None:
         return mlflow.pytorch.load_model(model_uri, map_location="cpu")
-    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().model  # eager_pyfunc.EagerModel's
+    return build_eager(spec, model_file(model_uri, spec["weights"]))
 
 
 def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:

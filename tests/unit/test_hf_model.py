@@ -100,7 +100,7 @@ def test_the_transformers_model_serves_in_the_form_validation_proves(mlflow_stor
 
     cfg, model = _model()
     model.eval().requires_grad_(False)
-    with mlflow.start_run():
+    with mlflow.start_run(experiment_id=mlflow_store[1]):
         uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
     x = torch.randint(0, 256, (2, 9))
     assert torch.allclose(load_served_model(uri)(x), model(x), atol=1e-4)
@@ -167,7 +167,7 @@ def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_
     model.eval().requires_grad_(False)
     with torch.no_grad():
         model.lm.lm_head.weight.mul_(30.0)  # sharper logits: greedy choices are not near-ties
-    with mlflow.start_run():
+    with mlflow.start_run(experiment_id=mlflow_store[1]):
         uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
     version = mlflow.register_model(uri, "tiny-llama").version
     backend = load_backend(f"models:/tiny-llama/{version}", slots=2)
