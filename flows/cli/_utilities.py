@@ -27,6 +27,9 @@ def prepare_environment() -> None:
         os.environ.setdefault(key, value)
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("PREFECT_HOME"):
         os.environ["PREFECT_HOME"] = str(shardline_home() / "prefect")
+    # Without an API URL the run starts Prefect's temporary server, which Prefect gives 20 s: on 2 busy cores (CI)
+    # it took longer, and the run failed before its first stage ("Timed out ... ephemeral Prefect API server")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 
 
