@@ -72,12 +72,13 @@ def check_backend(model_uri: str, model: Any, seq_len: int, steps: int = 6) -> N
     import torch
 
     from deployments.kv_cache import CachedGPT
+    from infra.redact import first_line
     from training.evaluate import NotServable
 
     try:
         backend = load_backend(model_uri, slots=1)
     except Exception as e:  # noqa: BLE001 - a backend that does not build cannot serve
-        raise NotServable(f"the serving backend does not build: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise NotServable(f"the serving backend does not build: {first_line(e)}") from None
     if not (isinstance(backend, CachedGPT) or getattr(backend, "kv_cache", False)):
         return
     n = max(1, min(seq_len - steps, seq_len // 2))

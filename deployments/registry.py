@@ -251,6 +251,7 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
     eager model); None when there is no champion."""
     import mlflow
 
+    from infra.redact import first_line
     from training.servable import load_served_model
 
     aliases = read_aliases(client_for(tracking_uri), name)
@@ -261,8 +262,7 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
     try:
         return version, load_served_model(f"models:/{name}/{version}")
     except Exception as e:  # noqa: BLE001 - e.g. an eager champion whose factory or TrainConfig changed since
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise RegistryError(f"{name} champion v{version} does not load as served: {cause}") from None
+        raise RegistryError(f"{name} champion v{version} does not load as served: {first_line(e)}") from None
 
 
 def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:

@@ -86,6 +86,12 @@ def redact(text: Any) -> str:
     return s
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of an error's message (its type's name when it has none), credentials masked, at most
+    `limit` characters: the cause a one-line error quotes."""
+    return redact((str(err).strip().splitlines() or [type(err).__name__])[0])[:limit]
+
+
 def redact_mapping(values: dict[str, Any]) -> dict[str, str]:
     """Every value of `values` redacted (MLflow params and tags)."""
     return {k: redact(v) for k, v in values.items()}

@@ -103,8 +103,7 @@ def validate_checkpoint(
             model,
             train_cfg.seq_len,
             factory=train_cfg.model_factory,
-            # what rebuilds the model's shape; where its first weights came from is not needed to serve it
-            train_config=train_cfg.model_dump(mode="json", exclude={"hf_weights", "init_from"}),
+            train_config=train_cfg.model_dump(mode="json"),
         )
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)

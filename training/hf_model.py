@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from infra.redact import first_line
+
 VOCAB = 256  # byte tokens (training.model.VOCAB; not imported: training.config imports this module)
 HF_FACTORY = "training.hf_model:build_hf_model"
 # The logged model's metadata key naming a transformers model's config and weights beside its pt2 program: serving
@@ -73,8 +75,7 @@ def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, An
         try:
             raw = storage.read_bytes(value)
         except Exception as e:  # noqa: BLE001 - any read failure is this field's problem, said in one line
-            cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ValueError(f"{value}: cannot read it ({cause})") from None
+            raise ValueError(f"{value}: cannot read it ({first_line(e, 200)})") from None
         try:
             spec = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -107,9 +108,7 @@ def weight_files(directory: str) -> list[str]:
         base = base or str(Path(loc.key).resolve())
         names = {e.uri.removeprefix(base.rstrip("/") + "/") for e in storage.list_prefix(base)}
     except Exception as e:  # noqa: BLE001 - a bad URI or an unreachable store is this field's problem, in one line
-        raise ValueError(
-            f"{directory}: cannot list it ({(str(e).strip().splitlines() or [type(e).__name__])[0]})"
-        ) from None
+        raise ValueError(f"{directory}: cannot list it ({first_line(e)})") from None
     if not names:
         raise ValueError(f"{directory}: no such directory, or it is empty")
     if "config.json" not in names:

@@ -24,12 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from infra.redact import first_line
 from training.evaluate import NotServable
 
 # metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
 EAGER_FACTORY = "eager_factory"
 EAGER_STATE_FILE = "state_dict.pt"
 EAGER_CODE = Path(__file__).with_name("eager_pyfunc.py")
+# TrainConfig keys an eager form leaves out: where the first weights came from does not rebuild the model
+NOT_FOR_REBUILD = ("hf_weights", "init_from")
 
 
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
@@ -96,6 +99,7 @@ def _log_eager(model: nn.Module, seq_len: int, name: str, factory: str, train_co
     """The model as its weights plus what rebuilds it (factory and TrainConfig), as a models-from-code pyfunc."""
     import mlflow
 
+    train_config = {k: v for k, v in train_config.items() if k not in NOT_FOR_REBUILD}
     spec = {"factory": factory, "train_config": train_config, "weights": f"artifacts/{EAGER_STATE_FILE}", "why": why}
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / EAGER_STATE_FILE
@@ -121,10 +125,6 @@ def _discard(model_uri: str) -> None:
         mlflow.MlflowClient().delete_logged_model(model_id)
 
 
-def _first_line(err: BaseException) -> str:
-    return ((str(err).strip().splitlines() or [type(err).__name__])[0])[:300]
-
-
 def log_servable_model(
     model: nn.Module, seq_len: int, name: str = "model", factory: str = "", train_config: dict | None = None
 ) -> str:
@@ -144,7 +144,7 @@ def log_servable_model(
     try:
         uri = _log_pt2(model, seq_len, name)
     except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
-        why = f"torch.export failed: {_first_line(e)}"
+        why = f"torch.export failed: {first_line(e)}"
     else:
         try:
             check_servable(uri, model, seq_len, factory)
@@ -217,7 +217,7 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
     try:
         loaded = load_served_model(model_uri)
     except Exception as e:  # noqa: BLE001 - a form that does not load cannot serve
-        raise NotServable(f"{who}{form} does not load: {_first_line(e)}") from None
+        raise NotServable(f"{who}{form} does not load: {first_line(e)}") from None
     gen = torch.Generator().manual_seed(0)
     for b, t in serving_shapes(seq_len):
         x = torch.randint(0, 256, (b, t), generator=gen)
@@ -225,7 +225,7 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
             with torch.no_grad():
                 got, want = loaded(x), eager(x)
         except Exception as e:  # noqa: BLE001 - any failure here means the endpoint would fail the same way
-            raise NotServable(f"{who}{form} fails at serving shape [{b}, {t}]: {_first_line(e)}") from None
+            raise NotServable(f"{who}{form} fails at serving shape [{b}, {t}]: {first_line(e)}") from None
         if tuple(got.shape) != (b, t, 256) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
             raise NotServable(
                 f"{who}{form}'s logits at shape [{b}, {t}] differ from the trained model's (shape {tuple(got.shape)})"
