@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.train_support import kill_tree, make_shards
+from support.train_support import TINY_LLAMA, kill_tree, make_shards
 
 from training import checkpoint as ck
 from training.config import TrainConfig, load_object
@@ -38,18 +38,9 @@ CFG = TrainConfig(
     threads_per_worker=1,
 )
 # A transformers Llama (built from its config, FSDP2 per LlamaDecoderLayer, activation checkpointing on)
-TINY_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-}
-HF_CFG = CFG.model_copy(update={"hf_config": TINY_LLAMA, "dropout": 0.0, "activation_checkpointing": True})
-HF_CFG = TrainConfig.model_validate(HF_CFG.model_dump())  # through the validators: model_factory follows hf_config
+HF_CFG = TrainConfig.model_validate(
+    {**CFG.model_dump(), "hf_config": TINY_LLAMA, "dropout": 0.0, "activation_checkpointing": True}
+)
 
 
 def _launch(

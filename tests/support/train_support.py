@@ -94,6 +94,19 @@ def report_worker_env() -> None:
 # ------------------------------------------------------------------------------------------ plug-in models
 
 
+# A transformers Llama small enough for CPU tests (train.hf_config): ~40k parameters, 2 decoder layers.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+}
+
+
 class ByteGRU(nn.Module):
     """A byte-level GRU: causal, but torch.export specialises its sequence length to the example's, so it is
     served eagerly (training.servable)."""

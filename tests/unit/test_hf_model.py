@@ -7,23 +7,13 @@ import json
 
 import pytest
 import torch
+from support.train_support import TINY_LLAMA
 
 from flows.config import ConfigError, load_config
 from training.config import TrainConfig, load_object
 from training.hf_model import HF_FACTORY
 from training.model import flops_per_token
 from training.parallelize import _blocks, apply_ac
-
-TINY_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 64,
-}
 
 
 def _model(spec: dict = TINY_LLAMA, seq_len: int = 32):
