@@ -25,15 +25,14 @@ from pydantic import BaseModel
 from deployments.config import ServeConfig
 from deployments.gateway_control import (
     GATEWAY_APP,
-    PICKLE_RACE,
     QUIET,
-    SERVE_RUN_LOCK,
     EndpointConflict,
     drop_stale_serve_client,
     ensure_gateway,
     gateway_name,
     prefix_holder,
     remove_gateway_if_unused,
+    serve_run,
 )
 from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
 from deployments.serve_app import RouterConfig
@@ -260,30 +259,16 @@ def apply(
     Raises:
         EndpointError: the application did not become healthy in time (the cause from Serve's status).
     """
-    from ray import serve as rs
 
     start_proxy(serve)
-    for attempt in range(3):
-        try:
-            # no route: the gateway forwards this model's requests to its router's handle
-            with SERVE_RUN_LOCK:
-                rs.run(
-                    build_app(spec, serve, runtime_env),
-                    name=spec.app_name,
-                    route_prefix=None,
-                    blocking=False,
-                    logging_config=QUIET,
-                )
-            break
-        except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
-            if PICKLE_RACE in str(e) and attempt < 2:  # a client-side race, not the application's failure
-                log.warning("deploying %s raced with another thread's pickling; deploying again", spec.app_name)
-                continue
-            first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
-            raise EndpointError(
-                f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
-                f"{_deployment_causes(spec.app_name)}"
-            ) from None
+    try:  # no route: the gateway forwards this model's requests to its router's handle
+        serve_run(lambda: build_app(spec, serve, runtime_env), spec.app_name, None)
+    except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError with the failing replica's traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+        raise EndpointError(
+            f"application {spec.app_name}: deploying versions {spec.versions} failed: {first}"
+            f"{_deployment_causes(spec.app_name)}"
+        ) from None
     deadline = time.monotonic() + timeout_s
     want = spec.router.model_dump()
     while True:

@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deployments.config import ServeConfig
@@ -23,6 +24,7 @@ QUIET = {"log_level": "WARNING", "enable_access_log": False}  # a line per reque
 # pickle-by-value registry: "module ... is not registered for pickle by value"); deploys of one process take turns
 SERVE_RUN_LOCK = threading.Lock()
 PICKLE_RACE = "is not registered for pickle by value"  # the same race with a thread of Ray's own: deploy again
+PICKLE_RACE_TRIES = 5
 MODEL_APP_PREFIX = "shardline-"
 GATEWAY_APP = "shardline-gateway"
 
@@ -123,6 +125,28 @@ def prefix_holder(serve: ServeConfig) -> str | None:
     return None
 
 
+def serve_run(build: Callable[[], Any], name: str, route_prefix: str | None) -> None:
+    """`serve.run(build(), ...)` without blocking, in turn with this process's other deploys (SERVE_RUN_LOCK).
+
+    Building a deployment's options and serve.run both register modules with cloudpickle by value and unregister
+    them after; a thread of Ray's own (a handle's long-poll applying a deployment config) does the same, and
+    whichever unregisters second raises PICKLE_RACE. That is a client-side race, not the application's failure:
+    build and deploy again (serve.run is declarative, so a repeat is harmless). Other errors propagate.
+    """
+    from ray import serve as rs
+
+    for attempt in range(PICKLE_RACE_TRIES):
+        try:
+            with SERVE_RUN_LOCK:
+                rs.run(build(), name=name, route_prefix=route_prefix, blocking=False, logging_config=QUIET)
+            return
+        except Exception as e:  # noqa: BLE001 - Serve raises RuntimeError/ValueError; only the race is retried
+            if PICKLE_RACE not in str(e) or attempt == PICKLE_RACE_TRIES - 1:
+                raise
+            log.warning("deploying %s raced with another thread's pickling; deploying again", name)
+            time.sleep(0.05 * (attempt + 1))
+
+
 def ensure_gateway(
     serve: ServeConfig, token_sha256: str, runtime_env: dict[str, Any] | None, timeout_s: float = 120.0
 ) -> str:
@@ -144,7 +168,8 @@ def ensure_gateway(
     ).model_dump()
     if _gateway_config(name) == want:
         return name
-    with SERVE_RUN_LOCK:  # building a deployment's options registers modules with cloudpickle too
+
+    def build() -> Any:
         gateway: Any = rs.deployment(Gateway)  # a Deployment (Ray's overloads type the decorator form)
         deployment = gateway.options(
             name="gateway",
@@ -157,7 +182,9 @@ def ensure_gateway(
             backpressure_config={"status_code": 503, "retry_after_s": 1},
         )
         deployment._version = _gateway_version()  # fixed: a config change is a lightweight update (endpoint._pinned)
-        rs.run(deployment.bind(name), name=name, route_prefix=serve.route_prefix, blocking=False, logging_config=QUIET)
+        return deployment.bind(name)
+
+    serve_run(build, name, serve.route_prefix)
     deadline = time.monotonic() + timeout_s
     while _gateway_config(name) != want:
         if time.monotonic() > deadline:
