@@ -35,14 +35,19 @@ from deployments.gateway_control import (
     serve_run,
 )
 from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
-from deployments.serve_app import RouterConfig
+from deployments.router_config import RouterConfig
 
 log = logging.getLogger(__name__)
 ROUTER = "router"
 _CODE_FILES = (
     "deployments/serve_app.py",
+    "deployments/router_config.py",
+    "deployments/router_stream.py",
     "deployments/serve_metrics.py",
     "deployments/model_server.py",
+    "deployments/engine.py",
+    "deployments/kv_cache.py",
+    "deployments/kv_cache_hf.py",
     "deployments/generation.py",
     "deployments/openai_api.py",
     "deployments/http_io.py",

@@ -18,14 +18,10 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from deployments import openai_api as oai
 from deployments.http_io import (
-    EVENT_STREAM,
     check_token,
     error_reply,
     read_body,
@@ -34,77 +30,16 @@ from deployments.http_io import (
     to_streaming_response,
 )
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
+from deployments.router_config import PROBE_HEADER, VARIANT_HEADER, VERSION_HEADER, Job, RouterConfig
 from deployments.router_evidence import EvidenceRecorder
+from deployments.router_stream import RouterStreams, prompt_piece
 from deployments.serve_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
-VERSION_HEADER = "x-shardline-model-version"
-PROBE_HEADER = "x-shardline-probe"
 BODY_TIMEOUT_S = 10.0  # a body sent to a router directly (an application with its own route) must arrive by then
-VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence
 
 
-class RouterConfig(BaseModel):
-    """The router's user_config: the served versions, the challenger's weight and lease, the request limits."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_name: str
-    champion: str
-    challenger: str | None = None
-    challenger_percent: int = Field(0, ge=0, le=100)
-    shadow_share: float = Field(1.0, ge=0, le=1)
-    mode: Literal["canary", "shadow"] = "canary"  # shadow: the challenger's share is mirrored, never answered by it
-    lease_expires_at: float | None = None  # epoch seconds; None with no challenger
-    canary_id: str = ""  # one per canary; observations are tagged with it and the step
-    epoch: int = 0  # the canary step
-    seed: int = 0
-    max_request_bytes: int = 65536
-    max_prompt_bytes: int = 4096
-    max_tokens_cap: int = 256
-    token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
-    gateway: str = ""  # the gateway application (one per route prefix) that serves this model
-    settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with
-
-    def effective_percent(self, now: float) -> int:
-        """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch)."""
-        if self.challenger is None or self.lease_expires_at is None or now >= self.lease_expires_at:
-            return 0
-        return self.challenger_percent
-
-
-@dataclass
-class Job:
-    """A validated request, ready to be routed."""
-
-    endpoint: str
-    req: CompletionRequest | ScoreRequest
-    cfg: RouterConfig
-    probe: bool
-    variant: str  # "" = routed by weight
-
-    @property
-    def text(self) -> bytes:
-        return (self.req.prompt if isinstance(self.req, CompletionRequest) else self.req.text).encode("utf-8")
-
-    def op_args(self) -> tuple[str, tuple[Any, ...]]:
-        if isinstance(self.req, ScoreRequest):
-            return "score", (self.text,)
-        r = self.req
-        params = {
-            "max_tokens": r.max_tokens,
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "top_k": r.top_k,
-            "seed": r.seed,
-            "stop": r.stops(),
-            "logprobs": r.logprobs,
-            "echo": r.echo,
-        }
-        return "complete", (self.text, params)
-
-
-class Router(EvidenceRecorder):
+class Router(EvidenceRecorder, RouterStreams):
     """A model's requests: validates, routes each to champion or challenger, shadow-scores, records."""
 
     def __init__(self, app_name: str, models: dict[str, Any], model_name: str = "", evidence: Any = None):
@@ -383,7 +318,7 @@ class Router(EvidenceRecorder):
         prompt = req.prompt if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            head = self._prompt_piece({**served, "prompt": job.text}) if req.echo else None
+            head = prompt_piece({**served, "prompt": job.text}) if req.echo else None
             logprobs = merge_logprobs([head, *served["pieces"]])
         return oai.completion(
             oai.completion_id(),
@@ -396,114 +331,3 @@ class Router(EvidenceRecorder):
             logprobs,
             served["bpb"],
         )
-
-    @staticmethod
-    def _prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
-        from deployments.generation import token_text
-
-        scored = head.get("prompt_logprobs")
-        if scored is None:
-            return None
-        return {
-            "tokens": [token_text(b) for b in head["prompt"]],
-            "token_logprobs": [lp for lp, _ in scored],
-            "top_logprobs": [top for _, top in scored],
-        }
-
-    async def _serve_stream(self, job: Job) -> AsyncIterator[Any]:
-        """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
-        from deployments.generation import merge_logprobs
-
-        cfg, text = job.cfg, job.text
-        _, (prompt, params) = job.op_args()
-        t0 = time.perf_counter()
-        to_challenger, paired = self._choose(job)
-        shadow = failed = None
-        if paired:
-            shadow = await self._call(cfg.champion, "score", "shadow", text)
-        version = str(cfg.challenger) if to_challenger else cfg.champion
-        stream, head = await self._open_stream(version, prompt, params)
-        if "error" in head and to_challenger and not job.variant:  # failed before a byte: the champion answers
-            failed, version = head, cfg.champion
-            stream, head = await self._open_stream(version, prompt, params)
-        if "error" in head:
-            self._finish_stream(job, to_challenger, head, shadow, failed, t0)
-            yield error_reply(
-                ApiError(
-                    503,
-                    f"model version {version} failed: {head['error']}",
-                    kind="server_error",
-                    code="model_failed",
-                    retry_after=1,
-                ),
-                {VERSION_HEADER: version},
-            )
-            return
-        yield {
-            "status": 200,
-            "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
-            "media_type": EVENT_STREAM,
-        }
-        cid, model, req = oai.completion_id(), cfg.model_name, job.req
-        assert isinstance(req, CompletionRequest)
-        served: dict[str, Any] = {**head, "ok": True}
-        if req.echo:
-            piece = self._prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
-            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None, merge_logprobs([piece]) if piece else None))
-        offset = len(req.prompt) if req.echo else 0
-        finished = False
-        try:
-            async for event in stream:
-                if "text" in event:
-                    lp = merge_logprobs([event["logprobs"]], offset) if req.logprobs is not None else None
-                    offset += len(event["text"])
-                    yield oai.sse(oai.chunk(cid, model, version, event["text"], None, lp))
-                else:
-                    served |= event
-        except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
-            served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-            yield oai.sse(
-                oai.error_body(
-                    f"model version {version} failed mid-stream: {served['error']}", "server_error", code="model_failed"
-                )
-            )
-        else:
-            finished = True
-            yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield oai.sse(oai.usage_chunk(cid, model, version, len(prompt), int(served.get("tokens", 0))))
-        finally:
-            if not finished:  # the client went away (or the replica failed): stop generating now
-                stream.cancel()
-            self._finish_stream(job, to_challenger, served, shadow, failed, t0)
-        yield oai.DONE
-
-    async def _open_stream(self, version: str, prompt: bytes, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """The replica's event stream and its first event, or (None, {"version", "error"})."""
-        self.inflight[version] += 1
-        try:
-            stream = self._handle(version).options(stream=True).complete_stream.remote(prompt, params)
-            return stream, {**await stream.__anext__(), "prompt": prompt}
-        except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
-            return None, {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            self.inflight[version] -= 1
-
-    def _finish_stream(
-        self, job: Job, to_challenger: bool, served: dict[str, Any], shadow: dict | None, failed: dict | None, t0: float
-    ) -> None:
-        out = dict(served)
-        out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
-        self.metrics.model_call(out["version"], "served", "complete", out)
-        self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
-        if not job.variant:
-            self._record(
-                job.cfg,
-                job.endpoint,
-                job.probe,
-                to_challenger,
-                out,
-                shadow,
-                failed,
-                (time.perf_counter() - t0) * 1000.0,
-            )

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest, parse_json, validate
-from deployments.serve_app import RouterConfig
+from deployments.router_config import RouterConfig
 
 NOW = 1_000_000.0
 CFG = RouterConfig(model_name="m", champion="1", max_prompt_bytes=16, max_tokens_cap=32)

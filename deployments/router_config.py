@@ -1,0 +1,78 @@
+"""A model router's configuration (its Serve `user_config`), the request it routes, and the headers it reads.
+
+RouterConfig is the desired routing state the control side (deployments/endpoint) writes with lightweight
+`reconfigure()` updates; Job is one validated request. Plain data: importing this needs no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.openai_api import CompletionRequest, ScoreRequest
+
+VERSION_HEADER = "x-shardline-model-version"
+PROBE_HEADER = "x-shardline-probe"
+VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence
+
+
+class RouterConfig(BaseModel):
+    """The router's user_config: the served versions, the challenger's weight and lease, the request limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str
+    champion: str
+    challenger: str | None = None
+    challenger_percent: int = Field(0, ge=0, le=100)
+    shadow_share: float = Field(1.0, ge=0, le=1)
+    mode: Literal["canary", "shadow"] = "canary"  # shadow: the challenger's share is mirrored, never answered by it
+    lease_expires_at: float | None = None  # epoch seconds; None with no challenger
+    canary_id: str = ""  # one per canary; observations are tagged with it and the step
+    epoch: int = 0  # the canary step
+    seed: int = 0
+    max_request_bytes: int = 65536
+    max_prompt_bytes: int = 4096
+    max_tokens_cap: int = 256
+    token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
+    gateway: str = ""  # the gateway application (one per route prefix) that serves this model
+    settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with
+
+    def effective_percent(self, now: float) -> int:
+        """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch)."""
+        if self.challenger is None or self.lease_expires_at is None or now >= self.lease_expires_at:
+            return 0
+        return self.challenger_percent
+
+
+@dataclass
+class Job:
+    """A validated request, ready to be routed."""
+
+    endpoint: str
+    req: CompletionRequest | ScoreRequest
+    cfg: RouterConfig
+    probe: bool
+    variant: str  # "" = routed by weight
+
+    @property
+    def text(self) -> bytes:
+        return (self.req.prompt if isinstance(self.req, CompletionRequest) else self.req.text).encode("utf-8")
+
+    def op_args(self) -> tuple[str, tuple[Any, ...]]:
+        if isinstance(self.req, ScoreRequest):
+            return "score", (self.text,)
+        r = self.req
+        params = {
+            "max_tokens": r.max_tokens,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "top_k": r.top_k,
+            "seed": r.seed,
+            "stop": r.stops(),
+            "logprobs": r.logprobs,
+            "echo": r.echo,
+        }
+        return "complete", (self.text, params)

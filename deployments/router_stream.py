@@ -1,0 +1,142 @@
+"""The router's streamed completions: OpenAI's server-sent events from a replica's token stream.
+
+A mixin of deployments.serve_app.Router, which owns the routing (`_choose`), the replica calls (`_call`,
+`_handle`, `inflight`), the metrics and the evidence (`_record`, from router_evidence): a stream goes to the version
+the weight picks (or the tester's variant); one that fails before its first byte is answered by the champion, one
+that fails later ends with an error event; a client that goes away cancels the replica's generation at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from deployments import openai_api as oai
+from deployments.http_io import EVENT_STREAM, error_reply
+from deployments.openai_api import ApiError, CompletionRequest
+from deployments.router_config import VERSION_HEADER, Job
+
+
+def prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
+    from deployments.generation import token_text
+
+    scored = head.get("prompt_logprobs")
+    if scored is None:
+        return None
+    return {
+        "tokens": [token_text(b) for b in head["prompt"]],
+        "token_logprobs": [lp for lp, _ in scored],
+        "top_logprobs": [top for _, top in scored],
+    }
+
+
+class RouterStreams:
+    """Streams completions; see the module docstring for what the router provides."""
+
+    inflight: Counter[str]
+    metrics: Any
+    _choose: Callable[[Job], tuple[bool, bool]]
+    _call: Callable[..., Awaitable[dict[str, Any]]]
+    _handle: Callable[[str], Any]
+    _record: Callable[..., None]
+    _source: Callable[[Job], str]
+
+    async def _serve_stream(self, job: Job) -> AsyncIterator[Any]:
+        """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
+        from deployments.generation import merge_logprobs
+
+        cfg, text = job.cfg, job.text
+        _, (prompt, params) = job.op_args()
+        t0 = time.perf_counter()
+        to_challenger, paired = self._choose(job)
+        shadow = failed = None
+        if paired:
+            shadow = await self._call(cfg.champion, "score", "shadow", text)
+        version = str(cfg.challenger) if to_challenger else cfg.champion
+        stream, head = await self._open_stream(version, prompt, params)
+        if "error" in head and to_challenger and not job.variant:  # failed before a byte: the champion answers
+            failed, version = head, cfg.champion
+            stream, head = await self._open_stream(version, prompt, params)
+        if "error" in head:
+            self._finish_stream(job, to_challenger, head, shadow, failed, t0)
+            yield error_reply(
+                ApiError(
+                    503,
+                    f"model version {version} failed: {head['error']}",
+                    kind="server_error",
+                    code="model_failed",
+                    retry_after=1,
+                ),
+                {VERSION_HEADER: version},
+            )
+            return
+        yield {
+            "status": 200,
+            "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
+            "media_type": EVENT_STREAM,
+        }
+        cid, model, req = oai.completion_id(), cfg.model_name, job.req
+        assert isinstance(req, CompletionRequest)
+        served: dict[str, Any] = {**head, "ok": True}
+        if req.echo:
+            piece = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
+            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None, merge_logprobs([piece]) if piece else None))
+        offset = len(req.prompt) if req.echo else 0
+        finished = False
+        try:
+            async for event in stream:
+                if "text" in event:
+                    lp = merge_logprobs([event["logprobs"]], offset) if req.logprobs is not None else None
+                    offset += len(event["text"])
+                    yield oai.sse(oai.chunk(cid, model, version, event["text"], None, lp))
+                else:
+                    served |= event
+        except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
+            served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            yield oai.sse(
+                oai.error_body(
+                    f"model version {version} failed mid-stream: {served['error']}", "server_error", code="model_failed"
+                )
+            )
+        else:
+            finished = True
+            yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield oai.sse(oai.usage_chunk(cid, model, version, len(prompt), int(served.get("tokens", 0))))
+        finally:
+            if not finished:  # the client went away (or the replica failed): stop generating now
+                stream.cancel()
+            self._finish_stream(job, to_challenger, served, shadow, failed, t0)
+        yield oai.DONE
+
+    async def _open_stream(self, version: str, prompt: bytes, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The replica's event stream and its first event, or (None, {"version", "error"})."""
+        self.inflight[version] += 1
+        try:
+            stream = self._handle(version).options(stream=True).complete_stream.remote(prompt, params)
+            return stream, {**await stream.__anext__(), "prompt": prompt}
+        except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
+            return None, {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            self.inflight[version] -= 1
+
+    def _finish_stream(
+        self, job: Job, to_challenger: bool, served: dict[str, Any], shadow: dict | None, failed: dict | None, t0: float
+    ) -> None:
+        out = dict(served)
+        out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
+        self.metrics.model_call(out["version"], "served", "complete", out)
+        self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
+        if not job.variant:
+            self._record(
+                job.cfg,
+                job.endpoint,
+                job.probe,
+                to_challenger,
+                out,
+                shadow,
+                failed,
+                (time.perf_counter() - t0) * 1000.0,
+            )
