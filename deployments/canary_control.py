@@ -31,9 +31,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from deployments.canary_records import CanaryState, OperatorCommand
 from deployments.config import CanaryConfig
 from deployments.registry import CHALLENGER, CHAMPION, TAG_CANARY_COMMAND, TAG_CANARY_ID, TAG_CANARY_STATE, read_aliases
-from deployments.rollout_policy import CanaryState, OperatorCommand, command_error
+from deployments.rollout_policy import command_error
 
 log = logging.getLogger(__name__)
 USER_ENV = "SHARDLINE_USER"  # who gives a command, when the login name is not it (a shared service account)

@@ -9,8 +9,9 @@ import logging
 import math
 from typing import Any
 
+from deployments.canary_records import GateReading
 from deployments.config import CanaryConfig, PromQLGate
-from deployments.rollout_policy import GateReading, judge_promql
+from deployments.rollout_policy import judge_promql
 
 log = logging.getLogger(__name__)
 

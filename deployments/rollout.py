@@ -1,13 +1,13 @@
 """The rollout driver: takes a challenger through the ramp on the live endpoint and applies the policy's decision.
 
-Per step: a lightweight router update sets the weight and renews the canary's lease; the step bakes on the live
-requests (topped up by labelled probe traffic when asked) until it has `min_requests` challenger requests and
-`bake_seconds` passed, or fails at `step_timeout_s`; rollout_policy judges it. The registry is the desired state:
-a promotion moves `champion` first (compare-and-set) and then reconciles the application to it; a rollback puts
-all traffic on the champion at once, tags the version (rejected, inconclusive or aborted) and removes it. Either
-way the `challenger` alias goes and the version's description says what it was trained on and how it was decided.
-If this process dies, the lease runs out and the router goes back to the champion by itself; the next reconcile
-removes the orphan.
+Per step (deployments/rollout_ramp): a lightweight router update sets the weight and renews the canary's lease;
+the step bakes on the live requests (topped up by labelled probe traffic when asked) until it has `min_requests`
+challenger requests and `bake_seconds` passed, or fails at `step_timeout_s`; rollout_policy judges it. The
+registry is the desired state: a promotion moves `champion` first (compare-and-set) and then reconciles the
+application to it; a rollback puts all traffic on the champion at once, tags the version (rejected,
+inconclusive or aborted) and removes it. Either way the `challenger` alias goes and the version's description says
+what it was trained on and how it was decided. If this process dies, the lease runs out and the router goes back
+to the champion by itself; the next reconcile removes the orphan.
 
 An operator steers a running canary through deployments/canary_control (MLflow model-version tags): the driver
 publishes its state with every lease renewal and polls for commands while a step bakes or an approval is awaited.
@@ -20,25 +20,15 @@ an operator promotes or aborts, or canary.approval_timeout_s passes (then it rol
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from deployments import canary_control
+from deployments.canary_records import CanaryDecision, CanaryResult, OperatorCommand, StepMetrics, result_of
 from deployments.config import CanaryConfig, ServeConfig
-from deployments.endpoint import (
-    AppSpec,
-    EndpointError,
-    app_name_for,
-    apply,
-    read_state,
-    reconcile,
-    router_config,
-    router_handle,
-)
+from deployments.endpoint import EndpointError, read_state, reconcile
 from deployments.registry import (
     CHALLENGER,
     CHAMPION,
@@ -54,63 +44,14 @@ from deployments.registry import (
     read_aliases,
     tag_rejected,
 )
-from deployments.rollout_policy import (
-    CanaryDecision,
-    CanaryResult,
-    OperatorCommand,
-    StepMetrics,
-    apply_promql,
-    decide_canary,
-    hold_percent,
-    next_move,
-    ramp_steps,
-    result_of,
-    summarize_step,
-)
-from deployments.serve_app import PROBE_HEADER
+from deployments.rollout_policy import apply_promql, decide_canary, hold_percent, next_move, ramp_steps, summarize_step
+from deployments.rollout_ramp import Prober, Ramp
 
 log = logging.getLogger(__name__)
 
 
 class CanaryDecided(RuntimeError):
     """The canary reached a decision but could not apply it; re-running it would measure again, so don't."""
-
-
-class Prober:
-    """Probe traffic: held-out texts POSTed to /v1/score at a fixed rate, labelled as probe, until stopped."""
-
-    def __init__(self, url: str, texts: list[bytes], rps: float, max_bytes: int, seed: int, token: str = ""):
-        usable = [t[:max_bytes].decode("utf-8", errors="ignore") for t in texts]
-        self.texts = [t for t in usable if len(t.encode()) >= 2]
-        if not self.texts:
-            raise ValueError("no held-out text of at least 2 bytes to probe the endpoint with")
-        self.url, self.rps, self.rng = f"{url}/v1/score", rps, random.Random(f"{seed}:probe")
-        self.headers = {PROBE_HEADER: "1", **({"authorization": f"Bearer {token}"} if token else {})}
-        self.sent = self.failed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shardline-probe", daemon=True)
-
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        import httpx
-
-        with httpx.Client(timeout=60) as http:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    r = http.post(self.url, json={"text": self.rng.choice(self.texts)}, headers=self.headers)
-                    self.failed += r.status_code != 200
-                except httpx.HTTPError:
-                    self.failed += 1
-                self.sent += 1
-                self._stop.wait(max(0.0, 1.0 / self.rps - (time.monotonic() - t0)))
 
 
 def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str | None, challenger: str) -> str:
@@ -135,152 +76,6 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
     if rejected:
         return f"version {challenger} was already rejected: {rejected}"
     return ""
-
-
-class Collected(NamedTuple):
-    """What one step's collection ended with: its observations and seconds, the evidence shortfall ("" when it had
-    enough) and the operator's promote or abort that ended it early (None when the evidence did)."""
-
-    observations: list[dict[str, Any]]
-    seconds: float
-    shortfall: str
-    command: OperatorCommand | None
-
-
-class _Ramp:
-    """The application's state during one canary: both versions deployed, the router's weight, epoch and lease."""
-
-    def __init__(
-        self,
-        cfg: CanaryConfig,
-        serve: ServeConfig,
-        model_name: str,
-        champion: str,
-        challenger: str,
-        tracking_uri: str,
-        token_sha256: str,
-        runtime_env: dict[str, Any] | None,
-        control: canary_control.DriverControl | None = None,
-    ):
-        self.cfg, self.serve, self.runtime_env = cfg, serve, runtime_env
-        self.app = app_name_for(serve, model_name)
-        self.tracking_uri = tracking_uri
-        self.versions = [champion, challenger]
-        self.canary_id = control.canary_id if control is not None else uuid.uuid4().hex
-        self.control = control
-        self.base = router_config(
-            serve, model_name, champion, token_sha256, seed=cfg.seed, shadow_share=cfg.shadow_share, mode=cfg.mode
-        )
-        self.challenger = challenger
-        self.percent, self.epoch, self.attempt = 0, 0, 0
-
-    def set(self, percent: int, epoch: int) -> None:
-        """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
-        self.percent, self.epoch = percent, epoch
-        lease = time.time() + self.cfg.lease_s
-        router = self.base.model_copy(
-            update={
-                "challenger": self.challenger,
-                "challenger_percent": percent,
-                "canary_id": self.canary_id,
-                "epoch": epoch,
-                "lease_expires_at": lease,
-            }
-        )
-        apply(
-            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=router),
-            self.serve,
-            self.runtime_env,
-        )
-        if self.control is not None:
-            self.control.publish(percent, lease, self.attempt)
-
-    def champion_only(self) -> None:
-        """All traffic back on the champion at once; the challenger stays deployed until reconcile removes it."""
-        apply(
-            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=self.base),
-            self.serve,
-            self.runtime_env,
-        )
-
-    def _poll(self) -> OperatorCommand | None:
-        """A command that changes what the driver does; pause and resume republish the state at once."""
-        if self.control is None:
-            return None
-        command = self.control.poll(self.percent)
-        if command is not None:
-            self.set(self.percent, self.epoch)  # state and ack published with a fresh lease
-        return command
-
-    def collect(self) -> Collected:
-        """Observations of the current step once it has enough evidence (or its timeout passed, or an operator
-        promoted or aborted). Renews the lease while it waits; while paused, the step is not judged and its clock
-        stands still."""
-        cfg = self.cfg
-        start = time.monotonic()
-        renew_at = start + cfg.lease_s / 3
-        seen: dict[tuple[str, int], dict[str, Any]] = {}
-        cursor, replica = 0, ""
-        paused_at: float | None = None
-        while True:
-            try:
-                got = (
-                    router_handle(self.app)
-                    .get_observations.remote(self.canary_id, self.epoch, cursor)
-                    .result(timeout_s=30)
-                )
-                if got["replica_id"] != replica:  # a restarted router starts counting again; keep what we saw
-                    replica, cursor = got["replica_id"], 0
-                for ob in got["items"]:
-                    seen[(replica, ob["seq"])] = ob
-                cursor = got["next"]
-            except Exception as e:  # noqa: BLE001 - a router restarting mid-step; its user_config survives
-                log.warning("reading the router's observations: %s: %s", type(e).__name__, e)
-            command = self._poll()
-            if command is not None and command.action in ("promote", "abort"):
-                return Collected(list(seen.values()), time.monotonic() - start, "", command)
-            if command is not None and command.action == "pause":
-                paused_at = time.monotonic()
-            elif command is not None and command.action == "resume" and paused_at is not None:
-                start += time.monotonic() - paused_at  # the pause does not count against the step
-                paused_at = None
-            n = sum(1 for ob in seen.values() if ob.get("challenger") is not None)
-            elapsed = time.monotonic() - start
-            if paused_at is None and n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
-                return Collected(list(seen.values()), elapsed, "", None)
-            if paused_at is None and elapsed >= cfg.step_timeout_s:
-                return Collected(
-                    list(seen.values()),
-                    elapsed,
-                    (
-                        f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
-                        f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"
-                    ),
-                    None,
-                )
-            if time.monotonic() >= renew_at:
-                self.set(self.percent, self.epoch)
-                renew_at = time.monotonic() + cfg.lease_s / 3
-            time.sleep(0.25)
-
-    def await_approval(self) -> OperatorCommand | None:
-        """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),
-        or canary.approval_timeout_s passes (None). Renews the lease while it waits."""
-        assert self.control is not None
-        self.control.state = "awaiting-approval"
-        self.control.approval_deadline = time.time() + self.cfg.approval_timeout_s
-        deadline = time.monotonic() + self.cfg.approval_timeout_s
-        self.set(self.percent, self.epoch)
-        renew_at = time.monotonic() + self.cfg.lease_s / 3
-        while time.monotonic() < deadline:
-            command = self._poll()
-            if command is not None and command.action in ("promote", "abort"):
-                return command
-            if time.monotonic() >= renew_at:
-                self.set(self.percent, self.epoch)
-                renew_at = time.monotonic() + self.cfg.lease_s / 3
-            time.sleep(0.25)
-        return None
 
 
 def run_rollout(
@@ -314,7 +109,7 @@ def run_rollout(
     if found.champion != champion:
         raise AliasChanged(f"{model_name}: the registry's champion is {found.champion}, the canary expected {champion}")
     control = canary_control.DriverControl(client, cfg, model_name, challenger, uuid.uuid4().hex)
-    ramp = _Ramp(cfg, serve, model_name, champion, challenger, tracking_uri, token_sha256, runtime_env, control)
+    ramp = Ramp(cfg, serve, model_name, champion, challenger, tracking_uri, token_sha256, runtime_env, control)
     # the registry says which version is under canary (the promotion stage set it too; a canary of an older
     # version, flows/canary_version.py, did not), and the stage's run says which canary it ran
     client.set_registered_model_alias(model_name, CHALLENGER, challenger)
@@ -363,7 +158,7 @@ def run_rollout(
 
 
 def _ramp_up(
-    ramp: _Ramp,
+    ramp: Ramp,
     cfg: CanaryConfig,
     champion: str,
     challenger: str,
@@ -410,7 +205,7 @@ def _ramp_up(
 def _finish(
     client: Any,
     decision: CanaryDecision,
-    ramp: _Ramp,
+    ramp: Ramp,
     serve: ServeConfig,
     tracking_uri: str,
     token_sha256: str,
@@ -446,7 +241,7 @@ def outcome_text(decision: CanaryDecision) -> str:
 def apply_decision(
     client: Any,
     decision: CanaryDecision,
-    ramp: _Ramp,
+    ramp: Ramp,
     serve: ServeConfig,
     tracking_uri: str,
     token_sha256: str,

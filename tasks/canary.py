@@ -11,11 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
+from deployments.canary_records import CanaryResult, result_of, skipped, steps_table
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.endpoint import reconcile
 from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
 from deployments.rollout import CanaryDecided, describe_skipped, log_decision, run_rollout, skip_reason
-from deployments.rollout_policy import CanaryResult, result_of, skipped, steps_table
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
 from infra.tracking import (

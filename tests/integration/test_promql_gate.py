@@ -12,9 +12,10 @@ import httpx
 import pytest
 import yaml
 
+from deployments.canary_records import StepMetrics, VersionStats
 from deployments.config import CanaryConfig, PromQLGate
 from deployments.promql import read_gates
-from deployments.rollout_policy import StepMetrics, VersionStats, apply_promql, decide_canary
+from deployments.rollout_policy import apply_promql, decide_canary
 from infra.cluster import free_port
 
 pytestmark = pytest.mark.slow

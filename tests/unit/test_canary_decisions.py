@@ -1,106 +1,19 @@
-"""Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict,
-what follows an inconclusive step, manual approval and operator commands."""
+"""Canary policy as pure functions: a step's numbers from the router's observations, each gate, the verdict.
+(What follows an inconclusive step, manual approval, operator commands and PromQL gates: test_canary_operator.py.)"""
 
 from __future__ import annotations
 
 import pytest
+from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_challenger, to_champion
 
-from deployments.config import CanaryConfig, PromQLGate
-from deployments.promql import PromQLError, render, value_of
+from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
 from deployments.rollout_policy import (
     MIN_SAMPLES_P99,
-    OperatorCommand,
-    StepMetrics,
-    VersionStats,
-    apply_promql,
-    command_error,
     decide_canary,
     gate_step,
-    hold_percent,
-    judge_promql,
-    next_move,
     p95,
     paired_upper_bound,
-    ramp_steps,
-    result_of,
-    skipped,
-    steps_table,
-    summarize_step,
 )
-
-CFG = CanaryConfig(
-    min_paired=4,
-    max_error_rate_increase=0.0,
-    max_p95_latency_ratio=3.0,
-    max_p99_latency_ratio=5.0,
-    max_bpb_regression=0.05,
-    latency_floor_ms=5.0,
-    confidence=0.95,
-)
-
-
-def _call(version, bpb=2.0, nbytes=100, ms=10.0, ok=True):
-    """A model call as Router._record slims it."""
-    if not ok:
-        return {
-            "version": version,
-            "ok": False,
-            "bits": None,
-            "bytes": None,
-            "latency_ms": None,
-            "error": "RuntimeError: boom",
-        }
-    return {"version": version, "ok": True, "bits": bpb * nbytes, "bytes": nbytes, "latency_ms": ms, "error": None}
-
-
-def _ob(op, role, challenger=None, champion=None, shadow=None, fallback=False, client_ok=True, probe=False):
-    return {
-        "seq": 0,
-        "canary_id": "c",
-        "epoch": 1,
-        "t": 0.0,
-        "endpoint": "score" if op == "score" else "completions",
-        "probe": probe,
-        "op": op,
-        "role": role,
-        "challenger": challenger,
-        "champion": champion,
-        "shadow": shadow,
-        "fallback": fallback,
-        "client_ok": client_ok,
-        "total_ms": 12.0,
-    }
-
-
-def to_challenger(ch_bpb=2.0, base_bpb=2.0, nbytes=100, ch_ms=10.0, base_ms=10.0, op="score", shadow=True, probe=False):
-    """A request the challenger answered, scored again by the champion (shadow) unless shadow=False."""
-    return _ob(
-        op,
-        "challenger",
-        challenger=_call("2", ch_bpb, nbytes, ch_ms),
-        shadow=_call("1", base_bpb, nbytes, base_ms) if shadow else None,
-        probe=probe,
-    )
-
-
-def challenger_failed():
-    """A completion the challenger failed; the champion answered the client instead (a fallback)."""
-    return _ob(
-        "complete", "challenger", challenger=_call("2", ok=False), champion=_call("1"), shadow=_call("1"), fallback=True
-    )
-
-
-def to_champion(bpb=2.0, ms=10.0, ok=True):
-    return _ob("score", "champion", champion=_call("1", bpb, 100, ms, ok), client_ok=ok)
-
-
-def _step(percent, observations, cfg=CFG, earlier=(), **kw):
-    return summarize_step(percent, observations, "1", "2", cfg, earlier, **kw)
-
-
-def _noisy(n, ch, base, spread=0.01):
-    """n paired requests around ch vs base bits/byte, alternating +-spread (deterministic)."""
-    return [to_challenger(ch + (spread if i % 2 else -spread), base) for i in range(n)]
 
 
 def test_p95_is_nearest_rank():
@@ -118,7 +31,7 @@ def test_challenger_requests_are_paired_with_the_champion_shadow():
         to_challenger(9.0, shadow=False),
     ]  # not shadow-scored: no pair
     obs += [to_champion(9.0)] * 3
-    step = _step(50, obs, CFG.model_copy(update={"min_paired": 2}))
+    step = step_of(50, obs, CFG.model_copy(update={"min_paired": 2}))
     assert (step.requests, step.probe_requests, step.paired) == (7, 1, 3)
     assert step.challenger.n == 4 and step.champion.n == 6  # 3 served + 3 shadow
     # byte-weighted over the paired requests only: neither side's unpaired 9.0 bpb requests count
@@ -133,7 +46,7 @@ def test_challenger_requests_are_paired_with_the_champion_shadow():
 def test_a_good_challenger_is_promoted_after_all_steps():
     steps = []
     for p in (10, 50, 100):
-        steps.append(_step(p, _noisy(12, 2.00, 2.02) + [to_champion()] * 4, earlier=steps))
+        steps.append(step_of(p, noisy(12, 2.00, 2.02) + [to_champion()] * 4, earlier=steps))
     decision = decide_canary("m", "2", "1", steps, CFG)
     assert decision.verdict == "promoted" and (decision.candidate, decision.baseline) == ("2", "1")
     assert "passed 3 steps up to 100% on 36 paired requests" in decision.reason
@@ -149,7 +62,7 @@ def test_a_good_challenger_is_promoted_after_all_steps():
 def test_a_point_estimate_within_the_gate_is_not_enough_with_few_noisy_pairs():
     # per-request differences +0.30, -0.20, +0.25, -0.25: mean +0.025 < 0.05, but 4 pairs say little
     obs = [to_challenger(2.30, 2.0), to_challenger(1.80, 2.0), to_challenger(2.25, 2.0), to_challenger(1.75, 2.0)]
-    step = _step(10, obs)
+    step = step_of(10, obs)
     assert step.paired == 4
     assert step.bpb_regression == pytest.approx(0.025)
     assert step.bpb_regression_upper > 0.15
@@ -161,23 +74,23 @@ def test_a_point_estimate_within_the_gate_is_not_enough_with_few_noisy_pairs():
 
 
 def test_a_consistent_regression_beyond_the_gate_rejects_and_a_small_one_passes():
-    bad = _step(10, _noisy(20, 2.10, 2.00))
+    bad = step_of(10, noisy(20, 2.10, 2.00))
     assert bad.bpb_regression == pytest.approx(0.10) and bad.bpb_regression_upper >= 0.10
     assert any("bits/byte 2.1000 vs champion's 2.0000 on the same 20 requests" in f for f in bad.failures)
-    small = _step(10, _noisy(20, 2.02, 2.00, spread=0.005))
+    small = step_of(10, noisy(20, 2.02, 2.00, spread=0.005))
     assert small.bpb_regression == pytest.approx(0.02) and 0.02 <= small.bpb_regression_upper < 0.05
     assert small.failures == []
 
 
 def test_a_large_consistent_improvement_passes():
-    step = _step(10, _noisy(12, 1.50, 2.00, spread=0.05))
+    step = step_of(10, noisy(12, 1.50, 2.00, spread=0.05))
     assert step.bpb_regression == pytest.approx(-0.50)
     assert step.bpb_regression_upper < -0.45 and step.failures == []
 
 
 def test_too_few_paired_requests_make_the_step_inconclusive_not_failed():
     # excellent numbers, but 3 pairs < min_paired=4: too little evidence is never a pass, and no failure either
-    step = _step(10, [to_challenger(1.0, 2.0)] * 3 + [to_challenger(1.0, shadow=False)] * 10)
+    step = step_of(10, [to_challenger(1.0, 2.0)] * 3 + [to_challenger(1.0, shadow=False)] * 10)
     assert step.paired == 3 and step.bpb_regression is None and step.bpb_regression_upper is None
     assert step.failures == [] and step.outcome == "inconclusive"
     assert step.inconclusive == ["only 3 paired requests < canary.min_paired=4: too little evidence to judge quality"]
@@ -192,48 +105,48 @@ def test_too_few_paired_requests_make_the_step_inconclusive_not_failed():
 
 def test_an_evidence_shortfall_makes_the_step_inconclusive():
     why = "too little evidence: 3 of canary.min_requests=20 challenger requests in 120 s"
-    step = _step(10, _noisy(12, 2.0, 2.0), evidence_failure=why)
+    step = step_of(10, noisy(12, 2.0, 2.0), evidence_failure=why)
     assert step.failures == [] and step.inconclusive == [why] and step.outcome == "inconclusive"
     assert decide_canary("m", "2", "1", [step], CFG).reason.startswith(f"step 10% inconclusive: {why}")
 
 
 def test_a_breached_gate_outweighs_a_shortfall_in_the_same_step():
     # a regression measured on the pairs there are is a failure even if the request count fell short
-    step = _step(10, _noisy(20, 2.10, 2.00), evidence_failure="too little evidence: 5 of 20")
+    step = step_of(10, noisy(20, 2.10, 2.00), evidence_failure="too little evidence: 5 of 20")
     assert step.outcome == "fail" and step.inconclusive == ["too little evidence: 5 of 20"]
     assert decide_canary("m", "2", "1", [step], CFG).verdict == "rejected"
 
 
 def test_error_rate_increase_rejects():
-    step = _step(50, [challenger_failed()] + _noisy(4, 2.0, 2.0) + [to_champion()] * 3)
+    step = step_of(50, [challenger_failed()] + noisy(4, 2.0, 2.0) + [to_champion()] * 3)
     assert step.challenger.n == 5 and step.challenger.errors == 1 and step.challenger.error_rate == pytest.approx(0.2)
     assert step.champion.n == 9 and step.champion.errors == 0  # 5 shadow + 1 fallback + 3 served
     assert (step.fallbacks, step.failed_requests) == (1, 0)  # the client was answered
     assert step.error_rate_increase == pytest.approx(0.2)
     assert step.failures == ["error rate 0.200 (n=5) exceeds champion's 0.000 (n=9) by 0.200 > 0.0"]
-    allowed = _step(
-        50, [challenger_failed()] + _noisy(4, 2.0, 2.0), CFG.model_copy(update={"max_error_rate_increase": 0.25})
+    allowed = step_of(
+        50, [challenger_failed()] + noisy(4, 2.0, 2.0), CFG.model_copy(update={"max_error_rate_increase": 0.25})
     )
     assert allowed.failures == []
 
 
 def test_p95_latency_ratio_rejects():
-    step = _step(100, [to_challenger(ch_ms=40.0, base_ms=10.0)] * 10)
+    step = step_of(100, [to_challenger(ch_ms=40.0, base_ms=10.0)] * 10)
     assert step.p95_ratio == pytest.approx(4.0)
     assert step.failures == ["p95 latency 40.0 ms is 4.00x champion's 10.0 ms on the same 10 requests > 3.0x"]
 
 
 def test_latency_below_the_floor_is_not_a_regression():
     # 3 ms vs 1 ms is 3x, but both are under the 5 ms floor: scheduling noise
-    assert _step(100, [to_challenger(ch_ms=3.0, base_ms=1.0)] * 10).p95_ratio == pytest.approx(1.0)
+    assert step_of(100, [to_challenger(ch_ms=3.0, base_ms=1.0)] * 10).p95_ratio == pytest.approx(1.0)
     # 12 ms vs 2 ms is 6x raw, 12/5 = 2.4x with the floor: passes the 3x gate
-    step = _step(100, [to_challenger(ch_ms=12.0, base_ms=2.0)] * 10)
+    step = step_of(100, [to_challenger(ch_ms=12.0, base_ms=2.0)] * 10)
     assert step.p95_ratio == pytest.approx(2.4) and step.failures == []
 
 
 def test_latency_is_compared_on_the_same_requests_only():
     # the champion's fast answers to other requests do not make the challenger look slow
-    step = _step(10, [to_challenger(ch_ms=30.0, base_ms=25.0)] * 5 + [to_champion(ms=6.0)] * 20)
+    step = step_of(10, [to_challenger(ch_ms=30.0, base_ms=25.0)] * 5 + [to_champion(ms=6.0)] * 20)
     assert step.champion_paired_p95_ms == 25.0 and step.challenger_paired_p95_ms == 30.0
     assert step.p95_ratio == pytest.approx(1.2) and step.failures == []
 
@@ -241,12 +154,12 @@ def test_latency_is_compared_on_the_same_requests_only():
 def test_p99_is_judged_only_from_enough_pooled_samples():
     normal = [to_challenger(ch_ms=10.0, base_ms=10.0)]
     spiky = normal * 38 + [to_challenger(ch_ms=100.0, base_ms=10.0)] * 2  # 2 of 40 are 10x slower
-    alone = _step(50, spiky)
+    alone = step_of(50, spiky)
     assert alone.p99_ratio is None and alone.p95_ratio == pytest.approx(1.0) and alone.failures == []
-    earlier = [_step(10, normal * (MIN_SAMPLES_P99 - 41))]  # pooled: one short of the minimum
-    assert _step(50, spiky, earlier=earlier).p99_ratio is None
-    earlier = [_step(10, normal * (MIN_SAMPLES_P99 - 40))]  # pooled: exactly MIN_SAMPLES_P99
-    judged = _step(50, spiky, earlier=earlier)
+    earlier = [step_of(10, normal * (MIN_SAMPLES_P99 - 41))]  # pooled: one short of the minimum
+    assert step_of(50, spiky, earlier=earlier).p99_ratio is None
+    earlier = [step_of(10, normal * (MIN_SAMPLES_P99 - 40))]  # pooled: exactly MIN_SAMPLES_P99
+    judged = step_of(50, spiky, earlier=earlier)
     assert judged.p99_ratio == pytest.approx(10.0) and judged.p95_ratio == pytest.approx(1.0)
     assert judged.failures == [
         f"p99 latency 100.0 ms is 10.00x champion's 10.0 ms on the same {MIN_SAMPLES_P99} requests > 5.0x"
@@ -254,22 +167,22 @@ def test_p99_is_judged_only_from_enough_pooled_samples():
 
 
 def test_requests_whose_client_got_no_answer_fail_the_step():
-    step = _step(10, _noisy(4, 2.0, 2.0) + [to_champion(ok=False)] + [to_champion()] * 2)
+    step = step_of(10, noisy(4, 2.0, 2.0) + [to_champion(ok=False)] + [to_champion()] * 2)
     assert step.failed_requests == 1 and step.champion.errors == 1
     assert step.failures == ["1 of 7 requests got no model answer"]
 
 
 def test_the_first_failing_step_is_the_reason():
-    good = _step(10, _noisy(4, 2.0, 2.0))
-    worse_bpb = _step(50, _noisy(4, 3.0, 2.0), earlier=[good])
-    slow = _step(100, [to_challenger(ch_ms=90.0)] * 4, earlier=[good, worse_bpb])
+    good = step_of(10, noisy(4, 2.0, 2.0))
+    worse_bpb = step_of(50, noisy(4, 3.0, 2.0), earlier=[good])
+    slow = step_of(100, [to_challenger(ch_ms=90.0)] * 4, earlier=[good, worse_bpb])
     decision = decide_canary("m", "2", "1", [good, worse_bpb, slow], CFG)
     assert decision.verdict == "rejected" and decision.reason.startswith("step 50%: bits/byte 3.0000")
     assert "latency" not in decision.reason
 
 
 def test_a_ramp_that_stopped_early_is_not_promoted():
-    decision = decide_canary("m", "2", "1", [_step(10, _noisy(4, 2.0, 2.0))], CFG)
+    decision = decide_canary("m", "2", "1", [step_of(10, noisy(4, 2.0, 2.0))], CFG)
     assert decision.verdict == "rejected" and decision.reason == "ramp stopped at 10% before 100%"
     assert decide_canary("m", "2", "1", [], CFG).reason == "ramp stopped at 0% before 100%"
 
@@ -293,11 +206,11 @@ def test_the_bootstrap_is_deterministic_for_a_seed():
     assert first[0] == pytest.approx(sum(d[0] - d[1] for d in deltas) / sum(d[2] for d in deltas))
     assert first[0] < first[1] < paired_upper_bound(deltas, 0.99, seed=7)[1]
     obs = [to_challenger(2.30, 2.0), to_challenger(1.80, 2.0), to_challenger(2.25, 2.0), to_challenger(1.75, 2.0)]
-    assert _step(10, obs, seed=3).bpb_regression_upper == _step(10, obs, seed=3).bpb_regression_upper
+    assert step_of(10, obs, seed=3).bpb_regression_upper == step_of(10, obs, seed=3).bpb_regression_upper
 
 
 def test_steps_table_has_one_row_per_step_with_the_numbers():
-    steps = [_step(10, _noisy(4, 2.0, 2.5, spread=0.0)), _step(50, _noisy(4, 3.0, 2.0, spread=0.0))]
+    steps = [step_of(10, noisy(4, 2.0, 2.5, spread=0.0)), step_of(50, noisy(4, 3.0, 2.0, spread=0.0))]
     rows = steps_table([steps[0], steps[1].model_dump()])  # StepMetrics, or the dicts CanaryResult carries
     assert [r["step"] for r in rows] == ["10%", "50%"]
     assert rows[0]["v2 bpb"] == "2.000" and rows[0]["v1 bpb"] == "2.500" and rows[0]["verdict"] == "pass"
@@ -312,182 +225,3 @@ def test_a_skipped_canary_keeps_the_champion():
     result = result_of(skipped("m", "2", "1", "canary.enabled is false"), 0)
     assert (result.decision, result.champion_version, result.reason) == ("skipped", "1", "canary.enabled is false")
     assert result_of(skipped("m", "1", None, "first run"), 0).champion_version == "1"
-
-
-EXTEND = CFG.model_copy(update={"on_inconclusive": "extend", "max_extensions": 2})
-
-
-def test_on_inconclusive_decides_between_rolling_back_and_running_the_step_again():
-    thin = _step(50, _noisy(3, 2.0, 2.0))  # 3 pairs < 4
-    assert thin.outcome == "inconclusive"
-    assert next_move(thin, CFG) == "stop"  # on_inconclusive=rollback
-    assert next_move(thin, EXTEND) == "extend"
-    assert next_move(thin.model_copy(update={"attempt": 1}), EXTEND) == "extend"
-    assert next_move(thin.model_copy(update={"attempt": 2}), EXTEND) == "stop"  # 2 re-runs used
-    assert next_move(_step(50, _noisy(20, 2.10, 2.00)), EXTEND) == "stop"  # a failure is never re-run
-    assert next_move(_step(50, _noisy(8, 2.0, 2.0)), EXTEND) == "next"
-
-
-def test_an_extended_step_that_gets_its_evidence_is_promoted_and_one_that_never_does_is_inconclusive():
-    first = _step(10, _noisy(8, 2.0, 2.02))
-    thin = _step(50, _noisy(3, 2.0, 2.02), earlier=[first])
-    rerun = _step(50, _noisy(8, 2.0, 2.02), earlier=[first, thin]).model_copy(update={"attempt": 1})
-    last = _step(100, _noisy(8, 2.0, 2.02), earlier=[first, thin, rerun])
-    decision = decide_canary("m", "2", "1", [first, thin, rerun, last], EXTEND)
-    assert decision.verdict == "promoted" and "4 steps up to 100% on 27 paired requests" in decision.reason
-    assert decision.gates["on_inconclusive"] == "extend" and decision.gates["max_extensions"] == 2
-    still_thin = [thin.model_copy(update={"attempt": a}) for a in (0, 1, 2)]
-    decision = decide_canary("m", "2", "1", [first, *still_thin], EXTEND)
-    assert decision.verdict == "inconclusive" and decision.decided_by == "policy"
-    assert decision.reason.startswith("step 50% inconclusive after 3 runs: only 3 paired requests")
-    assert result_of(decision, 0).champion_version == "1"
-
-
-MANUAL = CFG.model_copy(update={"approval": "manual", "approval_timeout_s": 60.0})
-
-
-def _command(action, percent=50, state="awaiting-approval", reason="looks good on the dashboards"):
-    return OperatorCommand(
-        id="c1",
-        canary_id="k",
-        action=action,
-        user="ana",
-        reason=reason,
-        at=1.0,
-        applied_at=2.0,
-        percent=percent,
-        state=state,
-    )
-
-
-def test_manual_approval_holds_the_last_step_below_100_and_only_an_operator_promotes():
-    assert hold_percent(CFG) is None and ramp_steps(CFG) == [10, 50, 100]
-    assert hold_percent(MANUAL) == 50 and ramp_steps(MANUAL) == [10, 50]
-    assert ramp_steps(MANUAL.model_copy(update={"steps": [5, 20, 60]})) == [5, 20, 60]
-    steps = [_step(10, _noisy(8, 2.0, 2.02)), _step(50, _noisy(8, 2.0, 2.02))]
-    assert decide_canary("m", "2", "1", steps, MANUAL).verdict == "rejected"  # passing alone never promotes
-    approved = decide_canary("m", "2", "1", steps, MANUAL, ended_by=_command("promote"), commands=[_command("promote")])
-    assert approved.verdict == "promoted" and approved.decided_by == "operator"
-    assert approved.reason.startswith(
-        "promoted by ana at 50% (awaiting-approval): looks good on the dashboards; "
-        "evidence so far: 2 steps up to 50% on 16 paired requests"
-    )
-    assert [c.action for c in approved.commands] == ["promote"]
-    timed_out = decide_canary("m", "2", "1", steps, MANUAL, approval_timed_out=True)
-    assert timed_out.verdict == "aborted" and timed_out.decided_by == "timeout"
-    assert timed_out.reason.startswith("no approval within canary.approval_timeout_s=60 s at 50%; rolled back")
-
-
-def test_manual_approval_needs_a_step_below_100():
-    with pytest.raises(ValueError, match=r"canary.steps=\[100\] has none"):
-        CanaryConfig(approval="manual", steps=[100])
-
-
-def test_an_operator_abort_or_early_promote_decides_whatever_the_steps_say():
-    failing = [_step(10, _noisy(20, 2.10, 2.00))]
-    promoted = decide_canary("m", "2", "1", failing, CFG, ended_by=_command("promote", 10, "running", ""))
-    assert promoted.verdict == "promoted" and promoted.reason.startswith("promoted by ana at 10% (running); ")
-    good = [_step(10, _noisy(8, 2.0, 2.02))]
-    aborted = decide_canary("m", "2", "1", good, CFG, ended_by=_command("abort", 10, "paused", "incident"))
-    assert aborted.verdict == "aborted" and aborted.decided_by == "operator"
-    assert aborted.reason.startswith("aborted by ana at 10% (paused): incident; rolled back; evidence: 1 steps")
-    assert result_of(aborted, 0).champion_version == "1" and result_of(promoted, 100).champion_version == "2"
-
-
-@pytest.mark.parametrize(
-    "state, action, error",
-    [
-        ("running", "pause", ""),
-        ("running", "promote", ""),
-        ("running", "abort", ""),
-        ("paused", "resume", ""),
-        ("paused", "promote", ""),
-        ("paused", "abort", ""),
-        ("awaiting-approval", "promote", ""),
-        ("awaiting-approval", "abort", ""),
-        ("running", "resume", "the canary of m is running, not paused; nothing to resume"),
-        ("paused", "pause", "the canary of m is paused; only a running canary can be paused"),
-        ("awaiting-approval", "pause", "the canary of m is awaiting-approval; only a running canary can be paused"),
-        ("none", "pause", "no canary of m is running; nothing to pause"),
-        ("none", "abort", "no canary of m is running; nothing to abort"),
-        ("running", "stop", "unknown action 'stop': expected one of pause, resume, promote, abort"),
-    ],
-)
-def test_which_commands_a_canary_accepts_in_each_state(state, action, error):
-    assert command_error(state, action, "m") == error
-
-
-def test_an_inconclusive_step_reads_as_such_in_the_table():
-    rows = steps_table([_step(10, _noisy(3, 2.0, 2.0))])
-    assert rows[0]["verdict"].startswith("inconclusive: only 3 paired requests")
-
-
-def _gate(**kw):
-    return PromQLGate(**({"name": "errors", "query": "sum(rate(x{version='$challenger'}[1m]))"} | kw))
-
-
-def test_a_promql_gate_passes_inside_its_bounds_and_fails_outside():
-    q = "sum(rate(x{version='2'}[1m]))"
-    assert judge_promql(_gate(max=0.05), q, 0.02).verdict == "pass"
-    failed = judge_promql(_gate(max=0.05), q, 0.08)
-    assert (failed.verdict, failed.value, failed.message) == ("fail", 0.08, "PromQL gate errors: 0.08 > max 0.05")
-    low = judge_promql(_gate(min=100, max=500), q, 12.0)
-    assert low.verdict == "fail" and low.message == "PromQL gate errors: 12 < min 100"
-    assert judge_promql(_gate(min=100, max=500), q, 100.0).message == "PromQL gate errors: 100 within min 100, max 500"
-
-
-def test_a_promql_gate_without_a_value_is_no_data_not_a_pass():
-    assert (
-        judge_promql(_gate(max=1), "q", None).message == "PromQL gate errors: no sample: too little evidence to judge"
-    )
-    failed_query = judge_promql(_gate(max=1), "q", None, "query failed: ConnectError: refused")
-    assert failed_query.verdict == "no-data" and "query failed: ConnectError: refused" in failed_query.message
-    assert judge_promql(_gate(max=1), "q", float("nan")).verdict == "no-data"
-
-
-def test_critical_promql_gates_decide_and_report_only_ones_never_do():
-    step = _step(10, _noisy(8, 2.0, 2.02))
-    readings = [
-        judge_promql(_gate(name="p99", max=0.5), "q1", 0.9),
-        judge_promql(_gate(name="cost", max=1.0, critical=False), "q2", 7.0),
-        judge_promql(_gate(name="saturation", max=0.8, critical=False), "q3", None),
-    ]
-    gated = apply_promql(step, readings)
-    assert gated.failures == ["PromQL gate p99: 0.9 > max 0.5"] and gated.inconclusive == []
-    assert [r.verdict for r in gated.promql] == ["fail", "fail", "no-data"]  # all recorded
-    assert step.failures == [] and step.promql == []  # the input is not changed
-    assert decide_canary("m", "2", "1", [gated], CFG).reason == "step 10%: PromQL gate p99: 0.9 > max 0.5"
-    report_only = apply_promql(step, readings[1:])
-    assert report_only.outcome == "pass" and len(report_only.promql) == 2
-    no_data = apply_promql(step, [judge_promql(_gate(name="p99", max=0.5), "q1", None)])
-    assert no_data.outcome == "inconclusive"
-
-
-def test_promql_gates_need_a_threshold_and_a_server():
-    with pytest.raises(ValueError, match=r"give max, min or both"):
-        PromQLGate(name="g", query="up")
-    with pytest.raises(ValueError, match=r"canary.promql_gates need canary.prometheus_url"):
-        CanaryConfig(promql_gates=[_gate(max=1)])
-
-
-def test_an_instant_query_answer_gives_one_value():
-    def vector(*values):
-        return {
-            "status": "success",
-            "data": {
-                "resultType": "vector",
-                "result": [{"metric": {"version": str(i)}, "value": [1.0, v]} for i, v in enumerate(values)],
-            },
-        }
-
-    assert value_of(vector("0.25")) == 0.25
-    assert value_of(vector()) is None and value_of(vector("NaN")) is None
-    assert value_of({"status": "success", "data": {"resultType": "scalar", "result": [1.0, "3"]}}) == 3.0
-    with pytest.raises(PromQLError, match=r"2 series; aggregate the query to one"):
-        value_of(vector("1", "2"))
-    with pytest.raises(PromQLError, match=r"bad_data: parse error"):
-        value_of({"status": "error", "errorType": "bad_data", "error": "parse error"})
-    assert (
-        render("rate(x{model='$model',v='$challenger'}[1m]) / $champion", "m", "1", "2")
-        == "rate(x{model='m',v='2'}[1m]) / 1"
-    )

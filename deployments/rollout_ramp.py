@@ -1,0 +1,209 @@
+"""The ramp of one canary: the router's weight, epoch and lease on the live application, the evidence each step
+collects from the routers, and probe traffic that tops it up.
+
+`Ramp.set` is a lightweight router update (the champion's replicas are untouched) that also renews the lease;
+`Ramp.collect` reads the observations a step's requests left in the router (a restarted router starts counting
+again; what was seen is kept) while polling the operator's commands (deployments/canary_control) and renewing the
+lease, until the step has `canary.min_requests` challenger requests and `canary.bake_seconds` passed, or
+`canary.step_timeout_s` ran out. The rollout driver (deployments/rollout) decides what to do with each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from typing import Any, NamedTuple
+
+from deployments import canary_control
+from deployments.canary_records import OperatorCommand
+from deployments.config import CanaryConfig, ServeConfig
+from deployments.endpoint import AppSpec, app_name_for, apply, router_config, router_handle
+from deployments.router_config import PROBE_HEADER
+
+log = logging.getLogger(__name__)
+
+
+class Prober:
+    """Probe traffic: held-out texts POSTed to /v1/score at a fixed rate, labelled as probe, until stopped."""
+
+    def __init__(self, url: str, texts: list[bytes], rps: float, max_bytes: int, seed: int, token: str = ""):
+        usable = [t[:max_bytes].decode("utf-8", errors="ignore") for t in texts]
+        self.texts = [t for t in usable if len(t.encode()) >= 2]
+        if not self.texts:
+            raise ValueError("no held-out text of at least 2 bytes to probe the endpoint with")
+        self.url, self.rps, self.rng = f"{url}/v1/score", rps, random.Random(f"{seed}:probe")
+        self.headers = {PROBE_HEADER: "1", **({"authorization": f"Bearer {token}"} if token else {})}
+        self.sent = self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardline-probe", daemon=True)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=60) as http:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = http.post(self.url, json={"text": self.rng.choice(self.texts)}, headers=self.headers)
+                    self.failed += r.status_code != 200
+                except httpx.HTTPError:
+                    self.failed += 1
+                self.sent += 1
+                self._stop.wait(max(0.0, 1.0 / self.rps - (time.monotonic() - t0)))
+
+
+class Collected(NamedTuple):
+    """What one step's collection ended with: its observations and seconds, the evidence shortfall ("" when it had
+    enough) and the operator's promote or abort that ended it early (None when the evidence did)."""
+
+    observations: list[dict[str, Any]]
+    seconds: float
+    shortfall: str
+    command: OperatorCommand | None
+
+
+class Ramp:
+    """The application's state during one canary: both versions deployed, the router's weight, epoch and lease."""
+
+    def __init__(
+        self,
+        cfg: CanaryConfig,
+        serve: ServeConfig,
+        model_name: str,
+        champion: str,
+        challenger: str,
+        tracking_uri: str,
+        token_sha256: str,
+        runtime_env: dict[str, Any] | None,
+        control: canary_control.DriverControl | None = None,
+    ):
+        self.cfg, self.serve, self.runtime_env = cfg, serve, runtime_env
+        self.app = app_name_for(serve, model_name)
+        self.tracking_uri = tracking_uri
+        self.versions = [champion, challenger]
+        self.canary_id = control.canary_id if control is not None else uuid.uuid4().hex
+        self.control = control
+        self.base = router_config(
+            serve, model_name, champion, token_sha256, seed=cfg.seed, shadow_share=cfg.shadow_share, mode=cfg.mode
+        )
+        self.challenger = challenger
+        self.percent, self.epoch, self.attempt = 0, 0, 0
+
+    def set(self, percent: int, epoch: int) -> None:
+        """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
+        self.percent, self.epoch = percent, epoch
+        lease = time.time() + self.cfg.lease_s
+        router = self.base.model_copy(
+            update={
+                "challenger": self.challenger,
+                "challenger_percent": percent,
+                "canary_id": self.canary_id,
+                "epoch": epoch,
+                "lease_expires_at": lease,
+            }
+        )
+        apply(
+            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=router),
+            self.serve,
+            self.runtime_env,
+        )
+        if self.control is not None:
+            self.control.publish(percent, lease, self.attempt)
+
+    def champion_only(self) -> None:
+        """All traffic back on the champion at once; the challenger stays deployed until reconcile removes it."""
+        apply(
+            AppSpec(app_name=self.app, tracking_uri=self.tracking_uri, versions=self.versions, router=self.base),
+            self.serve,
+            self.runtime_env,
+        )
+
+    def _poll(self) -> OperatorCommand | None:
+        """A command that changes what the driver does; pause and resume republish the state at once."""
+        if self.control is None:
+            return None
+        command = self.control.poll(self.percent)
+        if command is not None:
+            self.set(self.percent, self.epoch)  # state and ack published with a fresh lease
+        return command
+
+    def collect(self) -> Collected:
+        """Observations of the current step once it has enough evidence (or its timeout passed, or an operator
+        promoted or aborted). Renews the lease while it waits; while paused, the step is not judged and its clock
+        stands still."""
+        cfg = self.cfg
+        start = time.monotonic()
+        renew_at = start + cfg.lease_s / 3
+        seen: dict[tuple[str, int], dict[str, Any]] = {}
+        cursor, replica = 0, ""
+        paused_at: float | None = None
+        while True:
+            try:
+                got = (
+                    router_handle(self.app)
+                    .get_observations.remote(self.canary_id, self.epoch, cursor)
+                    .result(timeout_s=30)
+                )
+                if got["replica_id"] != replica:  # a restarted router starts counting again; keep what we saw
+                    replica, cursor = got["replica_id"], 0
+                for ob in got["items"]:
+                    seen[(replica, ob["seq"])] = ob
+                cursor = got["next"]
+            except Exception as e:  # noqa: BLE001 - a router restarting mid-step; its user_config survives
+                log.warning("reading the router's observations: %s: %s", type(e).__name__, e)
+            command = self._poll()
+            if command is not None and command.action in ("promote", "abort"):
+                return Collected(list(seen.values()), time.monotonic() - start, "", command)
+            if command is not None and command.action == "pause":
+                paused_at = time.monotonic()
+            elif command is not None and command.action == "resume" and paused_at is not None:
+                start += time.monotonic() - paused_at  # the pause does not count against the step
+                paused_at = None
+            n = sum(1 for ob in seen.values() if ob.get("challenger") is not None)
+            elapsed = time.monotonic() - start
+            if paused_at is None and n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
+                return Collected(list(seen.values()), elapsed, "", None)
+            if paused_at is None and elapsed >= cfg.step_timeout_s:
+                return Collected(
+                    list(seen.values()),
+                    elapsed,
+                    (
+                        f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
+                        f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"
+                    ),
+                    None,
+                )
+            if time.monotonic() >= renew_at:
+                self.set(self.percent, self.epoch)
+                renew_at = time.monotonic() + cfg.lease_s / 3
+            time.sleep(0.25)
+
+    def await_approval(self) -> OperatorCommand | None:
+        """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),
+        or canary.approval_timeout_s passes (None). Renews the lease while it waits."""
+        assert self.control is not None
+        self.control.state = "awaiting-approval"
+        self.control.approval_deadline = time.time() + self.cfg.approval_timeout_s
+        deadline = time.monotonic() + self.cfg.approval_timeout_s
+        self.set(self.percent, self.epoch)
+        renew_at = time.monotonic() + self.cfg.lease_s / 3
+        while time.monotonic() < deadline:
+            command = self._poll()
+            if command is not None and command.action in ("promote", "abort"):
+                return command
+            if time.monotonic() >= renew_at:
+                self.set(self.percent, self.epoch)
+                renew_at = time.monotonic() + self.cfg.lease_s / 3
+            time.sleep(0.25)
+        return None
