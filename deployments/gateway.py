@@ -39,6 +39,7 @@ class GatewayConfig(BaseModel):
     max_request_bytes: int = 65536
     body_timeout_s: float = 10.0
     token_sha256: str = ""
+    settings: str = ""  # gateway_control.gateway_settings: the deploy-time options it was deployed with
 
 
 def merge_expositions(texts: list[str]) -> bytes:

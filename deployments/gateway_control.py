@@ -165,6 +165,7 @@ def ensure_gateway(
         max_request_bytes=serve.max_request_bytes,
         body_timeout_s=serve.body_timeout_s,
         token_sha256=token_sha256,
+        settings=gateway_settings(serve),
     ).model_dump()
     if _gateway_config(name) == want:
         return name
@@ -191,6 +192,15 @@ def ensure_gateway(
             raise RuntimeError(f"gateway {name} did not take its config in {timeout_s} s")
         time.sleep(0.2)
     return name
+
+
+def gateway_settings(serve: ServeConfig) -> str:
+    """The gateway's deploy-time options (replicas, queue, CPUs), hashed into its config: a change to any of them
+    alone redeploys the gateway rather than being skipped as "already up to date"."""
+    import hashlib
+
+    fixed = serve.model_dump_json(include={"gateway_replicas", "max_queued_requests", "router_cpus"})
+    return hashlib.sha256(fixed.encode()).hexdigest()[:12]
 
 
 def _gateway_version() -> str:

@@ -99,6 +99,35 @@ def test_two_models_answer_by_model_behind_one_route(world):
     assert r.status_code == 200 and r.json()["model"] == MODELS[1]
 
 
+def test_a_changed_gateway_setting_alone_redeploys_the_gateway(world):
+    """serve.gateway_replicas (or the queue, or the CPUs) changed with nothing else: the gateway follows."""
+    import time
+
+    from ray import serve as rs
+
+    from deployments.gateway_control import gateway_name
+
+    def running(serve: ServeConfig) -> int:
+        status = rs.status().applications[gateway_name(serve)].deployments["gateway"]
+        return int(status.replica_states.get("RUNNING", 0))
+
+    def settle(serve: ServeConfig, want: int) -> int:
+        url = endpoint.reconcile(serve, MODELS[0], world["uri"]).url
+        deadline = time.monotonic() + 120
+        while running(serve) != want and time.monotonic() < deadline:
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/score", json={"model": MODELS[0], "text": "import sys"}, timeout=60)
+        assert r.status_code == 200, r.text
+        return running(serve)
+
+    serve = world["serve"]
+    assert settle(serve, 1) == 1
+    try:
+        assert settle(serve.model_copy(update={"gateway_replicas": 2}), 2) == 2
+    finally:
+        assert settle(serve, 1) == 1
+
+
 def test_a_model_export_cannot_capture_is_served_eagerly_behind_the_gateway(world):
     """A byte-level GRU (torch.export specialises its sequence length): validation's log_servable_model logs it in
     its eager form, and the replicas rebuild it from its factory and weights. It completes and scores through the
