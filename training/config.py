@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_FACTORY = "training.model:build_gpt"
+LIGHTNING_FACTORY = "training.lightning_loop:lightning_model"  # a Lightning run's model: the module's `.model`
 
 
 class TrainConfig(BaseModel):
@@ -30,6 +31,17 @@ class TrainConfig(BaseModel):
     model_factory: str = Field(
         DEFAULT_FACTORY,
         description="Import path 'module:function' that takes this TrainConfig and returns an nn.Module.",
+    )
+    loop: Literal["builtin", "lightning"] = Field(
+        "builtin",
+        description="builtin: shardline's FSDP2/DDP loop over train.model_factory's model. lightning: the "
+        "LightningModule train.lightning_module names, under Ray Train's Lightning integration (RayDDPStrategy; "
+        "train.parallelism='ddp'); its `model` attribute is what is validated and served (training/lightning_loop.py).",
+    )
+    lightning_module: str = Field(
+        "",
+        description="Import path 'module:Class' of a lightning.pytorch.LightningModule taking this TrainConfig "
+        "(train.loop='lightning'), e.g. 'training.lightning_example:ByteGPTModule'.",
     )
     batch_format: str = Field(
         "training.data.loader:byte_blocks",
@@ -148,7 +160,28 @@ class TrainConfig(BaseModel):
                     f"train.hf_config and train.model_factory={self.model_factory!r} both name the model; set one"
                 )
             self.model_factory = HF_FACTORY
+        if self.loop == "lightning" or self.lightning_module:
+            self._lightning_factory()
         return self
+
+    def _lightning_factory(self) -> None:
+        if self.loop != "lightning":
+            raise ValueError(f"train.lightning_module={self.lightning_module!r} needs train.loop='lightning'")
+        if not self.lightning_module:
+            raise ValueError("train.loop='lightning' needs train.lightning_module ('module:Class')")
+        if self.hf_config:
+            raise ValueError("train.hf_config and train.lightning_module both name the model; set one")
+        if self.model_factory not in (DEFAULT_FACTORY, LIGHTNING_FACTORY):
+            raise ValueError(
+                f"train.lightning_module and train.model_factory={self.model_factory!r} both name the model; set one"
+            )
+        if self.parallelism != "ddp":
+            raise ValueError(
+                "train.loop='lightning' trains with Ray's RayDDPStrategy; set train.parallelism='ddp' "
+                f"(got {self.parallelism!r})"
+            )
+        lightning_class(self.lightning_module)
+        self.model_factory = LIGHTNING_FACTORY
 
 
 class ValidationConfig(BaseModel):
@@ -189,3 +222,17 @@ def load_object(spec: str, field: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{field}={spec!r}: cannot import ({e})") from None
+
+
+def lightning_class(spec: str) -> type:
+    """The LightningModule class `train.lightning_module` names.
+
+    Raises:
+        ValueError: the path does not import, or names something that is not a LightningModule subclass.
+    """
+    import lightning.pytorch as pl
+
+    cls = load_object(spec, "train.lightning_module")
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise ValueError(f"train.lightning_module={spec!r}: {cls!r} is not a lightning.pytorch.LightningModule class")
+    return cls

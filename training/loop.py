@@ -76,7 +76,9 @@ def peak_memory_mb(device: torch.device) -> float:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _MlflowLogger:
+class MlflowLogger:
+    """Rank 0's metrics and tags, sent to the run in a background thread; `close()` waits for what is queued."""
+
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         self.run_id = run_id
         self._pool = ThreadPoolExecutor(max_workers=1) if tracking_uri and run_id else None
@@ -249,7 +251,7 @@ def train_step(
     return step_loss, grad_norm, lr
 
 
-def _init_weights(model: nn.Module, checkpoint_uri: str) -> None:
+def init_weights(model: nn.Module, checkpoint_uri: str) -> None:
     """train.init_from: load a checkpoint's model weights into the plain model (before FSDP wraps it)."""
     with ckpt.local_copy(checkpoint_uri) as directory:
         ckpt.load_unsharded(model, directory)
@@ -295,7 +297,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (FSDP shards, DDP broadcasts)
     model = load_object(cfg.model_factory, "train.model_factory")(cfg)
     if config.get("init_checkpoint"):  # continued training; a checkpoint of this run (below) still wins
-        _init_weights(model, config["init_checkpoint"])
+        init_weights(model, config["init_checkpoint"])
     elif cfg.hf_weights:  # fine-tuning a transformers model's save_pretrained weights; resume (below) still wins
         from training.hf_model import load_pretrained
 
@@ -314,7 +316,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     start, position = checkpointer.restore()
 
     batches = data_stream(config["train_shards"], rank, world, cfg, start, position)
-    logger = _MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
+    logger = MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
     nodes = placement.gather_nodes(device)  # lineage: the nodes that trained (an autoscaler may just have added them)
     if logger is not None:
         logger.record(*placement.placement_lineage(nodes))

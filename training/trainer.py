@@ -139,6 +139,9 @@ def run_training(
     from training.config import load_object
     from training.loop import check_global_batch, train_func
 
+    if cfg.loop == "lightning":  # the user's LightningModule under Ray's Lightning integration
+        from training.lightning_loop import train_func
+
     check_global_batch(cfg, cfg.workers)
     resources = worker_resources(cfg)
     load_object(cfg.model_factory, "train.model_factory")

@@ -27,3 +27,25 @@ def run_home(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SHARDLINE_HOME", str(home))
     stop_head()
+
+
+@pytest.fixture()
+def ray_cluster():
+    """A local Ray cluster of 4 CPUs for this test, with the test package on the workers' path."""
+    import ray
+    from support.train_support import ray_runtime_env
+
+    from infra.cluster import ClusterInfo
+    from infra.network import network_env
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
+    yield ClusterInfo(
+        address=ray.get_runtime_context().gcs_address,
+        mode="local",
+        resources={},
+        nodes=1,
+        started_here=True,
+        network="tcp",
+        network_env=network_env("tcp"),
+    )
+    ray.shutdown()

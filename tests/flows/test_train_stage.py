@@ -11,29 +11,9 @@ import time
 
 import pytest
 import torch
-from support.train_support import ray_runtime_env, shard_set
+from support.train_support import shard_set
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-
-@pytest.fixture()
-def ray_cluster():
-    import ray
-
-    from infra.cluster import ClusterInfo
-    from infra.network import network_env
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=ray_runtime_env())
-    yield ClusterInfo(
-        address=ray.get_runtime_context().gcs_address,
-        mode="local",
-        resources={},
-        nodes=1,
-        started_here=True,
-        network="tcp",
-        network_env=network_env("tcp"),
-    )
-    ray.shutdown()
 
 
 def _progress_values(stop: threading.Event, seen: list[float]) -> None:

@@ -1,0 +1,124 @@
+"""train.loop = "lightning" for real: a LightningModule under Ray Train's Lightning integration (RayDDPStrategy,
+RayLightningEnvironment, shardline's report callback) on 2 workers. SIGKILL one mid-run: the group restarts, both
+ranks restore the latest complete DCP checkpoint (weights, optimizer, Lightning's step, the data position), the
+replayed steps' losses equal the first attempt's, the run ends at exactly train.steps; the checkpoint is the
+built-in loop's layout and loads into the module's model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support.train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
+
+from training import checkpoint as ck
+from training.config import LIGHTNING_FACTORY, TrainConfig
+
+pytestmark = pytest.mark.slow
+
+CFG = TrainConfig(
+    loop="lightning",
+    lightning_module="support.lightning_support:RecordingByteGPT",
+    parallelism="ddp",
+    workers=2,
+    steps=40,
+    checkpoint_every=10,
+    keep_checkpoints=2,
+    max_failures=2,
+    log_every=1,
+    seq_len=32,
+    n_layer=2,
+    n_head=2,
+    d_model=32,
+    micro_batch=8,
+    grad_accum=2,
+    lr=3e-3,
+    warmup_steps=4,
+)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    import ray
+
+    out = tmp_path_factory.mktemp("workers")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=ray_runtime_env(**{RECORD_DIR_ENV: str(out)}),
+    )
+    yield out
+    ray.shutdown()
+
+
+def test_a_lightning_run_killed_mid_run_resumes_from_its_checkpoint(records, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from training.trainer import run_training
+
+    assert CFG.model_factory == LIGHTNING_FACTORY  # validation and serving rebuild the module's `.model`
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("l", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    shards = shard_set(tmp_path / "shards")
+
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=run_training(CFG, shards, uri, run_id, "lit-run")))
+    thread.start()
+    killed_at = 0
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and thread.is_alive():
+        steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+        if steps and max(steps) >= 23:
+            killed_at = max(steps)
+            victim = next(r for r in worker_records(records) if r["rank"] == 1)
+            os.kill(victim["pid"], signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    assert 23 <= killed_at < CFG.steps, f"run ended (or stalled) before the kill; last step {killed_at}"
+    thread.join(timeout=300)
+    result = outcome["result"]
+
+    seen = worker_records(records)
+    assert sorted(r["rank"] for r in seen) == [0, 0, 1, 1] and len({r["pid"] for r in seen}) == 4
+    # exactly train.steps optimizer steps (Lightning's counter continued), in the built-in loop's checkpoint layout
+    assert result.step == CFG.steps
+    info = ck.verify_checkpoint(result.checkpoint_uri)
+    assert (info.step, info.world_size) == (CFG.steps, 2)
+    manifests = [json.loads((Path(result.checkpoint_uri) / ck.manifest_name(r)).read_text()) for r in (0, 1)]
+    assert {m["resumed_from"] for m in manifests} == {(killed_at // CFG.checkpoint_every) * CFG.checkpoint_every}
+    resumed_from = manifests[0]["resumed_from"]
+
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: (m.timestamp, m.step))
+    steps = [m.step for m in history]
+    assert sorted(set(steps)) == list(range(1, CFG.steps + 1))
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[restart:] == list(range(resumed_from + 1, CFG.steps + 1))
+    first = {m.step: m.value for m in history[:restart]}
+    second = {m.step: m.value for m in history[restart:]}
+    # exact resume: the steps the first attempt ran past its checkpoint come out the same again (weights, optimizer,
+    # data position and dropout RNG restored), and training goes on from there
+    replayed = [s for s in second if s in first]
+    assert replayed == list(range(resumed_from + 1, killed_at + 1))
+    assert [second[s] for s in replayed] == pytest.approx([first[s] for s in replayed], abs=1e-6)
+    assert sum(second[s] for s in range(CFG.steps - 4, CFG.steps + 1)) / 5 < first[1] - 1.5
+    # the learning rate followed the schedule across the restart (Lightning's step counter was restored)
+    lrs = {m.step: m.value for m in client.get_metric_history(run_id, "lr")}
+    from training.loop import lr_at
+
+    assert lrs[resumed_from + 1] == pytest.approx(lr_at(resumed_from, CFG))
+    # the checkpoint loads into the module's model, as validation will
+    from training.lightning_loop import lightning_model
+
+    model = lightning_model(CFG)
+    ck.load_unsharded(model, result.checkpoint_uri)
+    assert model(torch.randint(0, 256, (2, 32))).shape == (2, 32, 256)

@@ -1,0 +1,19 @@
+"""LightningModules for the Lightning loop's tests: the example module recording each worker (like recording_gpt),
+and one without the `model` attribute the loop serves."""
+
+from __future__ import annotations
+
+from support.train_support import recording_gpt
+from training.lightning_example import ByteGPTModule
+
+
+class RecordingByteGPT(ByteGPTModule):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.model = recording_gpt(cfg)  # the same GPT, and this worker's rank and pid on record
+
+
+class NoModel(ByteGPTModule):
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        del self.model  # what a module that keeps its network under another name looks like to the loop

@@ -1,0 +1,194 @@
+"""`train.loop = "lightning"`: a user's LightningModule trained under Ray Train's Lightning integration.
+
+The contract of `train.lightning_module` ('module:Class'):
+- `Class(cfg)` takes the TrainConfig (the run's whole `[train]` table) and builds its model;
+- `self.model` is the nn.Module that is validated, registered and served: `model(idx)` maps a (batch, seq_len)
+  LongTensor of byte ids to (batch, seq_len, 256) logits, as `train.model_factory` models do;
+- `training_step((x, y), batch_idx)` returns the loss; `configure_optimizers()` returns one optimizer (the module
+  owns its learning rate; `training.lightning_example` follows `[train]`'s warmup and cosine schedule).
+
+Each worker runs a `lightning.Trainer` with Ray's `RayDDPStrategy` and `RayLightningEnvironment`, checked by
+`prepare_trainer`. The data are the run's WebDataset shards, read per rank exactly as the built-in loop reads them
+(`loop.data_stream`); Lightning accumulates `train.grad_accum` micro batches per optimizer step and clips at
+`train.grad_clip`. `ShardlineCheckpoints` is the report callback: every `train.checkpoint_every` optimizer steps
+(and at the last) it saves the model and optimizer with torch.distributed.checkpoint, in the same layout as the
+built-in loop (so the validate stage, the registry and the canary take it unchanged), and hands the directory to
+Ray Train with `ray.train.report`. A restarted worker group restores the newest complete checkpoint before the
+first batch: weights, optimizer, Lightning's step counter and the data position, so the run still ends at exactly
+`train.steps`. Lightning's own `.ckpt` files are never written: they are pickles, and checkpoints here are loaded
+with `weights_only`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.checkpointer import Checkpointer, RayHooks
+from training.config import TrainConfig, lightning_class
+from training.loop import (
+    CPU_PEAK_TFLOPS,
+    GPU_PEAK_TFLOPS,
+    MetricsWindow,
+    MlflowLogger,
+    check_global_batch,
+    data_stream,
+    init_weights,
+)
+from training.model import flops_per_token
+
+
+def build_module(cfg: TrainConfig) -> pl.LightningModule:
+    """`train.lightning_module`'s class built from the TrainConfig.
+
+    Raises:
+        ValueError: one line naming the module, when its constructor fails.
+    """
+    from infra.redact import first_line
+
+    cls = lightning_class(cfg.lightning_module)
+    try:
+        return cls(cfg)
+    except Exception as e:  # noqa: BLE001 - the user's constructor: any failure is named in one line
+        cause = f"{type(e).__name__}: {first_line(e)}"
+        raise ValueError(f"train.lightning_module={cfg.lightning_module!r}: {cls.__name__}(cfg) failed: {cause}") from e
+
+
+def served_model(module: pl.LightningModule, cfg: TrainConfig) -> nn.Module:
+    """The module's `.model`: what validation, the registry and the replicas serve.
+
+    Raises:
+        ValueError: one line naming the module, when it has no `model` that is an nn.Module.
+    """
+    model = getattr(module, "model", None)
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"train.lightning_module={cfg.lightning_module!r}: its `model` attribute must be the nn.Module to serve, "
+            f"got {type(model).__name__}"
+        )
+    return model
+
+
+def lightning_model(cfg: TrainConfig) -> nn.Module:
+    """`train.model_factory` of a Lightning run: the module's `.model`, which validation and serving rebuild."""
+    return served_model(build_module(cfg), cfg)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """This rank's micro batches, from the position the checkpoint callback restored (read at the first iter)."""
+
+    def __init__(self, shards: list[str], rank: int, world: int, cfg: TrainConfig) -> None:
+        self.shards, self.rank, self.world, self.cfg = shards, rank, world, cfg
+        self.start, self.position = 0, 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return data_stream(self.shards, self.rank, self.world, self.cfg, self.start, self.position)
+
+
+class ShardlineCheckpoints(pl.Callback):
+    """The report callback: restore before the first batch, save and report every checkpoint step, log metrics."""
+
+    def __init__(self, cfg: TrainConfig, stream: _Stream, config: dict[str, Any], rank: int, world: int) -> None:
+        super().__init__()
+        self.cfg, self.stream, self.rank, self.world = cfg, stream, rank, world
+        self.run_id = config.get("run_id", "")
+        self.logger = MlflowLogger(config.get("tracking_uri", ""), self.run_id) if rank == 0 else None
+        self.checkpointer: Checkpointer | None = None
+        self.window: MetricsWindow | None = None
+        self.grad_norm = torch.zeros(())
+        self.loss = torch.zeros(())
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        device = pl_module.device
+        self.window = MetricsWindow(
+            check_global_batch(self.cfg, self.world) * self.cfg.seq_len,
+            flops_per_token(pl_module.model, self.cfg.seq_len),
+            self.cfg.peak_tflops or (GPU_PEAK_TFLOPS if device.type == "cuda" else CPU_PEAK_TFLOPS),
+            self.world,
+            device,
+        )
+        self.checkpointer = Checkpointer(
+            RayHooks(), pl_module.model, trainer.optimizers[0], self.cfg, self.rank, self.world, device,
+            report=self.window.summary,
+        )  # fmt: skip
+        start, position = self.checkpointer.restore()
+        # Lightning's step counter continues from the checkpoint (what its own restore sets), so `max_steps` and
+        # the module's schedule see the run's real step; the stream skips what the ranks had consumed.
+        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = start
+        trainer.fit_loop.epoch_loop._batches_that_stepped = start
+        self.stream.start, self.stream.position = start, position
+        self.window.start()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad.detach().norm() for p in pl_module.model.parameters() if p.grad is not None]
+        self.grad_norm = torch.stack(grads).norm() if grads else torch.zeros(())
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # already divided by grad_accum
+        self.loss = self.loss + loss.detach().float().cpu()
+        if (batch_idx + 1) % self.cfg.grad_accum:  # an optimizer step ends with every grad_accum-th micro batch
+            return
+        assert self.checkpointer is not None and self.window is not None
+        done = int(trainer.global_step)
+        self.window.step_done()
+        self.checkpointer.publish_finished()
+        if done % self.cfg.log_every == 0 or done == self.cfg.steps:
+            lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+            metrics = self.window.collect(self.loss.clone(), self.grad_norm, lr)
+            if self.logger is not None:
+                self.logger.log(metrics, done)
+        self.loss = torch.zeros(())
+        self.checkpointer.save(done, last_step=done == self.cfg.steps)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.logger is not None:
+            self.logger.close()
+
+
+def train_func(config: dict[str, Any]) -> dict[str, float]:
+    """The Ray Train worker function of a Lightning run (same `config` keys as training.loop.train_func)."""
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    from infra.credentials import adopt_worker_secrets
+
+    adopt_worker_secrets()
+    cfg = TrainConfig.model_validate(config["train"])
+    torch.set_num_threads(cfg.threads_per_worker)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check_global_batch(cfg, world)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    module = build_module(cfg)
+    model = served_model(module, cfg)  # the module without one fails here, before any worker trains
+    if config.get("init_checkpoint"):  # train.init_from; a checkpoint of this run (restored at fit start) still wins
+        init_weights(model, config["init_checkpoint"])
+    stream = _Stream(config["train_shards"], rank, world, cfg)
+    callback = ShardlineCheckpoints(cfg, stream, config, rank, world)
+    trainer = pl.Trainer(
+        accelerator="gpu" if cfg.use_gpu else "cpu",
+        devices="auto",
+        strategy=RayDDPStrategy(),
+        plugins=[RayLightningEnvironment()],
+        callbacks=[callback],
+        max_steps=cfg.steps,
+        accumulate_grad_batches=cfg.grad_accum,
+        gradient_clip_val=cfg.grad_clip if cfg.grad_clip > 0 else None,
+        use_distributed_sampler=False,  # each rank reads its own shards (loop.data_stream)
+        enable_checkpointing=False,  # checkpoints are ShardlineCheckpoints' (DCP), not Lightning's pickles
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )
+    trainer = prepare_trainer(trainer)
+    torch.manual_seed(cfg.seed + 1 + rank)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None)
+    trainer.fit(module, train_dataloaders=loader)
+    assert callback.window is not None
+    return callback.window.summary(cfg.steps)
