@@ -54,6 +54,9 @@ _CODE_FILES = (
     "deployments/evidence.py",
     "deployments/router_evidence.py",
     "training/bpb.py",
+    "training/model.py",
+    "training/hf_model.py",
+    "training/servable.py",
 )
 
 

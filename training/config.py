@@ -180,6 +180,11 @@ class TrainConfig(BaseModel):
                 "train.loop='lightning' trains with Ray's RayDDPStrategy; set train.parallelism='ddp' "
                 f"(got {self.parallelism!r})"
             )
+        if self.activation_checkpointing or self.powersgd_rank:
+            raise ValueError(
+                "train.activation_checkpointing and train.powersgd_rank are the built-in loop's; with "
+                "train.loop='lightning' the module decides (set them false and 0)"
+            )
         lightning_class(self.lightning_module)
         self.model_factory = LIGHTNING_FACTORY
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training import placement, prom_metrics
 from training.checkpointer import Checkpointer, RayHooks
 from training.config import TrainConfig, lightning_class
 from training.loop import (
@@ -41,6 +42,7 @@ from training.loop import (
     init_weights,
 )
 from training.model import flops_per_token
+from training.parallelize import compute_dtype
 
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:
@@ -79,6 +81,33 @@ def lightning_model(cfg: TrainConfig) -> nn.Module:
     return served_model(build_module(cfg), cfg)
 
 
+def check_module(trainer: Any, pl_module: Any, cfg: TrainConfig) -> None:
+    """What the checkpoint callback can save and restore exactly, checked before the first batch.
+
+    Raises:
+        ValueError: one line naming the module: a learning-rate scheduler (its state is not checkpointed; set the
+            rate in the module, as training.lightning_example does), manual optimization, or optimized parameters
+            outside `.model` (the checkpoint holds `.model` and its optimizer state only).
+    """
+    name = f"train.lightning_module={cfg.lightning_module!r}"
+    if trainer.lr_scheduler_configs:
+        raise ValueError(
+            f"{name}: configure_optimizers returns a learning-rate scheduler; set the rate per step in "
+            "the module instead (on_train_batch_start, as training.lightning_example does)"
+        )
+    if not pl_module.automatic_optimization:
+        raise ValueError(f"{name}: manual optimization is not supported (automatic_optimization is False)")
+    if len(trainer.optimizers) != 1:
+        raise ValueError(f"{name}: configure_optimizers must return one optimizer, got {len(trainer.optimizers)}")
+    served = {id(p) for p in pl_module.model.parameters()}
+    outside = [p for g in trainer.optimizers[0].param_groups for p in g["params"] if id(p) not in served]
+    if outside:
+        raise ValueError(
+            f"{name}: the optimizer updates {len(outside)} parameters outside `model`, which the "
+            "checkpoint and the served model would lose"
+        )
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """This rank's micro batches, from the position the checkpoint callback restored (read at the first iter)."""
 
@@ -102,9 +131,12 @@ class ShardlineCheckpoints(pl.Callback):
         self.window: MetricsWindow | None = None
         self.grad_norm = torch.zeros(())
         self.loss = torch.zeros(())
+        self.last_step = 0
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        check_module(trainer, pl_module, self.cfg)
         device = pl_module.device
+        self.loss = torch.zeros((), device=device)  # all-reduced at each log: NCCL takes device tensors only
         self.window = MetricsWindow(
             check_global_batch(self.cfg, self.world) * self.cfg.seq_len,
             flops_per_token(pl_module.model, self.cfg.seq_len),
@@ -122,6 +154,10 @@ class ShardlineCheckpoints(pl.Callback):
         trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = start
         trainer.fit_loop.epoch_loop._batches_that_stepped = start
         self.stream.start, self.stream.position = start, position
+        self.last_step = start
+        nodes = placement.gather_nodes(device)  # a collective: lineage of the nodes that trained
+        if self.logger is not None:
+            self.logger.record(*placement.placement_lineage(nodes))
         self.window.start()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -130,11 +166,12 @@ class ShardlineCheckpoints(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # already divided by grad_accum
-        self.loss = self.loss + loss.detach().float().cpu()
-        if (batch_idx + 1) % self.cfg.grad_accum:  # an optimizer step ends with every grad_accum-th micro batch
-            return
-        assert self.checkpointer is not None and self.window is not None
+        self.loss = self.loss + loss.detach().float()
         done = int(trainer.global_step)
+        if done == self.last_step:  # accumulating: no optimizer step with this micro batch
+            return
+        self.last_step = done
+        assert self.checkpointer is not None and self.window is not None
         self.window.step_done()
         self.checkpointer.publish_finished()
         if done % self.cfg.log_every == 0 or done == self.cfg.steps:
@@ -142,8 +179,13 @@ class ShardlineCheckpoints(pl.Callback):
             metrics = self.window.collect(self.loss.clone(), self.grad_norm, lr)
             if self.logger is not None:
                 self.logger.log(metrics, done)
-        self.loss = torch.zeros(())
+                prom_metrics.export(metrics, done, self.run_id)
+        self.loss = torch.zeros((), device=self.loss.device)
         self.checkpointer.save(done, last_step=done == self.cfg.steps)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.last_step != self.cfg.steps:  # the stream ran dry, or Lightning stopped early: no silent short run
+            raise RuntimeError(f"the Lightning run stopped at step {self.last_step} of train.steps={self.cfg.steps}")
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.checkpointer is not None:
@@ -154,6 +196,7 @@ class ShardlineCheckpoints(pl.Callback):
 
 def train_func(config: dict[str, Any]) -> dict[str, float]:
     """The Ray Train worker function of a Lightning run (same `config` keys as training.loop.train_func)."""
+    import ray.train.torch
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
 
     from infra.credentials import adopt_worker_secrets
@@ -162,6 +205,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     cfg = TrainConfig.model_validate(config["train"])
     torch.set_num_threads(cfg.threads_per_worker)
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = ray.train.torch.get_device()
     check_global_batch(cfg, world)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
     module = build_module(cfg)
@@ -172,6 +216,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     callback = ShardlineCheckpoints(cfg, stream, config, rank, world)
     trainer = pl.Trainer(
         accelerator="gpu" if cfg.use_gpu else "cpu",
+        precision="bf16-mixed" if compute_dtype(cfg, device) == torch.bfloat16 else "32-true",
         devices="auto",
         strategy=RayDDPStrategy(),
         plugins=[RayLightningEnvironment()],
@@ -188,7 +233,9 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     )
     trainer = prepare_trainer(trainer)
     torch.manual_seed(cfg.seed + 1 + rank)
-    loader = torch.utils.data.DataLoader(stream, batch_size=None)
+    # its own generator: a DataLoader draws a base seed from the global RNG at iter(), which here comes after the
+    # checkpoint's RNG state was restored; that draw must not move the restored state (dropout would differ)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, generator=torch.Generator())
     trainer.fit(module, train_dataloaders=loader)
     assert callback.window is not None
     return callback.window.summary(cfg.steps)

@@ -36,6 +36,7 @@ CFG = TrainConfig(
     n_layer=2,
     n_head=2,
     d_model=32,
+    dropout=0.1,  # the replayed steps match only if the checkpoint restored the RNG the DataLoader must not move
     micro_batch=8,
     grad_accum=2,
     lr=3e-3,

@@ -44,6 +44,7 @@ def test_the_module_model_is_what_validation_and_serving_build(tmp_path):
         (LIGHTNING.replace('parallelism = "ddp"\n', ""), "set train.parallelism='ddp' (got 'fsdp')"),
         (LIGHTNING + 'model_factory = "training.model:build_gpt2"\n', "both name the model; set one"),
         (LIGHTNING + '[train.hf_config]\nmodel_type = "llama"\n', "train.hf_config and train.lightning_module"),
+        (LIGHTNING + "activation_checkpointing = true\n", "with train.loop='lightning' the module decides"),
     ],
 )
 def test_a_broken_lightning_setting_is_one_line_at_config_load(tmp_path, train, message):
@@ -69,3 +70,53 @@ def test_a_module_without_a_model_attribute_is_named(tmp_path):
     assert "train.lightning_module='lightning.pytorch:LightningModule': LightningModule(cfg) failed: TypeError" in str(
         err.value
     )
+
+
+def test_a_module_the_checkpoint_cannot_restore_is_refused_before_the_first_batch(tmp_path):
+    import lightning.pytorch as pl
+
+    from training.lightning_example import ByteGPTModule
+    from training.lightning_loop import check_module
+
+    cfg = _load(tmp_path, LIGHTNING)
+
+    class Check(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            check_module(trainer, pl_module, cfg)
+
+    class WithScheduler(ByteGPTModule):
+        def configure_optimizers(self):
+            opt = super().configure_optimizers()
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+    class ExtraParameters(ByteGPTModule):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.head = torch.nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    class Manual(ByteGPTModule):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.automatic_optimization = False
+
+    batch = (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
+    for module, message in (
+        (WithScheduler(cfg), "returns a learning-rate scheduler"),
+        (ExtraParameters(cfg), "updates 2 parameters outside `model`"),
+        (Manual(cfg), "manual optimization is not supported"),
+    ):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=1,
+            callbacks=[Check()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
