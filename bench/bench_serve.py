@@ -92,7 +92,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments import endpoint
+    from deployments import endpoint, serve_build
     from deployments.config import ServeConfig
     from infra.cluster import free_port
     from infra.tracking import setup_tracking
@@ -108,7 +108,7 @@ def main() -> None:
     cfg = ServeConfig(port=free_port())
     try:
         url = endpoint.reconcile(cfg, name, uri).url
-        app = endpoint.app_name_for(cfg, name)
+        app = serve_build.app_name_for(cfg, name)
         text = (REPO / "training" / "model.py").read_text()[:1024]
         body = {"text": text}
         model = serve.get_deployment_handle(f"v{v1}", app)
@@ -121,7 +121,7 @@ def main() -> None:
         rps_champion = _throughput(url, body, args.seconds, args.clients)
         shadowed = {}
         for share in (0.0, 1.0):
-            router = endpoint.router_config(
+            router = serve_build.router_config(
                 cfg,
                 name,
                 v1,
@@ -130,7 +130,7 @@ def main() -> None:
                 shadow_share=share,
                 lease_expires_at=time.time() + 3600,
             )
-            endpoint.apply(endpoint.AppSpec(app_name=app, tracking_uri=uri, versions=[v1, v2], router=router), cfg)
+            endpoint.apply(serve_build.AppSpec(app_name=app, tracking_uri=uri, versions=[v1, v2], router=router), cfg)
             shadowed[share] = _throughput(url, body, args.seconds, args.clients)
     finally:
         endpoint.remove(cfg, name)

@@ -18,8 +18,8 @@ def app(args: dict[str, Any]) -> Any:
     Raises:
         ValueError: args lack model_name, or the model has no champion yet (nothing to serve).
     """
-    from deployments.endpoint import AppSpec, app_name_for, build_app, router_config
     from deployments.registry import CHAMPION, client_for, read_aliases
+    from deployments.serve_build import AppSpec, app_name_for, build_app, router_config
     from deployments.serving import api_token, token_digest
     from infra.tracking import resolve_tracking_uri
 

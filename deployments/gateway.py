@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict
 from deployments import openai_api as oai
 from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
 from deployments.openai_api import ApiError
+from deployments.router_config import ROUTER
 from deployments.serve_metrics import RouterMetrics
 
-ROUTER = "router"
 REFRESH_S = 2.0
 GATEWAY_HEADER = "x-shardline-gateway"  # the flow-start check tells shardline's gateway from other servers by it
 

@@ -209,7 +209,7 @@ def _gateway_version() -> str:
 
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for rel in ("gateway.py", "http_io.py", "openai_api.py"):
+    for rel in ("gateway.py", "http_io.py", "openai_api.py", "router_config.py"):
         h.update((root / rel).read_bytes())
     return h.hexdigest()[:12]
 

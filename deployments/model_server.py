@@ -1,6 +1,6 @@
 """One served model version as a Ray Serve deployment: scores texts and generates completions.
 
-A plain class (endpoint.build_app wraps it with `serve.deployment`), loaded from the MLflow registry. `score` is
+A plain class (serve_build.build_app wraps it with `serve.deployment`), loaded from the MLflow registry. `score` is
 bits per byte of a text, concurrent calls batched into one forward (`serve.batch`); `complete_stream` yields one
 completion's events after a first event with the prompt's own bits, which the canary uses as evidence; `complete`
 gathers them into one answer. Completions run on deployments.engine (continuous batching): the built-in GPT with
@@ -19,7 +19,7 @@ from typing import Any
 
 SCORE_BATCH = 16  # texts scored in one batched forward at most
 SCORE_WAIT_S = 0.002  # how long the first text of a batch waits for others
-SLOTS = 8  # completions decoded together (endpoint.build_app admits 8 requests at a time per replica)
+SLOTS = 8  # completions decoded together (serve_build.build_app admits 8 requests at a time per replica)
 
 
 def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:

@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 from deployments import canary_control
 from deployments.canary_records import OperatorCommand
 from deployments.config import CanaryConfig, ServeConfig
-from deployments.endpoint import AppSpec, app_name_for, apply, router_config, router_handle
+from deployments.endpoint import apply, router_handle
 from deployments.router_config import PROBE_HEADER
+from deployments.serve_build import AppSpec, app_name_for, router_config
 
 log = logging.getLogger(__name__)
 

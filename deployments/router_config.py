@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.openai_api import CompletionRequest, ScoreRequest
 
+ROUTER = "router"  # the router deployment's name in every model application
 VERSION_HEADER = "x-shardline-model-version"
 PROBE_HEADER = "x-shardline-probe"
 VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence

@@ -6,7 +6,7 @@ champion or the challenger, shadow-scores, and records the canary's evidence. Wh
 traffic the challenger gets, is the router's `user_config` (RouterConfig): changed by lightweight `reconfigure()`
 updates, read back by a restarted replica. A challenger's weight holds only while the canary's lease is fresh: past
 `lease_expires_at` the router sends everything to the champion by itself.
-The classes are plain; endpoint.build_app wraps them with `serve.deployment`, so importing this needs no Ray.
+The classes are plain; serve_build.build_app wraps them with `serve.deployment`, so importing this needs no Ray.
 """
 
 from __future__ import annotations

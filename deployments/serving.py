@@ -48,11 +48,12 @@ def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
     Returns:
         {"url", "app", "champion", "action", "ray_address", "dashboard_url", "reconciled"}.
     """
-    from deployments.endpoint import app_name_for, endpoint_url, read_state, reconcile, start_proxy
+    from deployments.endpoint import endpoint_url, read_state, reconcile, start_proxy
     from deployments.gateway_control import ensure_gateway
     from deployments.registry import client_for
     from deployments.release_lock import LockTimeout, release_lock
     from deployments.rollout import tag_abandoned
+    from deployments.serve_build import app_name_for
     from infra.cluster import provision
     from infra.tracking import resolve_tracking_uri
 
@@ -101,10 +102,11 @@ def reconcile_others(
     Returns:
         model name -> what was done, or the one-line reason it still is not served.
     """
-    from deployments.endpoint import EndpointError, app_name_for, read_state, reconcile
+    from deployments.endpoint import EndpointError, read_state, reconcile
     from deployments.gateway_control import EndpointConflict, gateway_name
     from deployments.registry import client_for, served_champions
     from deployments.release_lock import LockTimeout, release_lock
+    from deployments.serve_build import app_name_for
 
     plain = serve.model_copy(update={"app_name": ""})  # serve.app_name names this run's model's application only
     out = {}

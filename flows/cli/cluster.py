@@ -36,7 +36,7 @@ def render_launcher(config: Any, provider: str, out_dir: Path, verb: str) -> Pat
 
 def render_kuberay(config: Any, out_dir: Path) -> list[Path]:
     """Write the RayCluster, RayJob and RayService manifests; their paths."""
-    from deployments.endpoint import app_name_for
+    from deployments.serve_build import app_name_for
     from infra.launch import kuberay
     from infra.launch.render import write_yaml
     from infra.network import network_env

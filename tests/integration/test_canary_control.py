@@ -17,7 +17,7 @@ import pytest
 from support.load import Load
 from support.serve_support import NAME, bigram_logits, corpus, log_model, register, serving_world
 
-from deployments import endpoint
+from deployments import endpoint, serve_build
 from deployments.canary_control import read_status
 from deployments.config import CanaryConfig
 from deployments.registry import CHALLENGER, TAG_CANARY_DECISION, TAG_CANARY_ID, read_aliases
@@ -117,7 +117,7 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
         and status is None
         and err.strip() == (f"shardline: canary pause: no canary of {NAME} is running; nothing to pause")
     )
-    app = endpoint.app_name_for(world["serve"], NAME)
+    app = serve_build.app_name_for(world["serve"], NAME)
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
         driver = Driver(world, CFG, "1", "2")
         driver.start()
@@ -217,7 +217,7 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
         assert status["approval_deadline"] > time.time() + 60
         time.sleep(3.0)  # longer than a step's bake: still waiting, nothing more judged
         assert read_status(client, NAME).state == "awaiting-approval" and len(driver.steps) == 2
-        assert endpoint.read_state(endpoint.app_name_for(world["serve"], NAME))["effective_percent"] == 50
+        assert endpoint.read_state(serve_build.app_name_for(world["serve"], NAME))["effective_percent"] == 50
         code, _, err = shardline_canary(capsys, world, "pause")
         assert code == 1 and "is awaiting-approval; only a running canary can be paused" in err
         before_promote = time.time()
@@ -262,6 +262,6 @@ def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, 
     assert aliases["champion"] == "3" and CHALLENGER not in aliases
     tags = client.get_model_version(NAME, "4").tags
     assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
-    assert endpoint.served_versions(endpoint.app_name_for(world["serve"], NAME)) == ["3"]
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == ["3"]
     code, status, _ = shardline_canary(capsys, world, "status")
     assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", "3", None)

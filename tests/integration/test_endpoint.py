@@ -15,7 +15,7 @@ import pytest
 from support.load import Load
 from support.serve_support import NAME, bigram_logits, corpus, heldout_bpb, log_model, register, serving_world
 
-from deployments import endpoint
+from deployments import endpoint, serve_build
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.registry import TAG_CANARY_DECISION, TAG_REJECTED, read_aliases
 from deployments.rollout import run_rollout
@@ -128,7 +128,7 @@ def _describe(version: str) -> dict:
     from ray import serve
 
     return (
-        serve.get_deployment_handle(f"v{version}", endpoint.app_name_for(ServeConfig(), NAME))
+        serve.get_deployment_handle(f"v{version}", serve_build.app_name_for(ServeConfig(), NAME))
         .describe.remote()
         .result(timeout_s=30)
     )
@@ -187,7 +187,7 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
     first_two = versions.index("2")
     assert set(versions[:first_two]) == {"1"}
     assert all(v == "2" for v in versions[-3:])
-    assert endpoint.served_versions(endpoint.app_name_for(world["serve"], NAME)) == ["2"]
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == ["2"]
     assert httpx.get(f"{url}/healthz", timeout=30).json()["champion"] == "2"
 
 
@@ -216,7 +216,7 @@ def test_a_bad_challenger_is_rolled_back_with_zero_failed_requests(world, kind, 
     assert not load.failed, load.failed[:5]  # the champion answered whatever the challenger failed
     after = [a.version for a in load.answers if a.t > time.time() - 0.9]
     assert set(after) <= {"2"}
-    assert endpoint.served_versions(endpoint.app_name_for(world["serve"], NAME)) == ["2"]
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == ["2"]
     assert result.final_challenger_percent == 0
 
 
@@ -226,7 +226,7 @@ def _router_actor():
     names = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if "router" in a["name"] and endpoint.app_name_for(ServeConfig(), NAME) in a["name"]
+        if "router" in a["name"] and serve_build.app_name_for(ServeConfig(), NAME) in a["name"]
     ]
     assert len(names) == 1, names
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
@@ -239,14 +239,14 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
     client = world["client"]
     promoted = register(client, *log_model(world["tables"]["good"], "again", world["exp"], client))
     serve = world["serve"]
-    app = endpoint.app_name_for(serve, NAME)
+    app = serve_build.app_name_for(serve, NAME)
     endpoint.reconcile(serve, NAME, world["uri"])
     lease = time.time() + 45
-    router = endpoint.router_config(
+    router = serve_build.router_config(
         serve, NAME, "2", challenger=promoted.version, challenger_percent=100, epoch=7, lease_expires_at=lease
     )
     endpoint.apply(
-        endpoint.AppSpec(app_name=app, tracking_uri=world["uri"], versions=["2", promoted.version], router=router),
+        serve_build.AppSpec(app_name=app, tracking_uri=world["uri"], versions=["2", promoted.version], router=router),
         serve,
     )
     before = endpoint.read_state(app)

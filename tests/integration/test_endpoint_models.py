@@ -19,7 +19,7 @@ import pytest
 from support.load import Load
 from support.serve_support import bigram_logits, corpus, log_model, register, serving_world
 
-from deployments import endpoint
+from deployments import endpoint, serve_build
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.gateway_control import EndpointConflict, check_endpoint_free, prefix_holder
 from deployments.registry import TAG_CANARY_DECISION, read_aliases
@@ -258,7 +258,7 @@ def test_a_canary_with_two_autoscaled_router_replicas_counts_the_evidence_of_bot
     champion = read_aliases(client, name)["champion"]
     promoted = register(client, *log_model(world["tables"]["good"], f"{name}-again", world["exp"], client), name)
     url = endpoint.reconcile(serve, name, world["uri"]).url
-    app = endpoint.app_name_for(serve, name)
+    app = serve_build.app_name_for(serve, name)
     assert rs.status().applications[app].deployments["router"].replica_states.get("RUNNING") == 2
     with Load(url, world["texts"], rps=6.0, max_seconds=300, model=name) as load:
         result = run_rollout(

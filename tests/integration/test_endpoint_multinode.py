@@ -7,7 +7,7 @@ import pytest
 from support.load import Load
 from support.serve_support import NAME, bigram_logits, corpus, log_model, register
 
-from deployments import endpoint
+from deployments import endpoint, serve_build
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.registry import client_for, read_aliases
 from deployments.rollout import run_rollout
@@ -54,7 +54,7 @@ def test_serve_and_canary_on_local_multinode(tmp_path, monkeypatch):
         assert result.decision == "promoted", result.reason
         assert read_aliases(client, NAME)["champion"] == "2"
         assert not load.failed and {a.version for a in load.answers} <= {"1", "2"}
-        assert endpoint.served_versions(endpoint.app_name_for(serve, NAME)) == ["2"]
+        assert endpoint.served_versions(serve_build.app_name_for(serve, NAME)) == ["2"]
         endpoint.remove(serve, NAME)
     finally:
         teardown(info)
