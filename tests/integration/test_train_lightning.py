@@ -7,15 +7,11 @@ built-in loop's layout and loads into the module's model."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from support.train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
+from support.train_support import shard_set, train_and_kill_rank, worker_records
 
 from training import checkpoint as ck
 from training.config import LIGHTNING_FACTORY, TrainConfig
@@ -44,26 +40,8 @@ CFG = TrainConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    import ray
-
-    out = tmp_path_factory.mktemp("workers")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=ray_runtime_env(**{RECORD_DIR_ENV: str(out)}),
-    )
-    yield out
-    ray.shutdown()
-
-
 def test_a_lightning_run_killed_mid_run_resumes_from_its_checkpoint(records, tmp_path, monkeypatch):
     from mlflow import MlflowClient
-
-    from training.trainer import run_training
 
     assert CFG.model_factory == LIGHTNING_FACTORY  # validation and serving rebuild the module's `.model`
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
@@ -72,22 +50,8 @@ def test_a_lightning_run_killed_mid_run_resumes_from_its_checkpoint(records, tmp
     run_id = client.create_run(client.create_experiment("l", artifact_location=(tmp_path / "a").as_uri())).info.run_id
     shards = shard_set(tmp_path / "shards")
 
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=run_training(CFG, shards, uri, run_id, "lit-run")))
-    thread.start()
-    killed_at = 0
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and thread.is_alive():
-        steps = [m.step for m in client.get_metric_history(run_id, "loss")]
-        if steps and max(steps) >= 23:
-            killed_at = max(steps)
-            victim = next(r for r in worker_records(records) if r["rank"] == 1)
-            os.kill(victim["pid"], signal.SIGKILL)
-            break
-        time.sleep(0.1)
+    result, killed_at = train_and_kill_rank(CFG, shards, uri, run_id, "lit-run", records, at_step=23)
     assert 23 <= killed_at < CFG.steps, f"run ended (or stalled) before the kill; last step {killed_at}"
-    thread.join(timeout=300)
-    result = outcome["result"]
 
     seen = worker_records(records)
     assert sorted(r["rank"] for r in seen) == [0, 0, 1, 1] and len({r["pid"] for r in seen}) == 4

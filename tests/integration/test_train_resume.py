@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
-import time
 from pathlib import Path
 
-import pytest
-from support.train_support import RECORD_DIR_ENV, ray_runtime_env, shard_set, worker_records
+from support.train_support import shard_set, train_and_kill_rank, worker_records
 
 from training import checkpoint as ck
 from training.config import TrainConfig
@@ -37,26 +33,8 @@ CFG = TrainConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    import ray
-
-    out = tmp_path_factory.mktemp("workers")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=ray_runtime_env(**{RECORD_DIR_ENV: str(out)}),
-    )
-    yield out
-    ray.shutdown()
-
-
 def test_sigkill_mid_run_resumes_exactly(records, tmp_path, monkeypatch):
     from mlflow import MlflowClient
-
-    from training.trainer import run_training
 
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -64,22 +42,8 @@ def test_sigkill_mid_run_resumes_exactly(records, tmp_path, monkeypatch):
     run_id = client.create_run(client.create_experiment("r", artifact_location=(tmp_path / "a").as_uri())).info.run_id
     shards = shard_set(tmp_path / "shards")
 
-    outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(result=run_training(CFG, shards, uri, run_id, "kill-run")))
-    thread.start()
-    killed_at = 0
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and thread.is_alive():
-        steps = [m.step for m in client.get_metric_history(run_id, "loss")]
-        if steps and max(steps) >= 23:
-            killed_at = max(steps)
-            victim = next(r for r in worker_records(records) if r["rank"] == 1)
-            os.kill(victim["pid"], signal.SIGKILL)
-            break
-        time.sleep(0.1)
+    result, killed_at = train_and_kill_rank(CFG, shards, uri, run_id, "kill-run", records, at_step=23)
     assert 23 <= killed_at < CFG.steps, f"run ended (or stalled) before the kill; last step {killed_at}"
-    thread.join(timeout=300)
-    result = outcome["result"]
 
     # Ray started a second worker group: 2 ranks x 2 attempts, distinct processes
     seen = worker_records(records)

@@ -185,3 +185,34 @@ def kill_tree(pid: int) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def train_and_kill_rank(cfg, shards, uri: str, run_id: str, name: str, records: Path, at_step: int, budget_s=300):
+    """run_training in a thread; SIGKILL rank 1 once rank 0 has logged step `at_step` (read from MLflow).
+
+    Returns (the run's TrainResult, the last logged step the kill saw; 0 if the run ended or stalled first).
+    """
+    import signal
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from training.trainer import run_training
+
+    client = MlflowClient(uri)
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=run_training(cfg, shards, uri, run_id, name)))
+    thread.start()
+    killed_at = 0
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline and thread.is_alive():
+        steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+        if steps and max(steps) >= at_step:
+            killed_at = max(steps)
+            victim = next(r for r in worker_records(records) if r["rank"] == 1)
+            os.kill(victim["pid"], signal.SIGKILL)
+            break
+        time.sleep(0.1)
+    thread.join(timeout=budget_s)
+    return outcome.get("result"), killed_at
