@@ -27,6 +27,11 @@ def _kernel_ticks(pid: int) -> int:
 @pytest.fixture
 def sleeper():
     proc = subprocess.Popen(["sleep", "60"])
+    # Popen returns after fork; until the child has exec'd, /proc shows Python's empty cmdline (a fresh clone's
+    # run read () here once)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x0060\x00" and time.monotonic() < deadline:
+        time.sleep(0.01)
     yield proc
     proc.kill()
     proc.wait()
