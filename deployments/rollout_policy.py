@@ -29,41 +29,12 @@ from deployments.canary_records import (
     StepMetrics,
     VersionStats,
 )
+from deployments.canary_stats import p95, paired_upper_bound, percentile
 from deployments.config import CanaryConfig, PromQLGate
 
-BOOTSTRAP_RESAMPLES = 2000
 # A tail percentile over fewer samples is its maximum, i.e. one scheduling hiccup: p99 is judged from this many
 # pooled paired calls on (p95 from canary.min_paired, as every step that passes has that many).
 MIN_SAMPLES_P99 = 100
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in (0, 1]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def p95(values: list[float]) -> float | None:
-    return percentile(values, 0.95)
-
-
-def paired_upper_bound(deltas: list[list[float]], confidence: float, seed: int) -> tuple[float, float]:
-    """(bpb difference, its one-sided upper bound) from a paired bootstrap over requests.
-
-    Each entry is [challenger bits, champion bits, bytes] of one request; the statistic is the byte-weighted
-    difference sum(ch - base) / sum(bytes). Resampling whole requests keeps each pair together.
-    """
-    import numpy as np
-
-    arr = np.asarray(deltas, dtype=np.float64)
-    diff, nbytes = arr[:, 0] - arr[:, 1], arr[:, 2]
-    point = float(diff.sum() / nbytes.sum())
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(arr), size=(BOOTSTRAP_RESAMPLES, len(arr)))
-    stats = diff[idx].sum(axis=1) / nbytes[idx].sum(axis=1)
-    return point, float(np.quantile(stats, confidence))
 
 
 def summarize_step(

@@ -7,13 +7,8 @@ import pytest
 from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_challenger, to_champion
 
 from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
-from deployments.rollout_policy import (
-    MIN_SAMPLES_P99,
-    decide_canary,
-    gate_step,
-    p95,
-    paired_upper_bound,
-)
+from deployments.canary_stats import p95, paired_upper_bound
+from deployments.rollout_policy import MIN_SAMPLES_P99, decide_canary, gate_step
 
 
 def test_p95_is_nearest_rank():
