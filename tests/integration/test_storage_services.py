@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra import storage
+from infra import storage, storage_retry
 
 
 @pytest.fixture(params=["s3", "az"])
@@ -65,7 +65,7 @@ def test_unreachable_endpoint_is_retried_then_fails(monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: connection refused
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setattr(storage, "BACKOFF_BASE_S", 0.05)
+    monkeypatch.setattr(storage_retry, "BACKOFF_BASE_S", 0.05)
     start = time.monotonic()
     with pytest.raises(storage.StorageError, match="after 3 attempts"):
         storage.read_bytes("s3://shardline/x", retries=2)
@@ -149,7 +149,7 @@ def test_connection_lost_mid_download_is_resumed(scheme, request, unique_prefix,
         port = int(re.search(r"127\.0\.0\.1:(\d+)", conn).group(1))
         proxy = _CuttingProxy(port, cut=1 << 20)
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", conn.replace(f":{port}/", f":{proxy.port}/"))
-    monkeypatch.setattr(storage, "BACKOFF_BASE_S", 0.05)
+    monkeypatch.setattr(storage_retry, "BACKOFF_BASE_S", 0.05)
     try:
         if scheme == "s3":  # without retries the cut surfaces as a one-line StorageError naming the byte
             with pytest.raises(storage.StorageError, match=rf"{uri}: .* at byte \d+"):

@@ -6,7 +6,7 @@ import pytest
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError, ServiceRequestError
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from infra import storage
+from infra import storage, storage_retry
 
 
 def _client_error(status: int, code: str) -> ClientError:
@@ -59,7 +59,7 @@ def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
     if isinstance(err, HttpResponseError):
         err.status_code = 503
     sleeps: list[float] = []
-    monkeypatch.setattr(storage.time, "sleep", sleeps.append)
+    monkeypatch.setattr(storage_retry.time, "sleep", sleeps.append)
     calls = []
 
     def flaky():
@@ -68,7 +68,7 @@ def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
             raise err
         return "ok"
 
-    assert storage.with_retries(flaky, "s3://b/k", retries=5) == "ok"
+    assert storage_retry.with_retries(flaky, "s3://b/k", retries=5) == "ok"
     assert len(calls) == 3 and len(sleeps) == 2 and sleeps[1] > sleeps[0]
 
 
@@ -82,7 +82,7 @@ def test_transient_errors_are_retried_with_backoff(err, monkeypatch):
     ],
 )
 def test_final_errors_are_not_retried(err, monkeypatch):
-    monkeypatch.setattr(storage.time, "sleep", lambda s: pytest.fail("slept on a final error"))
+    monkeypatch.setattr(storage_retry.time, "sleep", lambda s: pytest.fail("slept on a final error"))
     calls = []
 
     def broken():
@@ -90,12 +90,12 @@ def test_final_errors_are_not_retried(err, monkeypatch):
         raise err
 
     with pytest.raises(storage.StorageError, match=r"^s3://b/k: ") as caught:
-        storage.with_retries(broken, "s3://b/k", retries=5)
+        storage_retry.with_retries(broken, "s3://b/k", retries=5)
     assert len(calls) == 1 and "\n" not in str(caught.value)
 
 
 def test_gives_up_after_the_configured_retries(monkeypatch):
-    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage_retry.time, "sleep", lambda s: None)
     calls = []
 
     def down():
@@ -103,5 +103,5 @@ def test_gives_up_after_the_configured_retries(monkeypatch):
         raise ConnectionRefusedError(111, "Connection refused")
 
     with pytest.raises(storage.StorageError, match="after 4 attempts"):
-        storage.with_retries(down, "az://c/k", retries=3)
+        storage_retry.with_retries(down, "az://c/k", retries=3)
     assert len(calls) == 4
