@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from training import checkpoint as ckpt  # noqa: E402
+from training.checkpoint_async import AsyncSave  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.loop import build_optimizer, lr_at  # noqa: E402
 from training.model import build_gpt, flops_per_token  # noqa: E402
@@ -68,7 +69,7 @@ def checkpoint_timings(model, optimizer, step, sync, gpu: bool) -> dict:
         group = dist.new_group(backend="gloo") if gpu else None
         for i in (1, 2):
             t = time.perf_counter()
-            pending = ckpt.AsyncSave.start(f"{tmp}/async{i}", model, optimizer, 2, 2, 0, 1, group, threads=8)
+            pending = AsyncSave.start(f"{tmp}/async{i}", model, optimizer, 2, 2, 0, 1, group, threads=8)
             out[f"async{i}_blocked_s"] = round(time.perf_counter() - t, 2)
             out[f"async{i}_pinned"] = pending.pinned
             step(0)  # training continues while the write runs in the background

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from training import checkpoint as ckpt
+from training.checkpoint_async import AsyncSave
 from training.config import TrainConfig
 
 
@@ -125,7 +126,7 @@ class Checkpointer:
         self.rank, self.world, self.device, self.report = rank, world, device, report
         self.async_save = device.type == "cuda" if async_save is None else async_save
         self.resumed_from = 0  # the step this run restored (0: a fresh start); recorded in every manifest
-        self.pending: ckpt.AsyncSave | None = None
+        self.pending: AsyncSave | None = None
         # A separate (gloo) group: the background thread's collectives must not interleave with training's.
         self._save_group = dist.new_group(backend="gloo") if self.async_save else None
 
@@ -168,7 +169,7 @@ class Checkpointer:
         directory = self.hooks.new_dir(step, self.rank)
         position = step * self.cfg.grad_accum  # micro batches this rank has consumed
         if self.async_save and not last_step:
-            self.pending = ckpt.AsyncSave.start(
+            self.pending = AsyncSave.start(
                 directory,
                 self.model,
                 self.optimizer,
