@@ -32,17 +32,10 @@ from torch import nn
 from training import placement, prom_metrics
 from training.checkpointer import Checkpointer, RayHooks
 from training.config import TrainConfig, lightning_class
-from training.loop import (
-    CPU_PEAK_TFLOPS,
-    GPU_PEAK_TFLOPS,
-    MetricsWindow,
-    MlflowLogger,
-    check_global_batch,
-    data_stream,
-    init_weights,
-)
+from training.loop import check_global_batch, data_stream, init_weights
 from training.model import flops_per_token
 from training.parallelize import compute_dtype
+from training.train_metrics import CPU_PEAK_TFLOPS, GPU_PEAK_TFLOPS, MetricsWindow, MlflowLogger
 
 
 def build_module(cfg: TrainConfig) -> pl.LightningModule:

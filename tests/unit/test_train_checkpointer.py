@@ -12,9 +12,10 @@ import torch.distributed as dist
 from training import checkpoint as ck
 from training.checkpointer import Checkpointer, LocalHooks
 from training.config import TrainConfig
-from training.loop import MetricsWindow, build_optimizer
+from training.loop import build_optimizer
 from training.model import build_gpt
 from training.parallelize import parallelize
+from training.train_metrics import MetricsWindow
 
 CFG = TrainConfig(
     workers=1,
