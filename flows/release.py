@@ -37,7 +37,7 @@ def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
     """Open and verify a published shard set; its digest and manifest are tagged on the data child run."""
     import mlflow
 
-    from training.data.build import load_shard_set
+    from training.data.publish import load_shard_set
 
     with stage_run(lineage, "shard_dataset") as run_id:
         shards = load_shard_set(shard_set_prefix(uri))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -34,6 +33,14 @@ from training.data.config import DataConfig
 from training.data.corpus import Tally, no_usable_records
 from training.data.engine import LocalPool, local_workers, ray_workers, run_chunks
 from training.data.plan import plan_chunks
+from training.data.publish import (
+    STAGING,
+    publish_local,
+    publish_remote,
+    reusable,
+    shard_set_of,
+    verify_published,
+)
 from training.data.readers import Source
 from training.data.shards import (
     MANIFEST_NAME,
@@ -42,13 +49,10 @@ from training.data.shards import (
     Manifest,
     ShardEntry,
     SplitEntry,
-    dataset_digest,
     manifest_of,
 )
 from training.data.shardset import DataError, ShardSet
 from training.data.worker import ChunkJob, ChunkResult
-
-STAGING = "_staging"
 
 
 def check_locations(cfg: DataConfig) -> None:
@@ -127,20 +131,20 @@ def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: Lo
         gate = quality.QualityGate(cfg, gate_dir)
         manifest, tally, chunks, workers = _write_chunks(cfg, job, gate, listing, pool)
         final = storage.join(output, manifest.dataset_digest)
-        if _reusable(final, manifest, cfg):
+        if reusable(final, manifest, cfg):
             _index(output, listing_key, manifest, tally, cfg)
-            return _shard_set(final, manifest, True, tally, chunks, workers)
+            return shard_set_of(final, manifest, True, tally, chunks, workers)
         validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
         if tasks_upload:
             storage.write_bytes(storage.join(stage, VALIDATION_NAME), validation, cfg.storage_retries)
         else:
             (local_shards / VALIDATION_NAME).write_bytes(validation)
         if remote:
-            _publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
+            publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
         else:
-            _publish_local(local_shards, manifest, Path(final), cfg)
+            publish_local(local_shards, manifest, Path(final), cfg)
         _index(output, listing_key, manifest, tally, cfg)
-        return _shard_set(final, manifest, False, tally, chunks, workers)
+        return shard_set_of(final, manifest, False, tally, chunks, workers)
     finally:
         if gate is not None:
             gate.close()
@@ -159,12 +163,12 @@ def _indexed(output: str, key: str, cfg: DataConfig) -> ShardSet | None:
     final = storage.join(output, entry["dataset_digest"])
     if not storage.exists(storage.join(final, MANIFEST_NAME), cfg.storage_retries):
         return None
-    if _verify(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
+    if verify_published(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
         return None  # damaged or replaced: build from the corpus, which republishes it
     manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME), cfg.storage_retries))
     tally = Tally()
     tally.merge({str(k): int(v) for k, v in dict(entry.get("skipped") or {}).items()}, [])
-    return _shard_set(final, manifest, True, tally)
+    return shard_set_of(final, manifest, True, tally)
 
 
 def _index(output: str, key: str | None, manifest: Manifest, tally: Tally, cfg: DataConfig) -> None:
@@ -238,129 +242,3 @@ def _remove_abandoned(staging: Path) -> None:
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             continue  # removed concurrently
-
-
-def _shard_set(
-    final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None, chunks: int = 0, workers: int = 0
-) -> ShardSet:
-    uris = {split: [storage.join(final, s.name) for s in manifest.splits[split].shards] for split in SPLITS}
-    return ShardSet(
-        dataset_digest=manifest.dataset_digest,
-        uri=final,
-        manifest_uri=storage.join(final, MANIFEST_NAME),
-        train_shards=uris["train"],
-        val_shards=uris["val"],
-        num_train=manifest.splits["train"].num_samples,
-        num_val=manifest.splits["val"].num_samples,
-        total_bytes=manifest.total_bytes,
-        cache_hit=cache_hit,
-        skipped=dict(sorted(tally.skipped.items())) if tally else {},
-        chunks=chunks,
-        workers=workers,
-    )
-
-
-def _reusable(final: str, expected: Manifest, cfg: DataConfig) -> bool:
-    """True when `final` holds a manifest equal to `expected` and every shard verifies (size, and sha256 unless
-    data.verify_existing='size'). A manifest that does not verify is deleted so no reader trusts it."""
-    r = cfg.storage_retries
-    manifest_uri = storage.join(final, MANIFEST_NAME)
-    if not storage.exists(manifest_uri, r):
-        return False
-    if _verify(final, expected, cfg.verify_existing, r) is None:
-        return True
-    storage.delete(manifest_uri, r)
-    return False
-
-
-def _verify(final: str, expected: Manifest | None, mode: str, retries: int) -> str | None:
-    """None when the set at `final` verifies against its manifest (and `expected`), else the first reason."""
-    import hashlib
-
-    try:
-        published = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME), retries))
-    except ValueError as err:
-        return f"manifest does not parse ({str(err).splitlines()[0]})"
-    if dataset_digest(published.splits) != published.dataset_digest or not final.endswith(published.dataset_digest):
-        return "manifest digest does not match its shards or its location"
-    if expected is not None and published.splits != expected.splits:
-        return "manifest lists different shards"
-    sizes = {e.uri: e.size for e in storage.list_prefix(final, retries)}
-    if storage.join(final, VALIDATION_NAME) not in sizes:
-        return f"{VALIDATION_NAME} missing"
-    for split in SPLITS:
-        for shard in published.splits[split].shards:
-            uri = storage.join(final, shard.name)
-            if sizes.get(uri) != shard.bytes:
-                return f"{uri}: size {sizes.get(uri)} != manifest {shard.bytes}"
-            if mode == "sha256" and hashlib.sha256(storage.read_bytes(uri, retries)).hexdigest() != shard.sha256:
-                return f"{uri}: sha256 does not match the manifest"
-    return None
-
-
-def fsync_tree(directory: Path) -> None:
-    """Flush every file in `directory` and the directory itself to disk (before it is renamed into place)."""
-    for path in sorted(directory.iterdir()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig) -> None:
-    (work / MANIFEST_NAME).write_bytes(manifest.to_bytes())
-    fsync_tree(work)  # a power cut after the rename must not leave a manifest over empty shards
-    if final.exists():
-        if _reusable(str(final), manifest, cfg):  # an identical build published meanwhile: keep theirs
-            return
-        # A leftover without a valid manifest (a crash, or a manifest _reusable removed): move it out of sight.
-        stale = final.parent / STAGING / f"stale-{uuid.uuid4().hex[:8]}"
-        os.rename(final, stale)
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.rename(work, final)  # atomic: readers see the whole set or nothing
-    except OSError:
-        if not _reusable(str(final), manifest, cfg):  # lost a race to an identical build: fine if it verifies
-            raise
-    _fsync_dir(final.parent)
-
-
-def _publish_remote(local: Path | None, stage: str, manifest: Manifest, output: str, retries: int) -> None:
-    """Put the set under {output}/{digest}, then write the manifest there, last.
-
-    The manifest is the commit marker: readers (`_reusable`, `load_shard_set`) trust a set only once it exists
-    and verifies, so shards may be written straight to their final names. Built here (`local`), they are uploaded
-    there directly: no staging copy, no server-side copy, so a private Azure account needs no SAS. Written by Ray
-    tasks on other machines into `stage` (the digest is known only once every chunk is done), they are copied
-    server-side (Azure: Copy Blob with a short-lived read SAS). The caller deletes `stage`.
-    """
-    final = storage.join(output, manifest.dataset_digest)
-    names = [*manifest.shard_names(), VALIDATION_NAME]
-    for name in names:
-        if local is not None:
-            storage.upload_file(local / name, storage.join(final, name), retries)
-        else:
-            storage.copy(storage.join(stage, name), storage.join(final, name), retries)
-    storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
-
-
-def load_shard_set(uri: str, verify: str = "size", retries: int = 5) -> ShardSet:
-    """Open a published shard set by its prefix ({output}/{digest}); DataError when it has no valid manifest."""
-    uri = uri.rstrip("/")
-    if not storage.exists(storage.join(uri, MANIFEST_NAME), retries):
-        raise DataError(f"{uri}: no {MANIFEST_NAME}; not a published shard set")
-    reason = _verify(uri, None, verify, retries)
-    if reason:
-        raise DataError(f"{uri}: {reason}")
-    raw = storage.read_bytes(storage.join(uri, MANIFEST_NAME), retries)
-    return _shard_set(uri, Manifest.model_validate_json(raw), True, None)
