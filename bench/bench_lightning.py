@@ -47,7 +47,7 @@ def main() -> None:
                 cfg = cfg.model_copy(
                     update={"steps": args.steps, "checkpoint_every": args.steps, "storage_path": str(work / "ray")}
                 )
-                wall, tps = pipeline_stage(cfg, train, work, f"bench-{name}-{i}")
+                wall, tps, _ = pipeline_stage(cfg, train, work, f"bench-{name}-{i}")
                 runs[name].append((tps, wall))
         best = {k: (max(t for t, _ in v), min(w for _, w in v)) for k, v in runs.items()}
         (l_tps, l_wall), (b_tps, b_wall) = best["lightning"], best["builtin"]

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,8 +85,9 @@ def single(cfg: TrainConfig, train: list[str], workdir: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def pipeline_stage(cfg: TrainConfig, train: list[str], workdir: Path, name: str) -> tuple[float, float]:
-    """Wall time of the stage as the flow runs it: Ray start, MLflow run, TorchTrainer.fit, teardown."""
+def pipeline_stage(cfg: TrainConfig, train: list[str], workdir: Path, name: str) -> tuple[float, float, float]:
+    """Wall time of the stage as the flow runs it (Ray start, MLflow run, TorchTrainer.fit, teardown), its tokens/s
+    over the run, and its steady-state step time: the median `step_time_s` of the logged windows after the first."""
     t = time.perf_counter()
     import mlflow
     import ray
@@ -111,7 +113,8 @@ def pipeline_stage(cfg: TrainConfig, train: list[str], workdir: Path, name: str)
     )
     result = run_training(cfg, shard_set, uri, run_id, name)
     ray.shutdown()
-    return time.perf_counter() - t, result.tokens_per_s
+    windows = [m.value for m in mlflow.MlflowClient(uri).get_metric_history(run_id, "step_time_s")][1:]
+    return time.perf_counter() - t, result.tokens_per_s, statistics.median(windows) if windows else float("nan")
 
 
 def main() -> None:
@@ -136,7 +139,8 @@ def main() -> None:
             tr, tr_wall = torchrun(cfg, train, work, cfg.workers)
             runs["torchrun"].append((tr["tokens_per_s"], tr_wall))
             shutil.rmtree(work / f"ckpt-{cfg.workers}-{cfg.steps}", ignore_errors=True)
-            runs["ray"].append(pipeline_stage(cfg, train, work, f"bench-{len(runs['ray'])}")[::-1])
+            wall, tps, _ = pipeline_stage(cfg, train, work, f"bench-{len(runs['ray'])}")
+            runs["ray"].append((tps, wall))
         one = single(cfg, train, work)
         best = {k: (max(t for t, _ in v), min(w for _, w in v)) for k, v in runs.items()}
         (ray_tps, ray_wall), (tr_tps, tr_wall) = best["ray"], best["torchrun"]
@@ -162,7 +166,7 @@ def main() -> None:
                 update={"steps": args.long_steps, "checkpoint_every": max(cfg.checkpoint_every, args.long_steps // 10)}
             )
             _, tr_long = torchrun(long_cfg, train, work, cfg.workers)
-            ray_long, _ = pipeline_stage(long_cfg, train, work, "bench-long")
+            ray_long, _, _ = pipeline_stage(long_cfg, train, work, "bench-long")
             print(
                 f"wall at {args.long_steps} steps: pipeline stage {ray_long:.1f} s, torchrun {tr_long:.1f} s, "
                 f"ratio {ray_long / tr_long:.3f} (target <= 1.15)"

@@ -178,7 +178,8 @@ class TrainConfig(BaseModel):
         if self.parallelism != "ddp":
             raise ValueError(
                 "train.loop='lightning' trains with Ray's RayDDPStrategy; set train.parallelism='ddp' "
-                f"(got {self.parallelism!r})"
+                f"(got {self.parallelism!r}: Ray's RayFSDPStrategy wraps FSDP1, which torch runs on GPUs only, and "
+                "is not wired)"
             )
         if self.activation_checkpointing or self.powersgd_rank:
             raise ValueError(

@@ -41,7 +41,10 @@ def test_the_module_model_is_what_validation_and_serving_build(tmp_path):
             'lightning_module = "training.lightning_example:ByteGPTModule"\n',
             "needs train.loop='lightning'",
         ),
-        (LIGHTNING.replace('parallelism = "ddp"\n', ""), "set train.parallelism='ddp' (got 'fsdp')"),
+        (
+            LIGHTNING.replace('parallelism = "ddp"\n', ""),
+            "set train.parallelism='ddp' (got 'fsdp': Ray's RayFSDPStrategy wraps FSDP1, which torch runs on GPUs only",
+        ),
         (LIGHTNING + 'model_factory = "training.model:build_gpt2"\n', "both name the model; set one"),
         (LIGHTNING + '[train.hf_config]\nmodel_type = "llama"\n', "train.hf_config and train.lightning_module"),
         (LIGHTNING + "activation_checkpointing = true\n", "with train.loop='lightning' the module decides"),
