@@ -165,7 +165,8 @@ def log_servable_model(
 
 def build_eager(spec: dict, weights_path: str) -> nn.Module:
     """The model of an eager spec (metadata[EAGER_FACTORY]): its factory called with its TrainConfig, then its
-    weights loaded (tensors only), in eval mode.
+    weights loaded (tensors only), in eval mode and without autograd (a served model never trains, and a GRU takes
+    a different kernel when its weights require grad, whose logits differ from the validated ones in the last bits).
 
     Raises:
         ValueError: the factory does not import (naming it); RuntimeError: the weights do not fit the model.
@@ -174,7 +175,7 @@ def build_eager(spec: dict, weights_path: str) -> nn.Module:
 
     model = load_object(spec["factory"], "train.model_factory")(TrainConfig(**spec["train_config"]))
     model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def eager_spec(model_uri: str) -> dict | None:

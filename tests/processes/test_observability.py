@@ -159,9 +159,9 @@ def test_training_gauge_names_are_valid_and_prefixed_as_ray_exports_them():
     names = prom_metrics.exported_names()
     assert len(names) == len(prom_metrics.GAUGES)
     assert all(re.fullmatch(r"ray_shardline_train_[a-z_]+", n) for n in names)
-    # every key the helper reads is one the loop's metrics window really logs (training/loop.py)
-    loop = (REPO / "training" / "loop.py").read_text()
-    assert all(f'"{key}"' in loop for key in prom_metrics.GAUGES if key != "step")
+    # every key the helper reads is one the loops' metrics window really logs (training/train_metrics.py)
+    window = (REPO / "training" / "train_metrics.py").read_text()
+    assert all(f'"{key}"' in window for key in prom_metrics.GAUGES if key != "step")
 
 
 TOKEN = "0123456789abcdef0123456789abcdef"

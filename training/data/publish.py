@@ -101,7 +101,7 @@ def publish_local(work: Path, manifest: Manifest, final: Path, cfg: DataConfig) 
     if final.exists():
         if reusable(str(final), manifest, cfg):  # an identical build published meanwhile: keep theirs
             return
-        # A leftover without a valid manifest (a crash, or a manifest _reusable removed): move it out of sight.
+        # A leftover without a valid manifest (a crash, or a manifest `reusable` removed): move it out of sight.
         stale = final.parent / STAGING / f"stale-{uuid.uuid4().hex[:8]}"
         os.rename(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
