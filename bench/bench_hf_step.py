@@ -10,7 +10,7 @@ length, optimizer and clipping, three launchers, alternated `--repeat` times and
 
 Two figures per launcher, both from the end of the first (warm-up) step: the run's average (tokens/s up to the end,
 the final checkpoint included) and the steady-state step (the stage's median logged `step_time_s` window, the bare
-script's median step). Target: a steady-state step on Ray Train <= 1.10x the bare script's.
+script's steps averaged the same way). Target: a steady-state step on Ray Train <= 1.10x the bare script's.
 
     python bench/bench_hf_step.py [--config configs/llama-tiny.toml] [--steps 40] [--repeat 2]
 """
@@ -38,7 +38,7 @@ from training.config import TrainConfig  # noqa: E402
 def bare(cfg: TrainConfig, workdir: Path) -> tuple[float, float]:
     """(tokens/s, median step time) of bench/fsdp2_bare.py under torchrun with cfg's model and settings."""
     spec = workdir / "bare.json"
-    keys = ("steps", "seq_len", "micro_batch", "lr", "weight_decay", "grad_clip", "seed")
+    keys = ("steps", "seq_len", "micro_batch", "lr", "weight_decay", "grad_clip", "seed", "log_every")
     spec.write_text(json.dumps({"hf_config": cfg.hf_config, **{k: getattr(cfg, k) for k in keys}}))
     cmd = [
         str(Path(sys.executable).with_name("torchrun")),
@@ -63,8 +63,21 @@ def main() -> None:
     base = load_config(args.config).train
     if not isinstance(base.hf_config, dict):
         raise SystemExit(f"{args.config}: train.hf_config is not set; this bench compares a transformers model")
-    if base.grad_accum != 1 or base.activation_checkpointing:
-        raise SystemExit(f"{args.config}: the bare script runs grad_accum=1 without activation checkpointing")
+    plain = {
+        "grad_accum": 1,
+        "activation_checkpointing": False,
+        "parallelism": "fsdp",
+        "use_gpu": False,
+        "mixed_precision": "auto",
+        "reshard_after_forward": True,
+        "threads_per_worker": 1,
+        "cpu_offload": False,
+    }
+    differ = {k: getattr(base, k) for k, v in plain.items() if getattr(base, k) != v}
+    if differ:
+        raise SystemExit(f"{args.config}: the bare script runs {plain} on CPU; this config sets {differ}")
+    if args.steps < 3 * base.log_every:
+        raise SystemExit(f"--steps {args.steps}: at least 3 x train.log_every={base.log_every} (two timed windows)")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         os.environ["SHARDLINE_HOME"] = str(work / "home")

@@ -113,8 +113,9 @@ def pipeline_stage(cfg: TrainConfig, train: list[str], workdir: Path, name: str)
     )
     result = run_training(cfg, shard_set, uri, run_id, name)
     ray.shutdown()
+    wall = time.perf_counter() - t
     windows = [m.value for m in mlflow.MlflowClient(uri).get_metric_history(run_id, "step_time_s")][1:]
-    return time.perf_counter() - t, result.tokens_per_s, statistics.median(windows) if windows else float("nan")
+    return wall, result.tokens_per_s, statistics.median(windows) if windows else float("nan")
 
 
 def main() -> None:

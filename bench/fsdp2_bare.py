@@ -4,10 +4,11 @@ reference that bench/bench_hf_step.py holds shardline's Ray Train stage against.
     torchrun --standalone --nproc-per-node=2 bench/fsdp2_bare.py SPEC.json
 
 SPEC.json: {"hf_config": {...inline config with model_type...}, "steps", "seq_len", "micro_batch", "lr",
-"weight_decay", "grad_clip", "seed"}. Each rank trains on seeded random byte tokens (data loading is not what is
-compared), shards every `_no_split_modules` layer and then the root with `fully_shard`, runs AdamW and clips the
-global grad norm. Rank 0 prints one JSON line: tokens/s over the steps after the first (warm-up) one, all ranks,
-and the median step time of those steps.
+"weight_decay", "grad_clip", "seed", "log_every"}. Each rank trains on seeded random byte tokens (data loading is
+not what is compared), shards every `_no_split_modules` layer and then the root with `fully_shard`, runs AdamW and
+clips the global grad norm. Rank 0 prints one JSON line: tokens/s over the steps after the first (warm-up) one, all
+ranks, and the steady-state step time as shardline's loop logs it (mean per window of log_every steps, the first
+window left out, median over the windows).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec["seed"])
-    settings = {k: v for k, v in spec["hf_config"].items() if k != "model_type"}
+    # parameters in fp32, as shardline builds them (a saved config's dtype would otherwise decide)
+    settings = {k: v for k, v in spec["hf_config"].items() if k not in ("model_type", "dtype", "torch_dtype")}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec["hf_config"]["model_type"], **settings))
     mesh = init_device_mesh("cpu", (world,))
     layers = set(model._no_split_modules or ())
@@ -56,7 +58,7 @@ def main() -> None:
             t0 = time.perf_counter()
         began = time.perf_counter()
         block = torch.randint(0, 256, shape, generator=gen)
-        logits = model(input_ids=block[:, :-1]).logits
+        logits = model(input_ids=block[:, :-1], use_cache=False).logits
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), block[:, 1:].reshape(-1))
         loss.backward()
         if spec["grad_clip"] > 0:
@@ -69,7 +71,10 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     if rank == 0:
         tokens = (spec["steps"] - 1) * world * spec["micro_batch"] * spec["seq_len"]
-        step_s = statistics.median(times[1:])
+        # as shardline logs it: mean step time per window of log_every steps, the first window (warm-up) left out
+        k = spec["log_every"]
+        windows = [statistics.fmean(times[i : i + k]) for i in range(0, len(times) - k + 1, k)][1:]
+        step_s = statistics.median(windows)
         print(json.dumps({"tokens_per_s": tokens / elapsed, "step_time_s": step_s}))
     dist.destroy_process_group()
 
