@@ -31,7 +31,9 @@ def cluster():
         worker_node_types={
             "ray.worker.train": {"resources": {"CPU": 1, **TRAINER}, "min_workers": 0, "max_workers": 2}
         },
-        idle_timeout_minutes=0.1,
+        # idle nodes go after 30 s: long enough that the driver still sees them right after training on a slow,
+        # shared 2-core machine (6 s was not: the nodes were gone before it looked), short enough for the test
+        idle_timeout_minutes=0.5,
         object_store_mb=80,
     )
     try:
@@ -85,6 +87,8 @@ def test_training_demand_scales_the_cluster_up_and_idle_nodes_are_removed(cluste
         "SHARDLINE_HOME": str(tmp_path / "home"),
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+        # as the CLI sets it (flows/cli/_utilities.py): Prefect's 20 s default timed out beside three Ray nodes
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
     env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server
 

@@ -138,7 +138,8 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
         while time.monotonic() - start < CFG.lease_s + 2:
             samples.append((endpoint.read_state(app)["effective_percent"], read_status(client, NAME).state))
             time.sleep(0.5)
-        assert set(samples) == {(held, "paused")} and len(samples) > 10 and len(driver.steps) == judged
+        # the loop above spans the whole hold whatever each read costs; a slow machine gets fewer samples of it
+        assert set(samples) == {(held, "paused")} and len(samples) >= 5 and len(driver.steps) == judged
         code, status, _ = shardline_canary(capsys, world, "status")
         assert code == 0 and {
             k: status[k] for k in ("model", "state", "champion_version", "challenger_version", "percent")
