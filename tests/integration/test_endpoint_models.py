@@ -171,7 +171,10 @@ CFG = CanaryConfig(
     min_paired=5,
     seed=5,
     lease_s=20.0,
-    latency_floor_ms=25.0,
+    # two canaries and their loads share 2 cores here, so latency is scheduling, not the models: a fresh-clone CI
+    # rejected one on "p95 latency 119.7 ms is 3.34x champion's 35.8 ms on the same 2 requests". These tests are about
+    # traffic, evidence and promotion; test_endpoint.py proves the latency gate (a slow challenger is rejected)
+    latency_floor_ms=250.0,
 )
 
 
