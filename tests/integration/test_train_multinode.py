@@ -56,11 +56,13 @@ def two_node_cluster(tmp_path, monkeypatch):
 def test_workers_are_placed_on_both_nodes(two_node_cluster, tmp_path, monkeypatch):
     import ray
 
+    from infra.head import read_head
     from training.trainer import run_training
 
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
     nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len(nodes) == 2
+    assert not read_head().loopback  # Ray's multi-node switch stays on: `ray start --address` needs it
     result = run_training(CFG, shard_set(tmp_path / "shards"), "", "", "two-nodes")
 
     placed = {r["rank"]: r["node_id"] for r in worker_records(two_node_cluster)}
