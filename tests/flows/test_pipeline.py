@@ -282,22 +282,24 @@ def test_a_killed_canary_falls_back_to_the_champion_and_the_next_run_cleans_up(p
     assert client.get_model_version(name, challenger).tags["shardline.canary_decision"] == "promoted"
 
 
-def test_three_runs_at_once_release_one_at_a_time(prefect_server, home, s3_server):
-    """Three pipelines against one registry: the release lock serialises them; one champion; every version they
-    registered carries a canary decision taken against the champion of its turn; no 'database is locked'."""
+def test_two_runs_at_once_release_one_at_a_time(prefect_server, home, s3_server):
+    """Two pipelines against one registry: the release lock serialises them; one champion; every version they
+    registered carries a canary decision taken against the champion of its turn; no 'database is locked'. (Two,
+    not three: a third run added ~80 s on 2 cores and no new case; the lock across processes is
+    tests/processes/test_release_lock.py's.)"""
     client = _client(home)
     name = load_config(REPO / "configs" / "debug.toml").registry.model_name
     before = {int(v.version) for v in client.search_model_versions(f"name = '{name}'")}
     champion = str(client.get_model_version_by_alias(name, "champion").version)
-    # three different models (seeds, each continuing from the champion on S3), so three new versions; one ramp
-    # step keeps the test short
-    procs = [_cli_run(prefect_server, home, f"train.seed={seed}", "canary.steps=[100]") for seed in (11, 12, 13)]
+    # two different models (seeds, each continuing from the champion on S3), so two new versions; one ramp step
+    # keeps the test short
+    procs = [_cli_run(prefect_server, home, f"train.seed={seed}", "canary.steps=[100]") for seed in (11, 12)]
     results = [p.communicate(timeout=1500) for p in procs]
     for p, (_out, err) in zip(procs, results, strict=False):
         assert p.returncode == 0, err[-3000:]
         assert "database is locked" not in err
     summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
-    assert len({int(s["model_version"]) for s in summaries} - before) == 3
+    assert len({int(s["model_version"]) for s in summaries} - before) == 2
     # replay the releases in the order their canaries ran: each compared against the champion of its turn
     canaries = sorted(
         (_children(client, s["parent_run_id"])["canary_deploy"] for s in summaries), key=lambda r: r.info.start_time
