@@ -189,7 +189,7 @@ def _descendants(pids: list[int]) -> list[int]:
 
 # Measured on Ray 2.60 (`shardline down` of a local head): its Python processes and workers exit within 0.3 s of
 # SIGTERM, the raylet takes ~10 s to drain, and the GCS server and the autoscaler monitor do not exit at all. The
-# whole head goes, so what is left after a short grace gets SIGKILL (`ray stop --force` sends it at once).
+# whole head goes (only the PIDs this home recorded), so what is left after a short grace gets SIGKILL.
 STOP_GRACE_S = 2.0
 
 

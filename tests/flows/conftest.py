@@ -18,15 +18,30 @@ def prefect_server():
 
 
 # ---------------------------------------------------------------------------------- issue 9: crash/rerun tests
+def _stop_head_of(home):
+    """Stop the long-lived Ray head that runs under `home` started (by its recorded PIDs), if any."""
+    from infra.head import stop_head
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDLINE_HOME", str(home))
+        stop_head()
+
+
 @pytest.fixture
-def run_home(tmp_path, monkeypatch):
+def run_home(tmp_path):
     """A fresh $SHARDLINE_HOME for CLI runs in subprocesses; the long-lived Ray head they start is stopped after."""
     home = tmp_path / "home"
     yield home
-    from infra.head import stop_head
+    _stop_head_of(home)
 
-    monkeypatch.setenv("SHARDLINE_HOME", str(home))
-    stop_head()
+
+@pytest.fixture(scope="module")
+def module_home(tmp_path_factory):
+    """One $SHARDLINE_HOME for a module's CLI runs that do not read what another left: they share the Ray head the
+    first run starts (~20 s to start on 2 cores), stopped after the module."""
+    home = tmp_path_factory.mktemp("home")
+    yield home
+    _stop_head_of(home)
 
 
 @pytest.fixture()

@@ -13,19 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One $SHARDLINE_HOME for these runs: none of them looks at what another left, and they share the long-lived
-    Ray head a run starts (~20 s each to start on 2 cores); stopped after the module by its recorded PIDs."""
-    home = tmp_path_factory.mktemp("home")
-    yield home
-    from infra.head import stop_head
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SHARDLINE_HOME", str(home))
-        stop_head()
-
-
 def _cli(prefect_server: str, home: Path, *sets: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "SHARDLINE_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -52,25 +39,25 @@ def _assert_one_line_failure(proc: subprocess.CompletedProcess, code: int, cause
     assert cause in last, last
 
 
-def test_empty_source_directory(prefect_server, tmp_path, home):
+def test_empty_source_directory(prefect_server, tmp_path, module_home):
     (tmp_path / "empty").mkdir()
-    proc = _cli(prefect_server, home, f"data.source={tmp_path / 'empty'}")
+    proc = _cli(prefect_server, module_home, f"data.source={tmp_path / 'empty'}")
     _assert_one_line_failure(proc, 1, f"shardline: pipeline failed: DataError: {tmp_path / 'empty'}: no files")
     assert "Finished in state Failed" in proc.stderr
 
 
-def test_config_mistake(prefect_server, home):
-    proc = _cli(prefect_server, home, "train.stepz=3")
+def test_config_mistake(prefect_server, module_home):
+    proc = _cli(prefect_server, module_home, "train.stepz=3")
     _assert_one_line_failure(proc, 2, "unknown key 'train.stepz'")
 
 
 @pytest.mark.slow
-def test_rejected_checkpoint_and_failed_gate(prefect_server, tmp_path, home):
+def test_rejected_checkpoint_and_failed_gate(prefect_server, tmp_path, module_home):
     partial = tmp_path / "partial-checkpoint"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"\0" * 64)  # data without a manifest: a checkpoint cut short
-    proc = _cli(prefect_server, home, f"train.init_from={partial}")
+    proc = _cli(prefect_server, module_home, f"train.init_from={partial}")
     _assert_one_line_failure(proc, 1, f"CheckpointError: {partial}: no manifest")
 
-    proc = _cli(prefect_server, home, "train.steps=5", "validation.max_bits_per_byte=0.5")
+    proc = _cli(prefect_server, module_home, "train.steps=5", "validation.max_bits_per_byte=0.5")
     _assert_one_line_failure(proc, 1, "GateFailed: val_bits_per_byte")
