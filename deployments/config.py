@@ -185,7 +185,9 @@ class CanaryConfig(BaseModel):
     )
     bake_seconds: float = Field(5.0, ge=0, description="Least time a step runs before it is judged.")
     step_timeout_s: float = Field(
-        120.0, gt=0, description="A step that has not seen min_requests by then fails (too little evidence)."
+        120.0,
+        gt=0,
+        description="A step that has not seen min_requests (and min_paired pairs) by then fails (too little evidence).",
     )
     probe_rps: float = Field(
         0.0,
@@ -196,7 +198,7 @@ class CanaryConfig(BaseModel):
     shadow_share: float = Field(
         1.0, gt=0, le=1, description="Share of challenger-served requests also scored by the champion (paired)."
     )
-    min_paired: int = Field(10, ge=2, description="Paired requests a step needs; fewer cannot pass.")
+    min_paired: int = Field(10, ge=2, description="Paired requests a step waits for; fewer cannot pass.")
     confidence: float = Field(
         0.95, gt=0.5, lt=1, description="One-sided confidence of the paired bootstrap bound on the bpb regression."
     )

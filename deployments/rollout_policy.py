@@ -37,6 +37,29 @@ from deployments.config import CanaryConfig, PromQLGate
 MIN_SAMPLES_P99 = 100
 
 
+def is_paired(ob: dict[str, Any]) -> bool:
+    """Both versions scored this observation's text: the challenger's call and the champion's shadow score answered."""
+    ch, shadow = ob.get("challenger"), ob.get("shadow")
+    return bool(ch and ch.get("ok") and shadow and shadow.get("ok") and ch.get("bytes"))
+
+
+def missing_evidence(observations: Iterable[dict[str, Any]], cfg: CanaryConfig) -> str:
+    """'' once a step's observations can be judged: canary.min_requests challenger requests and canary.min_paired
+    paired ones (with shadow_share < 1 the pairs lag the requests); else what is still missing, for the message of
+    a step that times out. Ending a step at min_requests alone would leave its quality and latency gates to too few
+    pairs."""
+    requests = paired = 0
+    for ob in observations:
+        requests += ob.get("challenger") is not None
+        paired += is_paired(ob)
+    lacking = []
+    if requests < cfg.min_requests:
+        lacking.append(f"{requests} of canary.min_requests={cfg.min_requests} challenger requests")
+    if paired < cfg.min_paired:
+        lacking.append(f"{paired} of canary.min_paired={cfg.min_paired} paired requests")
+    return ", ".join(lacking)
+
+
 def summarize_step(
     percent: int,
     observations: list[dict[str, Any]],
@@ -61,7 +84,7 @@ def summarize_step(
         for call in (served, shadow):
             if call is not None:
                 base_calls.append(call)
-        if ch and ch.get("ok") and shadow and shadow.get("ok") and ch.get("bytes"):
+        if ch and shadow and is_paired(ob):  # ch and shadow first: mypy narrows on them
             deltas.append([float(ch["bits"]), float(shadow["bits"]), float(ch["bytes"])])
             if ob.get("op") == "score":
                 ch_ms.append(float(ch["latency_ms"]))

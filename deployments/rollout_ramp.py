@@ -4,8 +4,9 @@ collects from the routers, and probe traffic that tops it up.
 `Ramp.set` is a lightweight router update (the champion's replicas are untouched) that also renews the lease;
 `Ramp.collect` reads the observations a step's requests left in the router (a restarted router starts counting
 again; what was seen is kept) while polling the operator's commands (deployments/canary_control) and renewing the
-lease, until the step has `canary.min_requests` challenger requests and `canary.bake_seconds` passed, or
-`canary.step_timeout_s` ran out. The rollout driver (deployments/rollout) decides what to do with each step.
+lease, until the step has `canary.min_requests` challenger requests, `canary.min_paired` of them paired with a
+champion score, and `canary.bake_seconds` passed, or `canary.step_timeout_s` ran out. The rollout driver
+(deployments/rollout) decides what to do with each step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deployments import canary_control
 from deployments.canary_records import OperatorCommand
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.endpoint import apply, router_handle
+from deployments.rollout_policy import missing_evidence
 from deployments.router_config import PROBE_HEADER
 from deployments.serve_build import AppSpec, app_name_for, router_config
 
@@ -171,17 +173,17 @@ class Ramp:
             elif command is not None and command.action == "resume" and paused_at is not None:
                 start += time.monotonic() - paused_at  # the pause does not count against the step
                 paused_at = None
-            n = sum(1 for ob in seen.values() if ob.get("challenger") is not None)
+            lacking = missing_evidence(seen.values(), cfg)
             elapsed = time.monotonic() - start
-            if paused_at is None and n >= cfg.min_requests and elapsed >= cfg.bake_seconds:
+            if paused_at is None and not lacking and elapsed >= cfg.bake_seconds:
                 return Collected(list(seen.values()), elapsed, "", None)
-            if paused_at is None and elapsed >= cfg.step_timeout_s:
+            if paused_at is None and lacking and elapsed >= cfg.step_timeout_s:
                 return Collected(
                     list(seen.values()),
                     elapsed,
                     (
-                        f"too little evidence: {n} of canary.min_requests={cfg.min_requests} challenger requests in "
-                        f"{elapsed:.0f} s (canary.step_timeout_s={cfg.step_timeout_s:g})"
+                        f"too little evidence: {lacking} in {elapsed:.0f} s "
+                        f"(canary.step_timeout_s={cfg.step_timeout_s:g})"
                     ),
                     None,
                 )

@@ -8,7 +8,7 @@ from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_chal
 
 from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
 from deployments.canary_stats import p95, paired_upper_bound
-from deployments.rollout_policy import MIN_SAMPLES_P99, decide_canary, gate_step
+from deployments.rollout_policy import MIN_SAMPLES_P99, decide_canary, gate_step, missing_evidence
 
 
 def test_p95_is_nearest_rank():
@@ -36,6 +36,17 @@ def test_challenger_requests_are_paired_with_the_champion_shadow():
     assert step.challenger_paired_ms == [10.0, 10.0] and step.champion_paired_ms == [10.0, 10.0]
     assert step.paired_deltas[1] == [900.0, 1050.0, 300.0]
     assert step.failures == []
+
+
+def test_a_step_waits_for_paired_requests_as_well_as_challenger_requests():
+    cfg = CFG.model_copy(update={"min_requests": 4, "min_paired": 3})
+    # shadow_share < 1: four challenger requests, only two scored by the champion as well
+    obs = [to_challenger(), to_challenger(), to_challenger(shadow=False), challenger_failed(), to_champion()]
+    assert missing_evidence(obs, cfg) == "2 of canary.min_paired=3 paired requests"
+    assert missing_evidence([*obs, to_challenger()], cfg) == ""
+    assert missing_evidence([to_champion()], cfg) == (
+        "0 of canary.min_requests=4 challenger requests, 0 of canary.min_paired=3 paired requests"
+    )
 
 
 def test_a_good_challenger_is_promoted_after_all_steps():
