@@ -13,7 +13,7 @@ full one by re-prefilling the last seq_len // 2 bytes of its context (see there)
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -21,42 +21,74 @@ import torch.nn.functional as F
 from training.model import GPT, VOCAB, Block
 
 
+class Layer(NamedTuple):
+    """One block's parameters as plain tensors (the model's own, not copies), read once: at one token per step,
+    nn.Module attribute lookups and calls cost as much as the arithmetic."""
+
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    c_attn: tuple[torch.Tensor, torch.Tensor]
+    c_proj: tuple[torch.Tensor, torch.Tensor]
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: tuple[torch.Tensor, torch.Tensor]
+    mlp_proj: tuple[torch.Tensor, torch.Tensor]
+    n_head: int
+    eps: tuple[float, float]
+
+
+def _layer(block: Block) -> Layer:
+    def wb(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return cast(torch.Tensor, m.weight), cast(torch.Tensor, m.bias)
+
+    return Layer(
+        wb(block.ln_1),
+        wb(block.attn.c_attn),
+        wb(block.attn.c_proj),
+        wb(block.ln_2),
+        wb(block.mlp.c_fc),
+        wb(block.mlp.c_proj),
+        block.attn.n_head,
+        (block.ln_1.eps, block.ln_2.eps),
+    )
+
+
 class KVCache:
     """Keys and values of `slots` sequences of up to model.seq_len tokens, and each slot's length.
 
     One tensor per layer [slots, seq_len, 2, n_head, head_dim]: a token's key and value sit side by side as the
-    attention projection produces them, so a decode step writes both with one indexed copy and reads a slot's
-    keys and values as views.
+    attention projection produces them, so a decode step writes both with one copy and reads a slot's keys and
+    values as views. `layers` holds each block's parameters (Layer), read once.
     """
 
     def __init__(self, model: GPT, slots: int) -> None:
-        attn = _blocks(model)[0].attn
+        blocks = cast(list[Block], list(model.blocks))
+        self.layers = [_layer(b) for b in blocks]
         d_model = model.wte.embedding_dim
-        shape = (len(model.blocks), slots, model.seq_len, 2, attn.n_head, d_model // attn.n_head)
+        h = blocks[0].attn.n_head
+        shape = (len(blocks), slots, model.seq_len, 2, h, d_model // h)
         self.kv = torch.zeros(shape, dtype=model.wte.weight.dtype, device=model.wte.weight.device)
+        self.pools = self.kv.unbind(0)  # each layer's [slots, seq_len, 2, n_head, head_dim], as views
         self.lengths = [0] * slots
 
 
-def _blocks(model: GPT) -> list[Block]:
-    return cast(list[Block], list(model.blocks))
+# The blocks' parameters are used through torch.nn.functional, not through the modules: the same ops as
+# Block.forward in eval mode (dropout is the identity).
+def _ln(x: torch.Tensor, wb: tuple[torch.Tensor, torch.Tensor], eps: float) -> torch.Tensor:
+    return torch.layer_norm(x, (x.shape[-1],), wb[0], wb[1], eps)
 
 
-# The blocks' parameters are called through torch.nn.functional, not through the modules: the same ops as
-# Block.forward in eval mode (dropout is the identity), without nn.Module's call overhead, which at one token per
-# step costs as much as the arithmetic.
-def _ln(x: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+def _mlp(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    h = F.gelu(F.linear(_ln(x, layer.ln_2, layer.eps[1]), *layer.c_fc))
+    return F.linear(h, *layer.mlp_proj)
 
 
-def _lin(x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, linear.weight, linear.bias)
+def _head(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(
+        F.layer_norm(x, model.ln_f.normalized_shape, model.ln_f.weight, model.ln_f.bias, model.ln_f.eps),
+        model.lm_head.weight,
+    )
 
 
-def _mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
-    return _lin(F.gelu(_lin(_ln(x, block.ln_2), block.mlp.c_fc)), block.mlp.c_proj)
-
-
-@torch.no_grad()
+@torch.inference_mode()
 def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [T, 256] at every position of `tokens` (int64 [T], 1 <= T <= seq_len), whose keys and values
     become `slot`'s whole cache."""
@@ -67,19 +99,19 @@ def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torc
     x = F.embedding(tokens[None], model.wte.weight) + F.embedding(
         torch.arange(t, device=tokens.device), model.wpe.weight
     )
-    for i, block in enumerate(_blocks(model)):
-        h = block.attn.n_head
-        qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [1, T, 3C]
+    for i, layer in enumerate(cache.layers):
+        h = layer.n_head
+        qkv = F.linear(_ln(x, layer.ln_1, layer.eps[0]), *layer.c_attn)  # [1, T, 3C]
         cache.kv[i, slot, :t] = qkv[0, :, c:].view(t, 2, h, c // h)
         q, k, v = (z.view(1, t, h, c // h).transpose(1, 2) for z in qkv.split(c, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(1, t, c)
-        x = x + _lin(y, block.attn.c_proj)
-        x = x + _mlp(block, x)
+        x = x + F.linear(y, *layer.c_proj)
+        x = x + _mlp(layer, x)
     cache.lengths[slot] = t
-    return F.linear(_ln(x, model.ln_f), model.lm_head.weight)[0]
+    return _head(model, x)[0]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> torch.Tensor:
     """Logits [B, 256] after appending tokens[b] to slot slots[b], for every b in one forward.
 
@@ -92,29 +124,39 @@ def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> t
     span = max(at) + 1  # keys beyond the longest row are never read
     if span > model.seq_len:
         raise ValueError(f"decode: a slot already holds seq_len={model.seq_len} tokens")
-    pos = torch.tensor(at, device=device)
-    # rows shorter than the longest must not see the keys past their own length (stale or another request's)
-    mask = None if min(at) == span - 1 else (torch.arange(span, device=device) <= pos[:, None])[:, None, None, :]
     # the engine allocates low slots first and steps them in slot order: usually a contiguous run of slots, read
     # as a view of the pool; any other set is gathered (a copy of every row's keys and values, per layer)
     contiguous = slots == list(range(slots[0], slots[0] + b))
-    rows = torch.arange(b, device=device) if contiguous else torch.tensor(slots, device=device)
-    x = F.embedding(torch.tensor(tokens, device=device), model.wte.weight) + F.embedding(pos, model.wpe.weight)
+    # every row at the same position (always so for one stream): plain slices, no mask, no index tensors
+    level = contiguous and min(at) == span - 1
+    x = F.embedding(torch.tensor(tokens, device=device), model.wte.weight)
+    if level:
+        x = x + model.wpe.weight[span - 1]
+        mask, pos, rows = None, None, None
+    else:
+        pos = torch.tensor(at, device=device)
+        x = x + F.embedding(pos, model.wpe.weight)
+        # rows shorter than the longest must not see the keys past their own length (stale or another request's)
+        mask = (torch.arange(span, device=device) <= pos[:, None])[:, None, None, :]
+        rows = torch.arange(b, device=device) if contiguous else torch.tensor(slots, device=device)
     x = x[:, None, :]  # [B, 1, C]
-    for i, block in enumerate(_blocks(model)):
-        h = block.attn.n_head
-        qkv = _lin(_ln(x, block.ln_1), block.attn.c_attn)  # [B, 1, 3C]
+    for i, layer in enumerate(cache.layers):
+        h = layer.n_head
+        qkv = F.linear(_ln(x, layer.ln_1, layer.eps[0]), *layer.c_attn)  # [B, 1, 3C]
         new = qkv[:, 0, c:].view(b, 2, h, c // h)
-        layer = cache.kv[i, slots[0] : slots[0] + b] if contiguous else cache.kv[i]
-        layer[rows, pos] = new
-        kv = layer[:, :span] if contiguous else layer[rows, :span]  # [B, span, 2, H, C/H]
+        pool = cache.pools[i][slots[0] : slots[0] + b] if contiguous else cache.pools[i]
+        if level:
+            pool[:, span - 1] = new  # a plain slice copy; an indexed write costs several times more
+        else:
+            pool[rows, pos] = new
+        kv = pool[:, :span] if contiguous else pool[rows, :span]  # [B, span, 2, H, C/H]
         q = qkv[..., :c].view(b, 1, h, c // h).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=mask)
-        x = x + _lin(y.transpose(1, 2).reshape(b, 1, c), block.attn.c_proj)
-        x = x + _mlp(block, x)
+        x = x + F.linear(y.transpose(1, 2).reshape(b, 1, c), *layer.c_proj)
+        x = x + _mlp(layer, x)
     for s in slots:
         cache.lengths[s] += 1
-    return F.linear(_ln(x[:, 0], model.ln_f), model.lm_head.weight)
+    return _head(model, x[:, 0])
 
 
 class CachedGPT:
