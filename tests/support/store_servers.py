@@ -6,7 +6,9 @@ tests/conftest.py.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,16 @@ AZURITE = REPO / "tests" / "services" / "node_modules" / ".bin" / "azurite-blob"
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 BUCKET = "shardline"
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the server gets SIGTERM when the test process that started it dies (Linux prctl
+    PR_SET_PDEATHSIG, kept across exec), so a killed or crashed pytest leaves no moto or Azurite behind."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def wait_for_port(port: int, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
@@ -49,6 +61,7 @@ class S3Service:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
         )
         wait_for_port(self.port, self.proc)
         req = urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")  # a fresh server is empty
@@ -94,6 +107,7 @@ def start_azurite() -> tuple[subprocess.Popen, str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
     )
     wait_for_port(port, proc, timeout=60)
     conn = (
