@@ -1,9 +1,11 @@
 """Operator control of a live canary, for real: Ray Serve over HTTP under loopback load, MLflow on SQLite, the
 `shardline canary` command called in-process while the rollout driver runs in a thread (as it would in a worker).
 
-In file order: a canary is paused (its weight holds across more than a step's bake and several lease renewals,
-and no step is judged), resumed, then promoted early; a shadow-mode canary with manual approval waits in
-awaiting-approval, the challenger answering no client, until an operator promotes it.
+A canary is paused (its weight holds across more than a step's bake and several lease renewals, and no step is
+judged), resumed, then promoted early; a shadow-mode canary with manual approval waits in awaiting-approval, the
+challenger answering no client, until an operator promotes it; an approval that never comes rolls back. The tests
+share one endpoint, and each canaries a version it registers against whatever is champion when it starts, so they
+pass in any order (release_candidate).
 """
 
 from __future__ import annotations
@@ -107,10 +109,20 @@ def wait_for(predicate, timeout: float, what: str, driver: Driver):
     )
 
 
+def release_candidate(world, table: str, name: str = "") -> tuple[str, str]:
+    """(the champion now, a newly registered version of `table`): each test canaries against whatever an earlier
+    test left as champion (world's first version when it runs alone), so none depends on the order they run in."""
+    client = world["client"]
+    champion = read_aliases(client, NAME)["champion"]
+    version = register(client, *log_model(world["tables"][table], name or table, world["exp"], client)).version
+    assert version != champion
+    return champion, version
+
+
 def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, capsys, monkeypatch):
     monkeypatch.setenv("SHARDLINE_USER", "ana")
     client, _uri = world["client"], world["uri"]
-    assert register(client, *log_model(world["tables"]["good"], "good", world["exp"], client)).version == "2"
+    base, ver = release_candidate(world, "good")
     code, status, err = shardline_canary(capsys, world, "pause", "--reason", "nothing runs")
     assert (
         code == 1
@@ -119,7 +131,7 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
     )
     app = serve_build.app_name_for(world["serve"], NAME)
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
-        driver = Driver(world, CFG, "1", "2")
+        driver = Driver(world, CFG, base, ver)
         driver.start()
         wait_for(
             lambda: read_status(client, NAME).state == "running" and read_status(client, NAME).percent > 0,
@@ -143,7 +155,7 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
         code, status, _ = shardline_canary(capsys, world, "status")
         assert code == 0 and {
             k: status[k] for k in ("model", "state", "champion_version", "challenger_version", "percent")
-        } == {"model": NAME, "state": "paused", "champion_version": "1", "challenger_version": "2", "percent": held}
+        } == {"model": NAME, "state": "paused", "champion_version": base, "challenger_version": ver, "percent": held}
         assert status["step"] == CFG.steps.index(held) + 1 and status["steps"] == 3
         code, _, err = shardline_canary(capsys, world, "pause")
         assert code == 1 and "is paused; only a running canary can be paused" in err
@@ -165,17 +177,17 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
         "promoted by ana at 50% (running): ship it before the freeze; evidence so far: "
     ), result.reason
     assert [s["percent"] for s in result.steps][-1] == 50  # 100% was skipped: the operator promoted early
-    assert out["status"]["state"] == "none" and out["status"]["champion_version"] == "2"
+    assert out["status"]["state"] == "none" and out["status"]["champion_version"] == ver
     assert not load.failed and load.answers, load.failed[:5]
     versions = [a.version for a in load.answers]
-    assert versions[0] == "1" and versions[-1] == "2"
+    assert versions[0] == base and versions[-1] == ver
     # the registry tells the truth
     aliases = read_aliases(client, NAME)
-    assert aliases["champion"] == "2" and CHALLENGER not in aliases
-    mv = client.get_model_version(NAME, "2")
+    assert aliases["champion"] == ver and CHALLENGER not in aliases
+    mv = client.get_model_version(NAME, ver)
     assert mv.tags[TAG_CANARY_DECISION] == "promoted"
     assert mv.description.startswith(f"Trained on dataset unknown by train run {mv.run_id}.\n")
-    assert "Canary against champion v1: promoted (operator, " in mv.description and "ship it" in mv.description
+    assert f"Canary against champion v{base}: promoted (operator, " in mv.description and "ship it" in mv.description
     # every command is on the canary stage's run (found by its tag) and in the decision artifact
     run = client.get_run(driver.run_id)
     assert run.data.tags[TAG_CANARY_ID] == out["command"]["canary_id"]
@@ -191,7 +203,7 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
     code, status, _ = shardline_canary(capsys, world, "status")
     assert code == 0 and (status["state"], status["champion_version"], status["challenger_version"]) == (
         "none",
-        "2",
+        ver,
         None,
     )
 
@@ -199,7 +211,7 @@ def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, caps
 def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(world, capsys, monkeypatch):
     monkeypatch.setenv("SHARDLINE_USER", "bo")
     client = world["client"]
-    assert register(client, *log_model(world["tables"]["good2"], "good2", world["exp"], client)).version == "3"
+    base, ver = release_candidate(world, "good2")
     cfg = CFG.model_copy(
         update={
             "steps": [20, 50, 100],
@@ -210,11 +222,11 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
         }
     )
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
-        driver = Driver(world, cfg, "2", "3")
+        driver = Driver(world, cfg, base, ver)
         driver.start()
         wait_for(lambda: read_status(client, NAME).state == "awaiting-approval", 150, "awaiting-approval", driver)
         code, status, _ = shardline_canary(capsys, world, "status")
-        assert (status["state"], status["percent"], status["challenger_version"]) == ("awaiting-approval", 50, "3")
+        assert (status["state"], status["percent"], status["challenger_version"]) == ("awaiting-approval", 50, ver)
         assert status["approval_deadline"] > time.time() + 60
         time.sleep(3.0)  # longer than a step's bake: still waiting, nothing more judged
         assert read_status(client, NAME).state == "awaiting-approval" and len(driver.steps) == 2
@@ -236,20 +248,20 @@ def test_a_shadow_canary_with_manual_approval_waits_until_an_operator_promotes(w
     for step in result.steps:
         assert step["challenger"]["n"] >= cfg.min_requests and step["paired"] >= cfg.min_paired
     assert not load.failed, load.failed[:5]
-    assert {a.version for a in load.answers if a.t < before_promote} == {"2"}
-    assert load.answers[-1].version == "3"
+    assert {a.version for a in load.answers if a.t < before_promote} == {base}
+    assert load.answers[-1].version == ver
     aliases = read_aliases(client, NAME)
-    assert aliases["champion"] == "3" and CHALLENGER not in aliases
+    assert aliases["champion"] == ver and CHALLENGER not in aliases
 
 
 def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, capsys):
     client = world["client"]
-    assert register(client, *log_model(world["tables"]["good"], "good-again", world["exp"], client)).version == "4"
+    base, ver = release_candidate(world, "good", "good-again")
     cfg = CFG.model_copy(
         update={"steps": [30, 100], "approval": "manual", "approval_timeout_s": 4.0, "bake_seconds": 2.0}
     )
     with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
-        driver = Driver(world, cfg, "3", "4")
+        driver = Driver(world, cfg, base, ver)
         driver.start()
         wait_for(lambda: read_status(client, NAME).state == "awaiting-approval", 150, "awaiting-approval", driver)
         driver.join(timeout=120)
@@ -260,9 +272,9 @@ def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, 
     ), result.reason
     assert not load.failed, load.failed[:5]
     aliases = read_aliases(client, NAME)
-    assert aliases["champion"] == "3" and CHALLENGER not in aliases
-    tags = client.get_model_version(NAME, "4").tags
+    assert aliases["champion"] == base and CHALLENGER not in aliases
+    tags = client.get_model_version(NAME, ver).tags
     assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
-    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == ["3"]
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]
     code, status, _ = shardline_canary(capsys, world, "status")
-    assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", "3", None)
+    assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", base, None)
