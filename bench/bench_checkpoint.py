@@ -20,14 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from training import checkpoint as ckpt  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.loop import build_optimizer  # noqa: E402
-from training.model import build_gpt  # noqa: E402
-from training.parallelize import parallelize  # noqa: E402
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.loop import build_optimizer
+from training.model import build_gpt
+from training.parallelize import parallelize
 
 SIZES = {"demo": dict(d_model=128, n_layer=4, n_head=4), "1gb": dict(d_model=1024, n_layer=7, n_head=8)}
 

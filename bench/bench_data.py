@@ -21,12 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flows.config import load_config  # noqa: E402
-from training.data import build_shards  # noqa: E402
-from training.data.corpus import Record, Tally, read_corpus  # noqa: E402
-from training.data.loader import train_batches  # noqa: E402
-from training.data.publish import fsync_tree  # noqa: E402
-from training.data.shards import write_shards  # noqa: E402
+from flows.config import load_config
+from training.data import build_shards
+from training.data.corpus import Record, Tally, read_corpus
+from training.data.loader import train_batches
+from training.data.publish import fsync_tree
+from training.data.shards import write_shards
 
 
 def _median_time(fn, where: Path, repeat: int) -> float:

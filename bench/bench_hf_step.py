@@ -31,8 +31,8 @@ sys.path.insert(0, str(BENCH))
 
 from bench_train import ROOT, pipeline_stage, shards, torchrun  # noqa: E402 - beside this file, not a package
 
-from flows.config import load_config  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from flows.config import load_config
+from training.config import TrainConfig
 
 
 def bare(cfg: TrainConfig, workdir: Path) -> tuple[float, float]:

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_train import pipeline_stage, shards  # noqa: E402
+from bench_train import pipeline_stage, shards
 
-from flows.config import load_config  # noqa: E402
+from flows.config import load_config
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flows.config import load_config  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from flows.config import load_config
+from training.config import TrainConfig
 
 
 def shards(config_path: str, home: Path) -> list[str]:

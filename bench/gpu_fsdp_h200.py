@@ -19,16 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from training import checkpoint as ckpt  # noqa: E402
-from training.checkpoint_async import AsyncSave  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.loop import build_optimizer, lr_at  # noqa: E402
-from training.model import build_gpt, flops_per_token  # noqa: E402
-from training.parallelize import parallelize  # noqa: E402
+from training import checkpoint as ckpt
+from training.checkpoint_async import AsyncSave
+from training.config import TrainConfig
+from training.loop import build_optimizer, lr_at
+from training.model import build_gpt, flops_per_token
+from training.parallelize import parallelize
 
 
 def parse() -> argparse.Namespace:

@@ -22,15 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the test helpers: tests/support
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from support.train_support import make_shards  # noqa: E402
+import torch
+import torch.distributed as dist
+from support.train_support import make_shards
 
-from training import checkpoint as ckpt  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.evaluate import bits_per_byte  # noqa: E402
-from training.loop import train_func  # noqa: E402
-from training.model import build_gpt  # noqa: E402
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.evaluate import bits_per_byte
+from training.loop import train_func
+from training.model import build_gpt
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -187,8 +187,9 @@ class Engine:
             self._advance(req, logits, out)
 
     def _step(self, batch: list[_Request], out: list[tuple[_Request, list[Any]]]) -> None:
+        slots = [cast(int, r.slot) for r in batch]  # a request in a step holds a slot until it is released
         try:
-            logits = self.backend.decode([r.slot for r in batch], [r.last for r in batch])  # type: ignore[misc]
+            logits = self.backend.decode(slots, [r.last for r in batch])
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the engine
             for r in batch:
                 out.append((r, [e]))

@@ -17,7 +17,7 @@ Action = Annotated[str, Field(json_schema_extra={"enum": list(ACTIONS)})]
 
 
 @flow(name="canary-control", log_prints=True, timeout_seconds=900)
-def canary_control(action: Action, reason: str = "", config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008
+def canary_control(action: Action, reason: str = "", config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008 - Prefect's form default; never mutated
     """Show, pause, resume, promote or abort the live canary of `config.registry.model_name`.
 
     Args:

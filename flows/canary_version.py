@@ -35,7 +35,7 @@ def challenge(model_name: str, version: str, aliases: dict[str, str]) -> Promoti
 
 
 @flow(name="shardline-canary", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
-def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008
+def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008 - Prefect's form default; never mutated
     """Ramp traffic from the champion to `version` and promote it or roll it back, by the canary's gates.
 
     Args:

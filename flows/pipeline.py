@@ -41,7 +41,7 @@ class PipelineSummary(BaseModel):
 
 
 @flow(name="shardline", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
-def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSummary:  # noqa: B008
+def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSummary:  # noqa: B008 - Prefect's form default; never mutated
     """Take a text corpus to a served model: shard, train with FSDP on Ray, validate, register, canary.
 
     Args:

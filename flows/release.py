@@ -52,7 +52,7 @@ def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
 
 
 @flow(name="shardline-release", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
-def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008
+def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008 - Prefect's form default; never mutated
     """Train a new version on an existing shard set and release it through the canary.
 
     Args:

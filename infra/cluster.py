@@ -74,7 +74,7 @@ def provision(cfg: ClusterConfig) -> ClusterInfo:
         with driver_on_loopback(head.loopback):
             ray.init(address=head.gcs_address, log_to_driver=False, runtime_env=runtime_env)
         _wait_for_nodes(head.nodes)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - whatever stops the join becomes one ClusterError line
         ray.shutdown()
         raise ClusterError(
             f"the local Ray head at {head.gcs_address} runs but the driver could not join: {e}"

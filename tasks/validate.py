@@ -4,6 +4,8 @@ registered."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlflow
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -64,7 +66,7 @@ def validate_checkpoint(
         mlflow.log_params(flat_params("validation", cfg))
         model = load_checkpoint_model(trained.checkpoint_uri, train_cfg)
 
-        def score(m: object) -> float:
+        def score(m: Any) -> float:  # the trained nn.Module, or the champion as it is served
             return held_out_bpb(m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts)
 
         bpb = score(model)

@@ -97,10 +97,10 @@ def load_checkpoint_model(checkpoint_uri: str, train_cfg: TrainConfig) -> nn.Mod
 
 
 def held_out_bpb(
-    model: object, val_shards: list[str], num_val: int, seq_len: int, batch_size: int, max_texts: int
+    model: nn.Module, val_shards: list[str], num_val: int, seq_len: int, batch_size: int, max_texts: int
 ) -> float:
     """Bits per byte of `model` on the held-out split (all of it, or the documented sample of max_texts)."""
     from training.data.loader import iter_texts
 
     texts = sample_texts((text for _, text in iter_texts(val_shards)), num_val, max_texts)
-    return bits_per_byte(model, texts, seq_len, batch_size=batch_size)  # type: ignore[arg-type]
+    return bits_per_byte(model, texts, seq_len, batch_size=batch_size)

@@ -33,7 +33,8 @@ def test_a_killed_test_process_takes_its_moto_server_with_it():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), REPO])}
     starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
-        line = starter.stdout.readline()  # type: ignore[union-attr]
+        assert starter.stdout is not None
+        line = starter.stdout.readline()
         assert line, f"the starter exited with {starter.wait(timeout=30)} before its server listened"
         pid, port = (int(x) for x in line.split())
         assert not _gone(pid) and any(c.laddr.port == port for c in psutil.Process(pid).net_connections())

@@ -122,7 +122,7 @@ def test_expected_failure_is_logged_without_traceback_and_unexpected_keeps_it(ta
     for exc in (CheckpointError("/ck/__0_0.distcp: sha256 does not match"), KeyError("a bug")):
         try:
             raise exc
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - both kinds, as Prefect's task runner logs them
             logger.error("Task run failed with exception: %r", e, exc_info=True)
     expected, unexpected = capture.lines
     assert expected == "Task run failed with exception: CheckpointError('/ck/__0_0.distcp: sha256 does not match')"

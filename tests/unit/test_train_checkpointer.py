@@ -57,7 +57,10 @@ def _setup(root, async_save: bool, seed: int = 0):
     model = parallelize(build_gpt(CFG), CFG, CPU, 1)
     optimizer = build_optimizer(model, CFG, CPU)
     hooks = RecordingHooks(root, CFG.keep_checkpoints)
-    report = lambda step: {"step": float(step)}  # noqa: E731
+
+    def report(step: int) -> dict:
+        return {"step": float(step)}
+
     return model, optimizer, hooks, Checkpointer(hooks, model, optimizer, CFG, 0, 1, CPU, report, async_save)
 
 

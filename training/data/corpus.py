@@ -41,10 +41,12 @@ __all__ = [
 
 def checked(items: Iterable[Record | Problem], cfg: DataConfig, tally: Tally) -> Iterator[Record]:
     """The good records of `items`, in order; a bad one raises DataError under `fail`, is counted under `skip`."""
+    problem: Problem | None
     for item in items:
-        problem = item if isinstance(item, Problem) else check_record(item, cfg)
-        if problem is None:
-            yield item  # type: ignore[misc]
+        if isinstance(item, Problem):
+            problem = item
+        elif (problem := check_record(item, cfg)) is None:
+            yield item
             continue
         policy = getattr(cfg, POLICY_FIELD[problem.kind])
         if policy == "fail":

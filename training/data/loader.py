@@ -86,7 +86,7 @@ class RankStream(torch.utils.data.IterableDataset):
         shards = shards_for(self.shard_uris, self.rank * workers + worker, self.world_size * workers)
         rng = random.Random(f"{self.cfg.seed}:{self.rank}:{self.start_step}:{worker}")
         make_batches = load_callable(self.cfg.batch_format, "train.batch_format")
-        stream = make_batches(_resampled(shards, rng), self.cfg.seq_len, self.cfg.micro_batch)  # type: ignore[operator]
+        stream = make_batches(_resampled(shards, rng), self.cfg.seq_len, self.cfg.micro_batch)
         for _ in range(mine):
             yield next(stream)
 

@@ -293,7 +293,7 @@ def plugin_records(cfg: DataConfig) -> Iterator[Record | Problem]:
     """The records data.reader yields; a plug-in is one opaque stream, so it is always one chunk."""
     fn = load_callable(cfg.reader, "data.reader")
     try:
-        for index, item in enumerate(fn(cfg.source, cfg)):  # type: ignore[operator]
+        for index, item in enumerate(fn(cfg.source, cfg)):
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise DataError(f"data.reader {cfg.reader}: item {index} is not a (key, bytes) pair")
             key, data = item

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from training.data.config import DataConfig
 from training.data.shardset import DataError
@@ -99,7 +101,7 @@ def check_record(rec: Record, cfg: DataConfig) -> Problem | None:
     return None
 
 
-def load_callable(path: str, what: str) -> object:
+def load_callable(path: str, what: str) -> Callable[..., Any]:
     """Import 'module:function'; DataError naming the field when it is not there."""
     from training.config import load_object
 

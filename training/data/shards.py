@@ -147,7 +147,8 @@ class _SplitWriter:
             or (self.count > 0 and _padded(self.size + need) > self.cfg.max_shard_bytes)
         ):
             self._next()
-        self.tar.write(sample)  # type: ignore[union-attr]
+        assert self.tar is not None  # _next() opened one
+        self.tar.write(sample)
         self.size += need
         self.count += 1
         return self.name
