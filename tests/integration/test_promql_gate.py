@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import yaml
+from support.requires import missing
 
 from deployments.canary_records import StepMetrics, VersionStats
 from deployments.config import CanaryConfig, PromQLGate
@@ -25,7 +26,7 @@ PROMETHEUS = shutil.which("prometheus")
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     if PROMETHEUS is None:
-        pytest.skip(
+        missing(
             "SKIPPED LOUDLY: no `prometheus` binary on PATH (apt-get install prometheus); the PromQL gate "
             "is covered only by its unit tests here"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.requires import missing
 from support.stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -33,8 +34,9 @@ def form_property(scope, label: str):
     return scope.locator("div.schema-form-property").filter(has=title).last
 
 
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="no /usr/bin/chromium (make test installs it)")
 def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
+    if shutil.which(CHROMIUM) is None:
+        missing(f"no {CHROMIUM} (make test installs it)")
     from playwright.sync_api import sync_playwright
 
     api, ui = stack["api"], stack["status"]["prefect"]["ui"]

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 from conftest import up_args
 from support.postgres_server import PostgresServer, pg_bin
+from support.requires import missing
 from support.stack_support import REPO, SHARDLINE, shardline, stack_env, status
 
 from infra.cluster import free_port
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 @pytest.fixture
 def postgres():
     if pg_bin() is None:
-        pytest.skip("no PostgreSQL server binaries (make test installs them)")
+        missing("no PostgreSQL server binaries (make test installs them)")
     server = PostgresServer()
     url = server.start()
     yield url
