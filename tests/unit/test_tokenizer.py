@@ -1,0 +1,117 @@
+"""training/tokenizer.py with the real `tokenizers` library: training is deterministic and cached by digest and
+settings, ids round-trip to the exact UTF-8 text, and bad files or sizes are one-line errors."""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from training import tokenizer as tk
+
+TEXTS = [
+    b"def add(a, b):\n    return a + b\n",
+    "caf\u00e9 na\u00efve \u00fcber \u2014 \U0001f680 \u65e5\u672c\u8a9e\n".encode(),
+    b"class Queue:\n    def put(self, item):\n        self.items.append(item)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[bytes]:
+    """A slice of real text: the standard library's first modules."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:12]
+    return [f.read_bytes() for f in files if f.stat().st_size] + TEXTS
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus: list[bytes]) -> tk.Tokenizer:
+    return tk.train_bpe(corpus, vocab_size=600)
+
+
+def test_training_twice_on_the_same_texts_gives_the_same_tokenizer(corpus: list[bytes], bpe: tk.Tokenizer) -> None:
+    again = tk.train_bpe(corpus, vocab_size=600)
+    assert again.to_str() == bpe.to_str()
+    assert tk.fingerprint(again) == tk.fingerprint(bpe)
+    assert bpe.get_vocab_size() == 600
+    assert bpe.token_to_id(tk.END_OF_TEXT) == 0
+    assert tk.fingerprint(tk.train_bpe(corpus, vocab_size=500)) != tk.fingerprint(bpe)
+
+
+def test_ids_round_trip_to_the_exact_bytes_and_compress(corpus: list[bytes], bpe: tk.Tokenizer) -> None:
+    stored = tk.encode_records(bpe, corpus)
+    assert [tk.decode_ids(bpe, s) for s in stored] == corpus  # non-ASCII and emoji included
+    ids = np.frombuffer(stored[0], dtype="<u2")
+    assert len(stored[0]) == 2 * len(ids)
+    assert int(ids.max()) < 600
+    assert sum(len(s) // 2 for s in stored) < sum(map(len, corpus)) / 2  # merges learned: > 2 bytes per token
+
+
+def test_id_dtype_widens_past_65536_ids() -> None:
+    assert tk.id_dtype(4096) == np.dtype("<u2")
+    assert tk.id_dtype(65536) == np.dtype("<u2")
+    assert tk.id_dtype(65537) == np.dtype("<u4")
+
+
+def test_a_saved_tokenizer_loads_with_the_same_fingerprint(tmp_path: Path, bpe: tk.Tokenizer) -> None:
+    path = tmp_path / "tokenizer.json"
+    path.write_text(bpe.to_str(), encoding="utf-8")
+    assert tk.fingerprint(tk.load(str(path))) == tk.fingerprint(bpe)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(None, "No such file"), (b'{"model": ', "not a tokenizer.json"), (b"\xff\xfe", "not a tokenizer.json")],
+    ids=["missing", "truncated-json", "not-utf8"],
+)
+def test_a_bad_tokenizer_file_is_one_line_naming_it(tmp_path: Path, content: bytes | None, expected: str) -> None:
+    path = tmp_path / "tokenizer.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(tk.TokenizerError) as err:
+        tk.load(str(path))
+    assert str(path) in str(err.value) and expected in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused_with_both_sizes(bpe: tk.Tokenizer) -> None:
+    with pytest.raises(tk.TokenizerError, match=r"600 ids but the built-in GPT embeds 256"):
+        tk.check_fits(bpe, 256, "the built-in GPT")
+    tk.check_fits(bpe, 600, "the built-in GPT")  # exactly enough rows
+
+
+def test_a_trained_tokenizer_is_cached_by_digest_and_settings(tmp_path: Path, corpus: list[bytes]) -> None:
+    reads: list[str] = []
+
+    def texts() -> Iterator[bytes]:
+        reads.append("read")
+        return iter(corpus)
+
+    cfg = tk.TokenizerConfig(kind="train", vocab_size=600)
+    first, path, hit = tk.trained(cfg, "digest-a", texts, tmp_path)
+    assert (hit, len(reads), path.is_file()) == (False, 1, True)
+    again, path_again, hit = tk.trained(cfg, "digest-a", texts, tmp_path)
+    assert (hit, len(reads), path_again) == (True, 1, path)  # the training split is not read again
+    assert tk.fingerprint(again) == tk.fingerprint(first)
+    _, other_digest, hit = tk.trained(cfg, "digest-b", texts, tmp_path)
+    _, other_size, hit_size = tk.trained(cfg.model_copy(update={"vocab_size": 500}), "digest-a", texts, tmp_path)
+    assert (hit, hit_size, len(reads)) == (False, False, 3)
+    assert len({path.parent, other_digest.parent, other_size.parent}) == 3
+    assert not list(tmp_path.rglob(".tokenizer.json.tmp*"))
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"kind": "file"}, "needs tokenizer.path"),
+        ({"kind": "bytes", "path": "tok.json"}, "read only with tokenizer.kind='file'"),
+        ({"kind": "train", "vocab_size": 256}, "greater than or equal to 257"),
+        ({"kind": "wordpiece"}, "'bytes', 'file' or 'train'"),
+    ],
+)
+def test_a_tokenizer_section_that_cannot_work_is_refused(fields: dict[str, object], expected: str) -> None:
+    with pytest.raises(ValidationError, match=expected):
+        tk.TokenizerConfig.model_validate(fields)
