@@ -3,6 +3,8 @@
 - training.tokenizer.encode_records, the encoding the data stage is to call per chunk (ids stored as uint16),
   vs the `tokenizers` library's own batch encode of the same texts (target >= 0.5x), and vs its offset-free
   encode_batch_fast;
+- the data stage itself (training.data.build_shards of the same corpus, 1 and 2 workers, fresh outputs) with the
+  tokenizer vs without: what tokenizing adds, as throughput, vs the library's batch encode (target >= 0.5x);
 - decoding stored ids back to the exact text.
 Every figure is the best of --repeats alternating runs. Run: .venv/bin/python bench/bench_tokenize.py
 """
@@ -10,8 +12,10 @@ Every figure is the best of --repeats alternating runs. Run: .venv/bin/python be
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +66,27 @@ def main() -> None:
     print(f"  vs tokenizers encode_batch ({batch:.3f} s): {batch / ours:.2f}x (target >= 0.5x)")
     print(f"  vs tokenizers encode_batch_fast ({fast:.3f} s): {fast / ours:.2f}x")
     print(f"decode_ids, every record: {decode_s:.3f} s ({mb / decode_s:.1f} MB/s)")
+    _data_stage(tok, batch, mb, args.repeats)
+
+
+def _data_stage(tok, batch_s: float, mb: float, repeats: int) -> None:
+    """build_shards of the stdlib corpus with and without the tokenizer, each into a fresh output (no cache hit)."""
+    os.environ["SHARDLINE_HOME"] = tempfile.mkdtemp(prefix="bench-tokenize-")
+    from training.data import build_shards
+    from training.data.config import DataConfig
+
+    def build(workers: int, tokenizer) -> None:
+        out = tempfile.mkdtemp(prefix="out-", dir=os.environ["SHARDLINE_HOME"])
+        build_shards(DataConfig(output=out, workers=workers, chunk_bytes=1 << 20, reuse_unchanged=False), tokenizer)
+
+    build(1, None)  # imports and Great Expectations' first context outside the timings
+    for workers in (1, 2):
+        plain, tokenized = _best([lambda w=workers: build(w, None), lambda w=workers: build(w, tok)], repeats)
+        added = tokenized - plain
+        print(
+            f"data stage, {workers} worker(s), 1 MB chunks: {plain:.2f} s text only, {tokenized:.2f} s tokenized; "
+            f"tokenizing adds {added:.2f} s = {mb / added:.1f} MB/s, {batch_s / added:.2f}x encode_batch"
+        )
 
 
 if __name__ == "__main__":

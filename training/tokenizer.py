@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import tokenizers
@@ -113,6 +113,19 @@ def check_fits(tok: Tokenizer, embedding_rows: int, where: str) -> None:
 def id_dtype(vocab_size: int) -> np.dtype:
     """How token ids are stored in shards: little-endian uint16 up to 65,536 ids, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def shard_layout(tok: Tokenizer) -> dict[str, Any]:
+    """What a tokenized shard set records of its tokenizer (manifest layout, listing-index key): the ids can be read
+    back only with these."""
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return {"tokenizer_sha256": fingerprint(tok), "token_dtype": id_dtype(vocab).str, "vocab_size": vocab}
+
+
+def batch_encoder(tokenizer_json: str) -> Callable[[list[bytes]], list[bytes]]:
+    """UTF-8 records -> their stored token ids, for a data-stage worker that got the tokenizer as JSON text."""
+    tok = Tokenizer.from_str(tokenizer_json)
+    return lambda texts: encode_records(tok, texts)
 
 
 def encode_records(tok: Tokenizer, texts: list[bytes]) -> list[bytes]:

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import training.data.listing_index as listing_index
 import training.data.quality as quality
@@ -54,6 +54,9 @@ from training.data.shards import (
 from training.data.shardset import DataError, ShardSet
 from training.data.worker import ChunkJob, ChunkResult
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 
 def check_locations(cfg: DataConfig) -> None:
     """DataError when data.source or data.output is not a usable location (unsupported scheme, credentials in
@@ -75,8 +78,11 @@ def resolve_output(cfg: DataConfig) -> str:
     return out.rstrip("/")
 
 
-def build_shards(cfg: DataConfig) -> ShardSet:
-    """Build (or find) the validated shard set of `cfg`'s corpus, data.workers chunks at a time.
+def build_shards(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> ShardSet:
+    """Build (or find) the validated shard set of `cfg`'s corpus, data.workers chunks at a time. With a `tokenizer`
+    every record also carries its token ids (`.ids`, stored as the manifest's layout.token_dtype), tokenized once
+    here so that training workers never tokenize; the tokenizer's fingerprint is part of the set's layout and of its
+    listing-index key.
 
     Returns:
         The published ShardSet; `cache_hit` is True when an identical verified set already existed.
@@ -92,21 +98,36 @@ def build_shards(cfg: DataConfig) -> ShardSet:
     parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(parent)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=parent))
+    tokens: Tokens | None = None
+    if tokenizer is not None:
+        from training.tokenizer import shard_layout
+
+        tokens = Tokens(tokenizer.to_str(), shard_layout(tokenizer))
     try:
-        return _build(cfg, output, remote, work)
+        return _build(cfg, output, remote, work, tokens)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _build(cfg: DataConfig, output: str, remote: bool, work: Path) -> ShardSet:
+class Tokens(NamedTuple):
+    """A tokenized build's tokenizer: its JSON for the workers, its layout entries for the manifest and the index."""
+
+    json: str
+    layout: dict[str, Any]
+
+
+def _build(cfg: DataConfig, output: str, remote: bool, work: Path, tokens: Tokens | None) -> ShardSet:
     workers = local_workers(cfg.workers) if cfg.engine == "local" else 1
     with LocalPool(workers, cfg.chunk_bytes, auto=cfg.workers == 0) as pool:
-        return _build_with(cfg, output, remote, work, pool)
+        return _build_with(cfg, output, remote, work, pool, tokens)
 
 
-def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: LocalPool) -> ShardSet:
+def _build_with(
+    cfg: DataConfig, output: str, remote: bool, work: Path, pool: LocalPool, tokens: Tokens | None
+) -> ShardSet:
     spool = work / "listing.jsonl"  # the corpus is listed once: fingerprinted, then planned from the spool
-    listing_key = listing_index.fingerprint(cfg, spool, pool.listed) if cfg.reuse_unchanged else None
+    layout = tokens.layout if tokens else None
+    listing_key = listing_index.fingerprint(cfg, spool, pool.listed, layout) if cfg.reuse_unchanged else None
     if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
         return found
     listing = None
@@ -124,12 +145,13 @@ def _build_with(cfg: DataConfig, output: str, remote: bool, work: Path, pool: Lo
         shards=stage if tasks_upload else str(local_shards),
         rows=storage.join(stage, "rows") if tasks_upload else str(gate_dir),
         durable=not remote,
+        tokenizer=tokens.json if tokens else "",
     )
     staged = tasks_upload  # whether _staging in the store may hold something of this build
     gate: quality.QualityGate | None = None
     try:
         gate = quality.QualityGate(cfg, gate_dir)
-        manifest, tally, chunks, workers = _write_chunks(cfg, job, gate, listing, pool)
+        manifest, tally, chunks, workers = _write_chunks(cfg, job, gate, listing, pool, layout)
         final = storage.join(output, manifest.dataset_digest)
         if reusable(final, manifest, cfg):
             _index(output, listing_key, manifest, tally, cfg)
@@ -179,7 +201,12 @@ def _index(output: str, key: str | None, manifest: Manifest, tally: Tally, cfg: 
 
 
 def _write_chunks(
-    cfg: DataConfig, job: ChunkJob, gate: quality.QualityGate, listing: Iterable[Source] | None, pool: LocalPool
+    cfg: DataConfig,
+    job: ChunkJob,
+    gate: quality.QualityGate,
+    listing: Iterable[Source] | None,
+    pool: LocalPool,
+    tokens: dict[str, Any] | None,
 ) -> tuple[Manifest, Tally, int, int]:
     """Write every chunk (of `listing`, else of a new listing), feed their rows to the gate in corpus order; the
     manifest, what was skipped, the number of chunks and of workers."""
@@ -207,7 +234,7 @@ def _write_chunks(
                 f"{cfg.val_fraction}, data.seed={cfg.seed}); add records or change val_fraction"
             )
     splits = {split: SplitEntry(num_samples=samples[split], shards=shards[split]) for split in SPLITS}
-    return manifest_of(splits, cfg), tally, chunks, workers
+    return manifest_of(splits, cfg, tokens), tally, chunks, workers
 
 
 def _rows(result: ChunkResult, retries: int) -> Iterator[dict[str, Any]]:

@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from json.encoder import encode_basestring_ascii  # the C encoder json.dumps uses, called per string
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from infra import storage
 from training.data.config import DataConfig
@@ -46,7 +46,10 @@ NOT_SHAPING = {
 
 
 def fingerprint(
-    cfg: DataConfig, spool: Path | None = None, on_listed: Callable[[int], None] | None = None
+    cfg: DataConfig,
+    spool: Path | None = None,
+    on_listed: Callable[[int], None] | None = None,
+    tokens: dict[str, Any] | None = None,
 ) -> str | None:
     """sha256 over the corpus listing and the shaping settings; None when it cannot stand for the corpus (a
     plug-in reader, or a listing that found problems such as unreadable directories, which a build reports).
@@ -59,9 +62,9 @@ def fingerprint(
     if cfg.reader:
         return None
     if spool is None:
-        return _digest(cfg, list_sources(cfg), None, None)
+        return _digest(cfg, list_sources(cfg), None, None, tokens)
     with open(spool, "w", encoding="utf-8") as fh:
-        return _digest(cfg, list_sources(cfg), fh, on_listed)
+        return _digest(cfg, list_sources(cfg), fh, on_listed, tokens)
 
 
 def spooled_listing(spool: Path) -> Iterator[Source]:
@@ -73,10 +76,14 @@ def spooled_listing(spool: Path) -> Iterator[Source]:
 
 
 def _digest(
-    cfg: DataConfig, listing: Iterable[Source | Problem], spool: IO[str] | None, on_listed: Callable[[int], None] | None
+    cfg: DataConfig,
+    listing: Iterable[Source | Problem],
+    spool: IO[str] | None,
+    on_listed: Callable[[int], None] | None,
+    tokens: dict[str, Any] | None,
 ) -> str | None:
     h = hashlib.sha256()
-    settings = {k: v for k, v in cfg.model_dump().items() if k not in NOT_SHAPING}
+    settings = {k: v for k, v in cfg.model_dump().items() if k not in NOT_SHAPING} | (tokens or {})
     h.update(json.dumps([SHARD_FORMAT, settings], sort_keys=True).encode())
     for item in listing:  # streamed: memory does not grow with the listing
         if isinstance(item, Problem) or not item.stamp:

@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 import tarfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ SHARD_FORMAT = "shardline.shards/2"  # 2: chunked layout
 MANIFEST_NAME = "manifest.json"
 VALIDATION_NAME = "validation.json"
 SPLITS = ("train", "val")
-SAMPLE_FIELDS = ("txt", "json")  # the only extensions written, and the only ones the loader decodes
+SAMPLE_FIELDS = ("txt", "ids", "json")  # the only extensions written (.ids only with a tokenizer)
 
 
 def assign_split(key: str, seed: int, val_fraction: float) -> str:
@@ -89,10 +89,12 @@ def dataset_digest(splits: dict[str, SplitEntry]) -> str:
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
-def layout_of(cfg: DataConfig) -> dict[str, Any]:
+def layout_of(cfg: DataConfig, tokens: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings that placed every record, and for a tokenized set what reads its ids back
+    (training.tokenizer.shard_layout); a set without a tokenizer has no such keys, so its digest is unchanged."""
     from training.data.plan import CHUNK_MAX_ITEMS
 
-    return {
+    return (tokens or {}) | {
         "seed": cfg.seed,
         "val_fraction": cfg.val_fraction,
         "max_samples_per_shard": cfg.max_samples_per_shard,
@@ -108,13 +110,14 @@ class Written:
 
     splits: dict[str, SplitEntry]
 
-    def manifest(self, cfg: DataConfig) -> Manifest:
-        return manifest_of(self.splits, cfg)
+    def manifest(self, cfg: DataConfig, tokens: dict[str, Any] | None = None) -> Manifest:
+        return manifest_of(self.splits, cfg, tokens)
 
 
-def manifest_of(splits: dict[str, SplitEntry], cfg: DataConfig) -> Manifest:
+def manifest_of(splits: dict[str, SplitEntry], cfg: DataConfig, tokens: dict[str, Any] | None = None) -> Manifest:
     total = sum(s.bytes for split in SPLITS for s in splits[split].shards)
-    return Manifest(dataset_digest=dataset_digest(splits), splits=splits, total_bytes=total, layout=layout_of(cfg))
+    layout = layout_of(cfg, tokens)
+    return Manifest(dataset_digest=dataset_digest(splits), splits=splits, total_bytes=total, layout=layout)
 
 
 class _SplitWriter:
@@ -193,24 +196,25 @@ def write_shards(
     rows: IO[str] | None = None,
     on_closed: Callable[[Path], None] | None = None,
     durable: bool = False,
+    encode: Callable[[list[bytes]], list[bytes]] | None = None,
 ) -> Written:
-    """Split and write one chunk's records as `{split}-{chunk}-NNNNNN.tar` shards (fields .txt and .json) into a
-    local directory. `rows` gets one JSON line per record for the quality gate: [key, is_val, n_bytes, utf8_valid,
-    shard]; `on_closed` is called with each shard's path once it is complete. `durable`: every shard is fsynced once
+    """Split and write one chunk's records as `{split}-{chunk}-NNNNNN.tar` shards (fields .txt and .json, and .ids,
+    the record's token ids, when `encode` is given: training.tokenizer.batch_encoder) into a local directory.
+    `rows` gets one JSON line per record for the quality gate: [key, is_val, n_bytes, utf8_valid, shard];
+    `on_closed` is called with each shard's path once it is complete. `durable`: every shard is fsynced once
     closed, in the background while the next one is written."""
     directory.mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-sha256")
     writers = {split: _SplitWriter(directory, split, chunk, cfg, pool, on_closed, durable) for split in SPLITS}
     ordinals = dict.fromkeys(SPLITS, 0)
     try:
-        for rec in records:
+        for rec, ids in with_ids(records, encode):
             split = assign_split(rec.key, cfg.seed, cfg.val_fraction)
             meta = {"key": rec.key, "split": split, "bytes": len(rec.data)}
-            sample = {
-                "__key__": tar_key(chunk, ordinals[split], rec.key),
-                "txt": rec.data,
-                "json": json.dumps(meta, sort_keys=True, separators=(",", ":")).encode(),
-            }
+            sample = {"__key__": tar_key(chunk, ordinals[split], rec.key), "txt": rec.data}
+            if ids is not None:
+                sample["ids"] = ids
+            sample["json"] = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
             ordinals[split] += 1
             shard = writers[split].write(sample)
             if rows is not None:
@@ -224,6 +228,33 @@ def write_shards(
         pool.shutdown(wait=True)
     splits = {split: SplitEntry(num_samples=ordinals[split], shards=entries[split]) for split in SPLITS}
     return Written(splits=splits)
+
+
+ENCODE_BATCH_RECORDS, ENCODE_BATCH_BYTES = 256, 8 << 20
+
+
+def with_ids(
+    records: Iterable[Record],
+    encode: Callable[[list[bytes]], list[bytes]] | None,
+    max_records: int = ENCODE_BATCH_RECORDS,
+    max_bytes: int = ENCODE_BATCH_BYTES,
+) -> Iterator[tuple[Record, bytes | None]]:
+    """Each record with its stored token ids (None without `encode`). Records are encoded a batch at a time (up to
+    `max_records` or `max_bytes`): the tokenizers library then spreads a batch over its threads, 2.5x
+    one record at a time on one thread (bench/bench_tokenize.py); memory stays one batch of records."""
+    if encode is None:
+        yield from ((rec, None) for rec in records)
+        return
+    batch: list[Record] = []
+    size = 0
+    for rec in records:
+        batch.append(rec)
+        size += len(rec.data)
+        if len(batch) >= max_records or size >= max_bytes:
+            yield from zip(batch, encode([r.data for r in batch]), strict=True)
+            batch, size = [], 0
+    if batch:
+        yield from zip(batch, encode([r.data for r in batch]), strict=True)
 
 
 def _utf8(data: bytes) -> bool:

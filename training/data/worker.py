@@ -28,12 +28,14 @@ class ChunkJob:
     """What every chunk of one build shares: the config and where shards and rows go. Each of `shards` and `rows`
     is a local directory the coordinator can read (this machine, or a shared filesystem) or an s3:// / az://
     staging prefix the worker uploads to. `durable`: fsync every shard as it is closed (the set is published from
-    `shards` as it is; not when the shards are uploaded to an object store and deleted)."""
+    `shards` as it is; not when the shards are uploaded to an object store and deleted). `tokenizer`: a
+    tokenizer.json's text, whose ids every record also gets as `.ids` ('' writes text only)."""
 
     cfg: DataConfig
     shards: str
     rows: str
     durable: bool = False
+    tokenizer: str = ""
 
 
 @dataclass
@@ -91,11 +93,23 @@ def shard_chunk(chunk: Chunk, job: ChunkJob) -> ChunkResult:
             path.unlink()
 
     rows_path = (local if upload else Path(job.rows)) / rows_name(chunk.index)
+    encode = None
+    if job.tokenizer:
+        from training.tokenizer import batch_encoder  # tokenizers and numpy: only in a tokenizing worker
+
+        encode = batch_encoder(job.tokenizer)
     try:
         records = plugin_records(cfg) if chunk.plugin else read_sources(chunk.items, cfg)
         with open(rows_path, "w", encoding="utf-8") as rows:
             written = write_shards(
-                checked(records, cfg, tally), local, cfg, chunk.index, rows, closed, durable=job.durable and not upload
+                checked(records, cfg, tally),
+                local,
+                cfg,
+                chunk.index,
+                rows,
+                closed,
+                durable=job.durable and not upload,
+                encode=encode,
             )
         rows_uri = str(rows_path)
         if upload:

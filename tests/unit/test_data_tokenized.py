@@ -1,0 +1,109 @@
+"""The data stage with a tokenizer: every record carries its token ids beside its text, the set is byte-identical
+for 1, 2 or 3 workers, and the tokenizer is part of the set's layout, digest and listing-index key."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.data_helpers import config, make_corpus
+
+from training import tokenizer as tk
+from training.data import build_shards
+from training.data.records import Record
+from training.data.shards import MANIFEST_NAME, Manifest, with_ids
+
+SMALL_CHUNKS = {"chunk_bytes": 2048}  # 20-odd chunks of the 60-file corpus: every worker count splits the work
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    root = make_corpus(tmp_path / "c", n=60)
+    text = "caf\u00e9 \u2014 \U0001f680 \u65e5\u672c\u8a9e fox\n" * 3
+    (root / "a" / "unicode.txt").write_text(text, encoding="utf-8")
+    return root
+
+
+def _bpe(corpus: Path, vocab_size: int = 320) -> tk.Tokenizer:
+    return tk.train_bpe((p.read_bytes() for p in sorted(corpus.rglob("*.txt"))), vocab_size)
+
+
+def _samples(shard: str) -> dict[str, dict[str, bytes]]:
+    out: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(shard) as tar:
+        for member in tar:
+            key, ext = member.name.split(".", 1)
+            fh = tar.extractfile(member)
+            assert fh is not None
+            out.setdefault(key, {})[ext] = fh.read()
+    return out
+
+
+def _layout(uri: str) -> dict[str, object]:
+    return Manifest.model_validate_json((Path(uri) / MANIFEST_NAME).read_bytes()).layout
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != "validation.json"}
+
+
+def test_every_record_carries_ids_that_decode_to_its_text(tmp_path: Path, corpus: Path) -> None:
+    tok = _bpe(corpus)
+    shards = build_shards(config(corpus, tmp_path / "out"), tok)
+    layout = _layout(shards.uri)
+    assert layout["tokenizer_sha256"] == tk.fingerprint(tok)
+    assert (layout["token_dtype"], layout["vocab_size"]) == ("<u2", 320)
+    records = [s for uri in shards.train_shards + shards.val_shards for s in _samples(uri).values()]
+    assert len(records) == 61
+    for sample in records:
+        assert list(sample) == ["ids", "json", "txt"]  # members in sorted order, as webdataset writes them
+        assert tk.decode_ids(tok, sample["ids"]) == sample["txt"]
+        assert len(np.frombuffer(sample["ids"], dtype="<u2")) < len(sample["txt"])
+    assert any(b"\xf0\x9f\x9a\x80" in s["txt"] for s in records)  # the emoji record went through whole
+
+
+def test_one_two_and_three_workers_write_the_same_tokenized_set(tmp_path: Path, corpus: Path) -> None:
+    tok = _bpe(corpus)
+    sets = {w: build_shards(config(corpus, tmp_path / f"out-{w}", workers=w, **SMALL_CHUNKS), tok) for w in (1, 2, 3)}
+    assert sets[1].chunks >= 10
+    for shards in sets.values():
+        assert shards.dataset_digest == sets[1].dataset_digest
+        assert _files(Path(shards.uri)) == _files(Path(sets[1].uri))
+
+
+def test_the_tokenizer_is_part_of_the_digest_and_of_the_listing_key(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "out"
+    text_only = build_shards(config(corpus, out))
+    first = build_shards(config(corpus, out), _bpe(corpus, 320))
+    other = build_shards(config(corpus, out), _bpe(corpus, 300))
+    assert len({text_only.dataset_digest, first.dataset_digest, other.dataset_digest}) == 3
+    assert not (first.cache_hit or other.cache_hit)
+    again = build_shards(config(corpus, out), _bpe(corpus, 320))
+    assert (again.cache_hit, again.dataset_digest) == (True, first.dataset_digest)
+    assert "tokenizer_sha256" not in _layout(text_only.uri)  # text-only sets are unchanged
+
+
+def test_records_are_encoded_in_bounded_batches_in_corpus_order(corpus: Path) -> None:
+    tok = _bpe(corpus)
+    texts = [p.read_bytes() for p in sorted(corpus.rglob("*.txt"))]
+    batches: list[int] = []
+    encode = tk.batch_encoder(tok.to_str())  # what a data-stage worker builds from the job's tokenizer JSON
+
+    def counted(batch: list[bytes]) -> list[bytes]:
+        batches.append(len(batch))
+        return encode(batch)
+
+    records = [Record(str(i), t, f"doc{i}") for i, t in enumerate(texts)]
+    pairs = list(with_ids(records, counted, max_records=25))
+    assert batches == [25, 25, 11]
+    one_by_one = list(with_ids(records, counted, max_bytes=1))  # a batch closes once it holds max_bytes
+    assert batches[3:] == [1] * 61 and [ids for _, ids in one_by_one] == [ids for _, ids in pairs]
+    assert [r.data for r, _ in pairs] == texts
+    assert [ids for _, ids in pairs] == tk.encode_records(tok, texts)
