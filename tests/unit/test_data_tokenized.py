@@ -1,4 +1,5 @@
-"""The data stage with a tokenizer: every record carries its token ids beside its text, the set is byte-identical
+"""The data stage with a tokenizer (build_shards, build_tokenized): every record carries its token ids beside its
+text, a trained BPE learns the training split only and is cached, the set is byte-identical
 for 1, 2 or 3 workers, and the tokenizer is part of the set's layout, digest and listing-index key."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from support.data_helpers import config, make_corpus
 
 from training import tokenizer as tk
 from training.data import build_shards
+from training.data.loader import iter_texts
 from training.data.records import Record
 from training.data.shards import MANIFEST_NAME, Manifest, with_ids
+from training.data.tokenized import build_tokenized
 
 SMALL_CHUNKS = {"chunk_bytes": 2048}  # 20-odd chunks of the 60-file corpus: every worker count splits the work
 
@@ -107,3 +110,37 @@ def test_records_are_encoded_in_bounded_batches_in_corpus_order(corpus: Path) ->
     assert batches[3:] == [1] * 61 and [ids for _, ids in one_by_one] == [ids for _, ids in pairs]
     assert [r.data for r, _ in pairs] == texts
     assert [ids for _, ids in pairs] == tk.encode_records(tok, texts)
+
+
+def test_a_trained_tokenizer_learns_the_training_split_only_and_is_cached(tmp_path: Path, corpus: Path) -> None:
+    cfg, tok_cfg = config(corpus, tmp_path / "out"), tk.TokenizerConfig(kind="train", vocab_size=300)
+    first = build_tokenized(cfg, tok_cfg)
+    text = build_shards(cfg)
+    assert (text.cache_hit, first.text_digest) == (True, text.dataset_digest)
+    train_only = tk.train_bpe([data for _, data in iter_texts(text.train_shards)], 300)
+    everything = tk.train_bpe([data for _, data in iter_texts(text.train_shards + text.val_shards)], 300)
+    assert first.tokenizer_sha256 == tk.fingerprint(train_only) != tk.fingerprint(everything)
+    shards = first.shards
+    assert (shards.tokenizer_sha256, shards.token_dtype, shards.vocab_size) == (first.tokenizer_sha256, "<u2", 300)
+    assert shards.dataset_digest != text.dataset_digest and not first.tokenizer_cache_hit
+    again = build_tokenized(cfg, tok_cfg)
+    assert (again.tokenizer_cache_hit, again.shards.cache_hit) == (True, True)
+    assert (again.shards.dataset_digest, again.tokenizer_path) == (shards.dataset_digest, first.tokenizer_path)
+
+
+def test_a_tokenizer_file_is_read_before_the_corpus_and_a_bad_one_publishes_nothing(
+    tmp_path: Path, corpus: Path
+) -> None:
+    out = tmp_path / "out"
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": {"type": "Nope"}}', encoding="utf-8")
+    with pytest.raises(tk.TokenizerError, match=f"tokenizer.path={bad}: not a tokenizer.json"):
+        build_tokenized(config(corpus, out), tk.TokenizerConfig(kind="file", path=str(bad)))
+    assert not out.exists()
+    good = tmp_path / "good.json"
+    good.write_text(_bpe(corpus).to_str(), encoding="utf-8")
+    built = build_tokenized(config(corpus, out), tk.TokenizerConfig(kind="file", path=str(good)))
+    assert built.shards.tokenizer_sha256 == built.tokenizer_sha256 == tk.fingerprint(_bpe(corpus))
+    plain = build_tokenized(config(corpus, out), tk.TokenizerConfig())
+    assert (plain.tokenizer_sha256, plain.shards.vocab_size) == ("", 0)
+    assert plain.shards.dataset_digest == build_shards(config(corpus, tmp_path / "other")).dataset_digest

@@ -35,6 +35,9 @@ def shard_set_of(
         skipped=dict(sorted(tally.skipped.items())) if tally else {},
         chunks=chunks,
         workers=workers,
+        tokenizer_sha256=str(manifest.layout.get("tokenizer_sha256", "")),
+        token_dtype=str(manifest.layout.get("token_dtype", "")),
+        vocab_size=int(manifest.layout.get("vocab_size", 0)),
     )
 
 

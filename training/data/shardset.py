@@ -25,3 +25,8 @@ class ShardSet(BaseModel):
     data_run_id: str = Field("", description="MLflow run id of the shard_dataset stage that produced this.")
     chunks: int = Field(0, description="Chunks the corpus was written in (0 when opened, not built).")
     workers: int = Field(0, description="Worker processes, or Ray tasks in flight, that wrote them.")
+    tokenizer_sha256: str = Field(
+        "", description="Fingerprint of the tokenizer whose ids every record carries as .ids; '' for text only."
+    )
+    token_dtype: str = Field("", description="How the .ids are stored: '<u2' or '<u4' (numpy); '' for text only.")
+    vocab_size: int = Field(0, description="The tokenizer's ids (every id is below it); 0 for text only.")
