@@ -63,19 +63,22 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. forward(idx: int64 [B, T], T <= seq_len) -> logits float [B, T, 256]."""
+    """nanoGPT-style GPT over `vocab` token ids: 256 bytes by default, or a tokenizer's ids (training/tokenizer.py).
+    forward(idx: int64 [B, T], T <= seq_len) -> logits float [B, T, vocab]."""
 
-    def __init__(self, seq_len: int, n_layer: int, n_head: int, d_model: int, dropout: float = 0.0) -> None:
+    def __init__(
+        self, seq_len: int, n_layer: int, n_head: int, d_model: int, dropout: float = 0.0, vocab: int = VOCAB
+    ) -> None:
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model {d_model} is not divisible by n_head {n_head}")
         self.seq_len = seq_len
-        self.wte = nn.Embedding(VOCAB, d_model)
+        self.wte = nn.Embedding(vocab, d_model)
         self.wpe = nn.Embedding(seq_len, d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, VOCAB, bias=False)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -99,6 +102,7 @@ class GPT(nn.Module):
             "n_layer": len(self.blocks),
             "n_head": first.attn.n_head,
             "d_model": self.wte.embedding_dim,
+            "vocab": self.wte.num_embeddings,
         }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -127,7 +131,9 @@ def load_gpt(config: dict[str, int], path: str) -> GPT:
     Raises:
         RuntimeError: the weights do not fit the config (missing, unexpected or differently shaped tensors).
     """
-    model = GPT(**{k: int(config[k]) for k in ("seq_len", "n_layer", "n_head", "d_model")})
+    model = GPT(
+        **{k: int(config[k]) for k in ("seq_len", "n_layer", "n_head", "d_model")}, vocab=config.get("vocab", VOCAB)
+    )
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return model.eval()
 

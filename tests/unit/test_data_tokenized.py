@@ -9,14 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from support.data_helpers import config, make_corpus
 
 from training import tokenizer as tk
+from training.config import TrainConfig
 from training.data import build_shards
-from training.data.loader import iter_texts
+from training.data.loader import iter_texts, token_blocks, train_batches
 from training.data.records import Record
 from training.data.shards import MANIFEST_NAME, Manifest, with_ids
 from training.data.tokenized import build_tokenized
+from training.model import GPT
 
 SMALL_CHUNKS = {"chunk_bytes": 2048}  # 20-odd chunks of the 60-file corpus: every worker count splits the work
 
@@ -144,3 +147,34 @@ def test_a_tokenizer_file_is_read_before_the_corpus_and_a_bad_one_publishes_noth
     plain = build_tokenized(config(corpus, out), tk.TokenizerConfig())
     assert (plain.tokenizer_sha256, plain.shards.vocab_size) == ("", 0)
     assert plain.shards.dataset_digest == build_shards(config(corpus, tmp_path / "other")).dataset_digest
+
+
+def test_token_blocks_cut_the_id_stream_into_shifted_pairs() -> None:
+    records = [np.arange(i * 10, i * 10 + 10, dtype="<u4").tobytes() for i in range(5)]  # ids 0..49 in 5 records
+    batches = list(token_blocks(records, seq_len=7, batch_size=3, dtype="<u4"))
+    assert len(batches) == 2  # 50 ids make two blocks of 3 x 8
+    x, y = batches[1]
+    assert x.dtype == torch.int64 and x.shape == (3, 7)
+    assert x[0].tolist() == list(range(24, 31)) and y[0].tolist() == list(range(25, 32))
+
+
+def test_a_gpt_over_the_tokenizers_ids_learns_from_a_tokenized_set(tmp_path: Path, corpus: Path) -> None:
+    built = build_tokenized(config(corpus, tmp_path / "out"), tk.TokenizerConfig(kind="train", vocab_size=300))
+    shards = built.shards
+    cfg = TrainConfig(seq_len=32, micro_batch=8, steps=40, seed=0)
+    batches = list(train_batches(shards.train_shards, 0, 1, cfg, num_workers=0, token_dtype=shards.token_dtype))
+    assert len(batches) == 40 and max(int(x.max()) for x, _ in batches) < shards.vocab_size
+    assert any(int(x.max()) >= 256 for x, _ in batches)  # merged tokens, not bytes
+    torch.manual_seed(0)
+    model = GPT(seq_len=32, n_layer=1, n_head=2, d_model=32, vocab=shards.vocab_size)
+    assert model.config()["vocab"] == 300
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 5.0  # ~ln(300) untrained
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5

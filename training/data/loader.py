@@ -1,21 +1,24 @@
 """Streaming WebDataset reader for training (per rank and DataLoader worker, resampled) and for evaluation.
 
 Only the extensions in ALLOWED are taken out of a shard, as raw bytes; nothing is decoded by webdataset's
-auto-decoders and nothing is unpickled.
+auto-decoders and nothing is unpickled. A tokenized set (ShardSet.token_dtype) is read from its .ids, token ids
+stored as little-endian integers, so training never tokenizes.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from training.config import TrainConfig
 
-ALLOWED = frozenset({"txt"})
+ALLOWED = frozenset({"txt", "ids"})
 
 
 def _select(name: str) -> bool:
@@ -33,12 +36,13 @@ def iter_samples(shard_uri: str) -> Iterator[dict[str, Any]]:
     yield from group_by_keys(tar_file_expander(url_opener([{"url": shard_uri}]), select_files=_select))
 
 
-def iter_texts(shard_uris: Iterable[str]) -> Iterator[tuple[str, bytes]]:
-    """(sample key, text bytes) of every record, shards in the given order, records in shard order."""
+def iter_texts(shard_uris: Iterable[str], field: str = "txt") -> Iterator[tuple[str, bytes]]:
+    """(sample key, text bytes) of every record, shards in the given order, records in shard order; with
+    field='ids', the record's stored token ids instead."""
     for uri in shard_uris:
         for sample in iter_samples(uri):
-            if "txt" in sample:
-                yield sample["__key__"], bytes(sample["txt"])
+            if field in sample:
+                yield sample["__key__"], bytes(sample[field])
 
 
 def byte_blocks(records: Iterable[bytes], seq_len: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -57,6 +61,23 @@ def byte_blocks(records: Iterable[bytes], seq_len: int, batch_size: int) -> Iter
             yield block[:, :-1].contiguous(), block[:, 1:].contiguous()
 
 
+def token_blocks(
+    records: Iterable[bytes], seq_len: int, batch_size: int, dtype: str = "<u2"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """byte_blocks for stored token ids (`dtype`, ShardSet.token_dtype): records are concatenated into one id
+    stream and cut into [batch_size, seq_len] input/target pairs of int64 ids."""
+    width = np.dtype(dtype).itemsize
+    need = batch_size * (seq_len + 1) * width
+    buf = bytearray()
+    for rec in records:
+        buf += rec
+        while len(buf) >= need:
+            ids = np.frombuffer(bytes(buf[:need]), dtype=dtype).astype(np.int64)
+            del buf[:need]
+            block = torch.from_numpy(ids).view(batch_size, seq_len + 1)
+            yield block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
 def shards_for(shard_uris: list[str], consumer: int, consumers: int) -> list[str]:
     """This consumer's shards: a disjoint round-robin slice when there are enough, else all (seeds differ)."""
     shards = sorted(shard_uris)
@@ -67,7 +88,14 @@ class RankStream(torch.utils.data.IterableDataset):
     """A fixed number of batches for one rank, split over the DataLoader workers, from resampled shards."""
 
     def __init__(
-        self, shard_uris: list[str], rank: int, world_size: int, cfg: TrainConfig, start_step: int, batches: int
+        self,
+        shard_uris: list[str],
+        rank: int,
+        world_size: int,
+        cfg: TrainConfig,
+        start_step: int,
+        batches: int,
+        token_dtype: str = "",
     ) -> None:
         super().__init__()
         if not shard_uris:
@@ -75,7 +103,7 @@ class RankStream(torch.utils.data.IterableDataset):
         if not 0 <= rank < world_size:
             raise ValueError(f"train_batches: rank {rank} outside world size {world_size}")
         self.shard_uris, self.rank, self.world_size = list(shard_uris), rank, world_size
-        self.cfg, self.start_step, self.batches = cfg, start_step, batches
+        self.cfg, self.start_step, self.batches, self.token_dtype = cfg, start_step, batches, token_dtype
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         from training.data.corpus import load_callable
@@ -85,18 +113,22 @@ class RankStream(torch.utils.data.IterableDataset):
         mine = self.batches // workers + (1 if worker < self.batches % workers else 0)
         shards = shards_for(self.shard_uris, self.rank * workers + worker, self.world_size * workers)
         rng = random.Random(f"{self.cfg.seed}:{self.rank}:{self.start_step}:{worker}")
+        make_batches: Callable[..., Iterator[tuple[torch.Tensor, torch.Tensor]]]
         make_batches = load_callable(self.cfg.batch_format, "train.batch_format")
-        stream = make_batches(_resampled(shards, rng), self.cfg.seq_len, self.cfg.micro_batch)
+        if self.token_dtype and make_batches is byte_blocks:
+            make_batches = functools.partial(token_blocks, dtype=self.token_dtype)
+        field = "ids" if self.token_dtype else "txt"  # a plug-in batch_format gets the stored ids of a tokenized set
+        stream = make_batches(_resampled(shards, rng, field), self.cfg.seq_len, self.cfg.micro_batch)
         for _ in range(mine):
             yield next(stream)
 
 
-def _resampled(shards: list[str], rng: random.Random) -> Iterator[bytes]:
+def _resampled(shards: list[str], rng: random.Random, field: str = "txt") -> Iterator[bytes]:
     """Endless records: pick a shard at random (with replacement), yield its records in a shuffled order."""
     while True:
-        texts = [text for _, text in iter_texts([rng.choice(shards)])]
+        texts = [text for _, text in iter_texts([rng.choice(shards)], field)]
         if not texts:
-            raise ValueError(f"train_batches: shard {shards[0]} holds no .txt records")
+            raise ValueError(f"train_batches: shard {shards[0]} holds no .{field} records")
         rng.shuffle(texts)
         yield from texts
 
@@ -110,16 +142,18 @@ def train_batches(
     *,
     batches: int | None = None,
     num_workers: int = 1,
+    token_dtype: str = "",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The (x, y) micro batches of one rank: its own shards, resampled, seeded by (seed, rank, start_step, worker).
 
     Every rank gets exactly `batches` micro batches (default: the micro batches left to train,
     (cfg.steps - start_step) * cfg.grad_accum), so no rank waits on another at the end. `num_workers`
     DataLoader processes read in the background (0 reads in this process); shards are split by rank and worker.
+    `token_dtype` (ShardSet.token_dtype): read a tokenized set's .ids, cut by token_blocks.
     """
     if batches is None:
         batches = max(0, cfg.steps - start_step) * cfg.grad_accum
-    dataset = RankStream(shard_uris, rank, world_size, cfg, start_step, batches)
+    dataset = RankStream(shard_uris, rank, world_size, cfg, start_step, batches, token_dtype)
     if num_workers == 0:
         yield from dataset
         return
