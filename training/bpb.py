@@ -28,6 +28,16 @@ def windows(text: bytes, seq_len: int) -> list[torch.Tensor]:
     return out
 
 
+def token_windows(ids: list[int], seq_len: int) -> list[torch.Tensor]:
+    """`windows` for token ids: consecutive windows of at most seq_len + 1 tokens, overlapping by one."""
+    out = []
+    for start in range(0, max(0, len(ids) - 1), seq_len):
+        window = ids[start : start + seq_len + 1]
+        if len(window) >= 2:
+            out.append(torch.tensor(window, dtype=torch.long))
+    return out
+
+
 @torch.no_grad()
 def window_bits(
     model: Callable[[torch.Tensor], torch.Tensor], batch: list[torch.Tensor], device: torch.device | str = "cpu"
@@ -79,6 +89,24 @@ def text_bits(
     for window in windows(text, seq_len):
         counter.add(window)
     return counter.flush()
+
+
+def token_bits(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    ids: list[int],
+    predicted_bytes: int,
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+) -> tuple[float, int]:
+    """text_bits for a token model: the bits it needs for every token of a text but the first, and the UTF-8 bytes
+    those tokens cover (training.tokenizer.predicted). bits / bytes is then bits per byte of the same text, the
+    figure a byte model's text_bits gives, so a BPE model and a byte model are compared on one scale."""
+    counter = BitsCounter(model, batch_size, device)
+    for window in token_windows(ids, seq_len):
+        counter.add(window)
+    bits, _tokens = counter.flush()
+    return bits, predicted_bytes
 
 
 def corpus_bits(

@@ -141,6 +141,21 @@ def decode_ids(tok: Tokenizer, stored: bytes) -> bytes:
     return tok.decode(np.frombuffer(stored, dtype=dtype).tolist(), skip_special_tokens=False).encode("utf-8")
 
 
+def predicted(tok: Tokenizer, text: bytes) -> tuple[list[int], int]:
+    """The text's token ids, and the UTF-8 bytes that every token but the first covers: what a model scoring the
+    text predicts (training.bpb.token_bits). A byte-level tokenizer's token is one character per byte, so the
+    count is exact; for other tokenizers it is read from the second token's character offset (a character split
+    across the first two tokens then counts whole)."""
+    ids_enc = tok.encode(text.decode("utf-8"), add_special_tokens=False)
+    if len(ids_enc.ids) < 2:
+        return list(ids_enc.ids), 0
+    if isinstance(tok.decoder, decoders.ByteLevel):
+        first = len(ids_enc.tokens[0])
+    else:
+        first = len(text.decode("utf-8")[: ids_enc.offsets[1][0]].encode("utf-8"))
+    return list(ids_enc.ids), len(text) - first
+
+
 def cache_key(cfg: TokenizerConfig, dataset_digest: str) -> str:
     """What a trained tokenizer depends on: the shard set, the settings, the trainer and the library version."""
     parts = {

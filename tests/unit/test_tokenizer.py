@@ -3,15 +3,18 @@ settings, ids round-trip to the exact UTF-8 text, and bad files or sizes are one
 
 from __future__ import annotations
 
+import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from pydantic import ValidationError
 
 from training import tokenizer as tk
+from training.bpb import text_bits, token_bits, token_windows
 
 TEXTS = [
     b"def add(a, b):\n    return a + b\n",
@@ -115,3 +118,40 @@ def test_a_trained_tokenizer_is_cached_by_digest_and_settings(tmp_path: Path, co
 def test_a_tokenizer_section_that_cannot_work_is_refused(fields: dict[str, object], expected: str) -> None:
     with pytest.raises(ValidationError, match=expected):
         tk.TokenizerConfig.model_validate(fields)
+
+
+def _uniform(vocab: int):
+    """A model that knows nothing: equal logits for every id, so each prediction costs log2(vocab) bits."""
+    return lambda idx: torch.zeros(*idx.shape, vocab)
+
+
+def test_token_bits_count_every_token_but_the_first_over_the_bytes_they_cover(bpe: tk.Tokenizer) -> None:
+    text = TEXTS[1] * 3  # multi-byte characters, some split across tokens
+    ids, covered = tk.predicted(bpe, text)
+    first = bpe.id_to_token(ids[0])
+    assert covered == len(text) - len(first) and 0 < len(first) < len(text)
+    bits, nbytes = token_bits(_uniform(600), ids, covered, seq_len=8, batch_size=3)
+    assert nbytes == covered
+    assert bits == pytest.approx((len(ids) - 1) * math.log2(600), rel=1e-6)
+    byte_bits, byte_count = text_bits(_uniform(256), text, seq_len=8)
+    assert byte_bits / byte_count == pytest.approx(8.0)  # the byte model's scale: same text, same rule
+    code_ids, code_bytes = tk.predicted(bpe, TEXTS[2] * 3)  # Python, which the BPE learned: ~3 bytes per token
+    code_bits, _ = token_bits(_uniform(600), code_ids, code_bytes, seq_len=8)
+    assert code_bits / code_bytes < 8.0  # a blind 600-id model pays fewer bits per byte than a blind byte model
+
+
+def test_token_windows_overlap_by_one_and_cover_every_token() -> None:
+    ids = list(range(20))
+    got = [w.tolist() for w in token_windows(ids, 8)]
+    assert got == [list(range(0, 9)), list(range(8, 17)), list(range(16, 20))]
+    assert sum(len(w) - 1 for w in got) == len(ids) - 1
+    assert token_windows([5], 8) == []
+
+
+def test_a_tokenizer_that_is_not_byte_level_counts_bytes_from_offsets() -> None:
+    from tokenizers import models, pre_tokenizers
+
+    words = tk.Tokenizer(models.WordLevel({"[UNK]": 0, "h\u00e9llo": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    ids, covered = tk.predicted(words, "h\u00e9llo  world".encode())
+    assert (ids, covered) == ([1, 2], len(b"world"))  # the first word, its accent and both spaces are not predicted
