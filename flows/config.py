@@ -15,7 +15,7 @@ from flows.stack.config import StackConfig
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 from infra.remote import RemoteConfigError, check_remote_config
-from training.config import TrainConfig, ValidationConfig
+from training.config import TokenizerConfig, TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 
 
@@ -29,6 +29,11 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: DataConfig = Field(default_factory=DataConfig, description="shard_dataset: corpus, split, shards.")
+    tokenizer: TokenizerConfig = Field(
+        default_factory=TokenizerConfig,
+        description="shard_dataset: bytes (the default), or token ids of a tokenizer.json or a trained BPE "
+        "(`shardline shard` only, for now: pipeline runs train byte-level models).",
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="provision_cluster: which Ray.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="train_fsdp: model and optimisation.")
     validation: ValidationConfig = Field(
@@ -138,9 +143,11 @@ class _StackTable(BaseModel):
 
 
 def load_stack_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
+    path: str | Path | None = None, overrides: list[str] | None = None, *, shard_only: bool = False
 ) -> tuple[StackConfig, PipelineConfig]:
     """The `[stack]` table of a config file (settings of `shardline up`) and the pipeline sections beside it.
+
+    `shard_only`: the config drives the data stage alone (`shardline shard`), so a tokenizer is allowed.
 
     Raises:
         ConfigError: as for load_config, with keys of the stack table named `stack.KEY`.
@@ -154,7 +161,21 @@ def load_stack_config(
     check_no_credentials(config, origin)
     check_remote_storage(config, origin)
     check_serving(config, origin)
+    if not shard_only:
+        check_trains_bytes(config, origin)
     return stack, config
+
+
+def check_trains_bytes(config: PipelineConfig, origin: str = "config") -> None:
+    """ConfigError when a pipeline run is given a tokenizer: the data stage can shard token ids (`shardline
+    shard`), but training, validation, the registry and the endpoint still read and serve bytes, so a run with a
+    tokenizer would train on something other than what its config says. Refused before anything runs."""
+    if config.tokenizer.kind != "bytes":
+        raise ConfigError(
+            f"{origin}: tokenizer.kind={config.tokenizer.kind!r} is for `shardline shard` (a shard set of token "
+            "ids); pipeline runs still train, validate and serve byte-level models, so leave tokenizer.kind = "
+            "'bytes' (the default) for them"
+        )
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:
@@ -194,12 +215,15 @@ def check_remote_storage(config: PipelineConfig, origin: str = "config", trackin
         raise ConfigError(f"{origin}: {e}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, shard_only: bool = False
+) -> PipelineConfig:
     """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
 
     A `[stack]` table is `shardline up`'s; it is checked and set aside, so one file can serve both commands.
+    `shard_only`: for `shardline shard`, which alone may use a tokenizer (check_trains_bytes).
 
     Raises:
         ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
     """
-    return load_stack_config(path, overrides)[1]
+    return load_stack_config(path, overrides, shard_only=shard_only)[1]

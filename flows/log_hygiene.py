@@ -1,8 +1,8 @@
 """What reaches the logs: credentials are masked everywhere, and an expected failure is one line, not a traceback.
 
-Expected failures are the user's to fix: bad input (DataError, a failed quality gate), a failed validation gate
-(GateFailed), a rejected checkpoint (CheckpointError), a config mistake (ConfigError), an unreachable or
-misconfigured store or cluster (CredentialsError, ClusterError). Prefect's engines log a failed task or flow with
+Expected failures are the user's to fix: bad input (DataError, a failed quality gate, a TokenizerError), a failed
+validation gate (GateFailed), a rejected checkpoint (CheckpointError), a config mistake (ConfigError), an unreachable
+or misconfigured store or cluster (CredentialsError, ClusterError). Prefect's engines log a failed task or flow with
 its traceback; for these types the traceback is dropped and the one-line cause stays (in the console and in
 the Prefect database). Every other exception keeps its traceback.
 """
@@ -26,8 +26,9 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from training.checkpoint import CheckpointError
     from training.data import DataError
     from training.evaluate import GateFailed
+    from training.tokenizer import TokenizerError
 
-    return ConfigError, DataError, GateFailed, CheckpointError, CredentialsError, ClusterError
+    return ConfigError, DataError, TokenizerError, GateFailed, CheckpointError, CredentialsError, ClusterError
 
 
 def is_expected(exc: BaseException | None) -> bool:

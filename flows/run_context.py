@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flows import log_hygiene
-from flows.config import ConfigError, PipelineConfig, check_no_credentials, check_remote_storage, check_serving
+from flows.config import (
+    ConfigError,
+    PipelineConfig,
+    check_no_credentials,
+    check_remote_storage,
+    check_serving,
+    check_trains_bytes,
+)
 from infra import orphans
 from infra.tracking import TAG_STAGE, Lineage, close_run, open_parent_run, resolve_tracking_uri
 
@@ -102,6 +109,8 @@ def shardline_run(
         tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
         check_remote_storage(config, origin, tracking_uri)  # before anything is submitted to a remote cluster
         check_serving(config, origin)
+        if name != "shard":
+            check_trains_bytes(config, origin)
         key, run_name, stage = _parent_key(name)
         parent = open_parent_run(tracking_uri, config.registry.experiment, key, run_name)
         if stage != "pipeline":

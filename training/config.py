@@ -242,3 +242,29 @@ def lightning_class(spec: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         raise ValueError(f"train.lightning_module={spec!r}: {cls!r} is not a lightning.pytorch.LightningModule class")
     return cls
+
+
+class TokenizerConfig(BaseModel):
+    """Which tokenizer turns text into the model's token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["bytes", "file", "train"] = Field(
+        "bytes",
+        description="bytes: one token per UTF-8 byte (256 ids, the built-in GPT's). file: the tokenizer.json at "
+        "tokenizer.path. train: a byte-level BPE of tokenizer.vocab_size trained on the training split, cached by "
+        "the shard set's digest and these settings.",
+    )
+    path: str = Field("", description="kind='file': a tokenizer.json as a local path, s3:// or az:// URI.")
+    vocab_size: int = Field(
+        4096, ge=257, le=1 << 20, description="kind='train': the BPE's vocabulary (256 bytes, merges, 1 special)."
+    )
+    min_frequency: int = Field(2, ge=1, description="kind='train': a pair seen fewer times is never merged.")
+
+    @model_validator(mode="after")
+    def _path_fits_kind(self) -> TokenizerConfig:
+        if self.kind == "file" and not self.path:
+            raise ValueError("tokenizer.kind='file' needs tokenizer.path (a tokenizer.json)")
+        if self.kind != "file" and self.path:
+            raise ValueError(f"tokenizer.path={self.path!r} is read only with tokenizer.kind='file'")
+        return self

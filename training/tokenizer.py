@@ -15,15 +15,15 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import tokenizers
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from infra import storage
 from infra.redact import redact
+from training.config import TokenizerConfig  # noqa: F401 - re-exported: the section is configured as tk.TokenizerConfig
 
 FILE_NAME = "tokenizer.json"
 END_OF_TEXT = "<|endoftext|>"  # the one special token a trained BPE carries: id 0, between documents
@@ -32,32 +32,6 @@ TRAINER_VERSION = 1  # part of the cache key: bump when train_bpe's settings cha
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be used: the message is one line and names the file or setting."""
-
-
-class TokenizerConfig(BaseModel):
-    """Which tokenizer turns text into the model's token ids."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["bytes", "file", "train"] = Field(
-        "bytes",
-        description="bytes: one token per UTF-8 byte (256 ids, the built-in GPT's). file: the tokenizer.json at "
-        "tokenizer.path. train: a byte-level BPE of tokenizer.vocab_size trained on the training split, cached by "
-        "the shard set's digest and these settings.",
-    )
-    path: str = Field("", description="kind='file': a tokenizer.json as a local path, s3:// or az:// URI.")
-    vocab_size: int = Field(
-        4096, ge=257, le=1 << 20, description="kind='train': the BPE's vocabulary (256 bytes, merges, 1 special)."
-    )
-    min_frequency: int = Field(2, ge=1, description="kind='train': a pair seen fewer times is never merged.")
-
-    @model_validator(mode="after")
-    def _path_fits_kind(self) -> TokenizerConfig:
-        if self.kind == "file" and not self.path:
-            raise ValueError("tokenizer.kind='file' needs tokenizer.path (a tokenizer.json)")
-        if self.kind != "file" and self.path:
-            raise ValueError(f"tokenizer.path={self.path!r} is read only with tokenizer.kind='file'")
-        return self
 
 
 def train_bpe(texts: Iterable[bytes], vocab_size: int, min_frequency: int = 2) -> Tokenizer:

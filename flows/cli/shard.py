@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     shard.add_argument(
         "--config",
         metavar="FILE.toml",
-        help="pipeline config (only [data], [cluster], [registry] are used; default: built-in defaults)",
+        help="pipeline config (only [data], [tokenizer], [cluster], [registry] are used; default: built-in defaults)",
     )
     shard.add_argument(
         "--set",
@@ -40,7 +40,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from training.data.build import check_locations
 
     try:
-        config = load_config(args.config, args.set)
+        config = load_config(args.config, args.set, shard_only=True)
         check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
     except (ConfigError, DataError) as e:
         print(f"shardline: {e}", file=sys.stderr)
@@ -66,6 +66,12 @@ def _run_stage(config: Any, as_json: bool) -> int:
         (
             "shards",
             f"{len(out['train_shards'])} train / {len(out['val_shards'])} val, {out['total_bytes'] / 1e6:.1f} MB",
+        ),
+        (
+            "token ids",
+            f"tokenizer {out['tokenizer_sha256'][:12]}, {out['vocab_size']} ids, {out['token_dtype']}"
+            if out["tokenizer_sha256"]
+            else "none (bytes)",
         ),
         ("skipped", ", ".join(f"{k}={v}" for k, v in out["skipped"].items()) or "none"),
         (
@@ -100,5 +106,5 @@ def _shard(config) -> dict:
     with shardline_run(config, "shard", origin="config", uses_ray=config.data.engine == "ray") as run:
         if config.data.engine == "ray":
             run.cluster = provision(config.cluster)
-        shards = shard_dataset.fn(config.data, run.lineage, run.cluster)
+        shards = shard_dataset.fn(config.data, run.lineage, run.cluster, config.tokenizer)
     return {**shards.model_dump(), "parent_run_id": run.lineage.parent_run_id, "engine": config.data.engine}

@@ -89,3 +89,29 @@ def test_a_failed_stage_exits_1_with_one_line(tmp_path):
         "(empty directory? data.include)"
     )
     assert "Traceback" not in proc.stderr
+
+
+def test_shard_with_a_tokenizer_prints_its_ids_and_a_bad_tokenizer_exits_1(tmp_path):
+    corpus = make_corpus(tmp_path / "c", n=40)
+    base = [
+        "--set",
+        f"data.source={corpus}",
+        "--set",
+        f"data.output={tmp_path / 'out'}",
+        "--set",
+        "data.val_fraction=0.25",
+    ]
+    proc = _shardline(
+        *base, "--set", "tokenizer.kind=train", "--set", "tokenizer.vocab_size=300", "--json", home=tmp_path / "home"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["vocab_size"] == 300 and out["token_dtype"] == "<u2"
+    assert f"tokenizer {out['tokenizer_sha256'][:12]}, 300 ids, <u2" in proc.stderr  # the table goes to stderr
+
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("not json", encoding="utf-8")
+    proc = _shardline(*base, "--set", "tokenizer.kind=file", "--set", f"tokenizer.path={bad}", home=tmp_path / "home")
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardline: shard failed: TokenizerError: ") and str(bad) in last

@@ -31,6 +31,7 @@ class TokenizedSet(BaseModel):
     tokenizer_path: str = Field("", description="The tokenizer.json used (the trained one is in the cache).")
     tokenizer_sha256: str = Field("", description="training.tokenizer.fingerprint of it; '' for bytes.")
     tokenizer_cache_hit: bool = Field(False, description="kind='train': the tokenizer was read from the cache.")
+    tokenizer_json: str = Field("", repr=False, description="The tokenizer.json text the ids were made with.")
 
 
 def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Path | None = None) -> TokenizedSet:
@@ -45,7 +46,12 @@ def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Pat
     if tok_cfg.kind == "file":
         tok = tk.load(tok_cfg.path)
         shards = build_shards(cfg, tok)
-        return TokenizedSet(shards=shards, tokenizer_path=tok_cfg.path, tokenizer_sha256=tk.fingerprint(tok))
+        return TokenizedSet(
+            shards=shards,
+            tokenizer_path=tok_cfg.path,
+            tokenizer_sha256=tk.fingerprint(tok),
+            tokenizer_json=tok.to_str(),
+        )
     text = build_shards(cfg)
 
     def train_split() -> Iterator[bytes]:
@@ -61,4 +67,5 @@ def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Pat
         tokenizer_path=str(path),
         tokenizer_sha256=tk.fingerprint(tok),
         tokenizer_cache_hit=hit,
+        tokenizer_json=tok.to_str(),
     )
