@@ -70,7 +70,12 @@ def load(uri: str) -> Tokenizer:
 
 def fingerprint(tok: Tokenizer) -> str:
     """sha256 of the tokenizer's canonical JSON: the lineage tag of what turned text into ids."""
-    canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"))
+    return fingerprint_json(tok.to_str())
+
+
+def fingerprint_json(text: str) -> str:
+    """fingerprint of a tokenizer.json's text, without parsing it into a Tokenizer (key order and spacing aside)."""
+    canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

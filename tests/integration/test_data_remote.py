@@ -210,3 +210,16 @@ def test_s3_outage_mid_run_is_retried_and_the_stage_completes(tmp_path, monkeypa
     finally:
         time.sleep(max(0.0, 2.5 - (time.monotonic() - events.get("stopped", time.monotonic()))))
         server.stop()
+
+
+def test_a_tokenized_set_publishes_its_tokenizer_to_the_store(tmp_path, store):
+    from training import tokenizer as tk
+
+    corpus = make_corpus(tmp_path / "c")
+    tok = tk.train_bpe((p.read_bytes() for p in sorted(corpus.rglob("*.txt"))), 300)
+    local = build_shards(config(corpus, tmp_path / "local"), tok)
+    remote = build_shards(config(corpus, storage.join(store, "out")), tok)
+    assert remote.dataset_digest == local.dataset_digest and not remote.cache_hit
+    assert remote.tokenizer_uri == storage.join(store, "out", remote.dataset_digest, "tokenizer.json")
+    assert tk.fingerprint(tk.load(remote.tokenizer_uri)) == remote.tokenizer_sha256 == tk.fingerprint(tok)
+    assert load_shard_set(remote.uri, verify="sha256").tokenizer_uri == remote.tokenizer_uri

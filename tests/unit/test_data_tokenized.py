@@ -178,3 +178,25 @@ def test_a_gpt_over_the_tokenizers_ids_learns_from_a_tokenized_set(tmp_path: Pat
         losses.append(loss.item())
     assert losses[0] > 5.0  # ~ln(300) untrained
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+
+
+def test_a_tokenized_set_carries_its_tokenizer_and_is_not_trusted_with_another(tmp_path: Path, corpus: Path) -> None:
+    from training.data import DataError
+    from training.data.publish import load_shard_set
+
+    tok = _bpe(corpus)
+    shards = build_shards(config(corpus, tmp_path / "out"), tok)
+    assert shards.tokenizer_uri == str(Path(shards.uri) / "tokenizer.json")
+    carried = tk.load(shards.tokenizer_uri)
+    assert tk.fingerprint(carried) == shards.tokenizer_sha256 and carried.encode("fox").ids == tok.encode("fox").ids
+    assert load_shard_set(shards.uri).tokenizer_uri == shards.tokenizer_uri
+    assert build_shards(config(corpus, tmp_path / "out")).tokenizer_uri == ""  # a text set has none
+
+    Path(shards.tokenizer_uri).write_text(_bpe(corpus, 300).to_str(), encoding="utf-8")
+    with pytest.raises(DataError, match="tokenizer.json is not the tokenizer the manifest names"):
+        load_shard_set(shards.uri)
+    rebuilt = build_shards(config(corpus, tmp_path / "out", reuse_unchanged=False), tok)  # republished whole
+    assert not rebuilt.cache_hit and tk.fingerprint(tk.load(rebuilt.tokenizer_uri)) == tk.fingerprint(tok)
+    Path(shards.tokenizer_uri).unlink()
+    with pytest.raises(DataError, match="tokenizer.json missing"):
+        load_shard_set(shards.uri)

@@ -45,6 +45,7 @@ from training.data.readers import Source
 from training.data.shards import (
     MANIFEST_NAME,
     SPLITS,
+    TOKENIZER_NAME,
     VALIDATION_NAME,
     Manifest,
     ShardEntry,
@@ -157,10 +158,12 @@ def _build_with(
             _index(output, listing_key, manifest, tally, cfg)
             return shard_set_of(final, manifest, True, tally, chunks, workers)
         validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
-        if tasks_upload:
-            storage.write_bytes(storage.join(stage, VALIDATION_NAME), validation, cfg.storage_retries)
-        else:
-            (local_shards / VALIDATION_NAME).write_bytes(validation)
+        beside = {VALIDATION_NAME: validation, **({TOKENIZER_NAME: tokens.json.encode()} if tokens else {})}
+        for name, data in beside.items():
+            if tasks_upload:
+                storage.write_bytes(storage.join(stage, name), data, cfg.storage_retries)
+            else:
+                (local_shards / name).write_bytes(data)
         if remote:
             publish_remote(None if tasks_upload else local_shards, stage, manifest, output, cfg.storage_retries)
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 from infra import storage
 from training.data.config import DataConfig
 from training.data.corpus import Tally
-from training.data.shards import MANIFEST_NAME, SPLITS, VALIDATION_NAME, Manifest, dataset_digest
+from training.data.shards import MANIFEST_NAME, SPLITS, TOKENIZER_NAME, VALIDATION_NAME, Manifest, dataset_digest
 from training.data.shardset import DataError, ShardSet
 
 STAGING = "_staging"
@@ -22,6 +22,7 @@ def shard_set_of(
     final: str, manifest: Manifest, cache_hit: bool, tally: Tally | None, chunks: int = 0, workers: int = 0
 ) -> ShardSet:
     uris = {split: [storage.join(final, s.name) for s in manifest.splits[split].shards] for split in SPLITS}
+    tokenized = bool(manifest.layout.get("tokenizer_sha256"))
     return ShardSet(
         dataset_digest=manifest.dataset_digest,
         uri=final,
@@ -38,6 +39,7 @@ def shard_set_of(
         tokenizer_sha256=str(manifest.layout.get("tokenizer_sha256", "")),
         token_dtype=str(manifest.layout.get("token_dtype", "")),
         vocab_size=int(manifest.layout.get("vocab_size", 0)),
+        tokenizer_uri=storage.join(final, TOKENIZER_NAME) if tokenized else "",
     )
 
 
@@ -69,6 +71,10 @@ def verify_published(final: str, expected: Manifest | None, mode: str, retries: 
     sizes = {e.uri: e.size for e in storage.list_prefix(final, retries)}
     if storage.join(final, VALIDATION_NAME) not in sizes:
         return f"{VALIDATION_NAME} missing"
+    if published.layout.get("tokenizer_sha256"):
+        reason = _tokenizer_problem(final, str(published.layout["tokenizer_sha256"]), sizes, retries)
+        if reason:
+            return reason
     for split in SPLITS:
         for shard in published.splits[split].shards:
             uri = storage.join(final, shard.name)
@@ -77,6 +83,20 @@ def verify_published(final: str, expected: Manifest | None, mode: str, retries: 
             if mode == "sha256" and hashlib.sha256(storage.read_bytes(uri, retries)).hexdigest() != shard.sha256:
                 return f"{uri}: sha256 does not match the manifest"
     return None
+
+
+def _tokenizer_problem(final: str, expected: str, sizes: dict[str, int], retries: int) -> str | None:
+    """None when a tokenized set's tokenizer.json is there and is the tokenizer its manifest names."""
+    from training.tokenizer import fingerprint_json
+
+    uri = storage.join(final, TOKENIZER_NAME)
+    if uri not in sizes:
+        return f"{TOKENIZER_NAME} missing"
+    try:
+        found = fingerprint_json(storage.read_bytes(uri, retries).decode("utf-8"))
+    except ValueError:  # not UTF-8 or not JSON
+        return f"{TOKENIZER_NAME} does not parse"
+    return None if found == expected else f"{TOKENIZER_NAME} is not the tokenizer the manifest names"
 
 
 def fsync_tree(directory: Path) -> None:
@@ -126,7 +146,11 @@ def publish_remote(local: Path | None, stage: str, manifest: Manifest, output: s
     server-side (Azure: Copy Blob with a short-lived read SAS). The caller deletes `stage`.
     """
     final = storage.join(output, manifest.dataset_digest)
-    names = [*manifest.shard_names(), VALIDATION_NAME]
+    names = [
+        *manifest.shard_names(),
+        VALIDATION_NAME,
+        *([TOKENIZER_NAME] if manifest.layout.get("tokenizer_sha256") else []),
+    ]
     for name in names:
         if local is not None:
             storage.upload_file(local / name, storage.join(final, name), retries)

@@ -27,6 +27,7 @@ from training.data.tarwriter import TAR_BLOCK, TAR_RECORD, HashingFile, UstarWri
 SHARD_FORMAT = "shardline.shards/2"  # 2: chunked layout
 MANIFEST_NAME = "manifest.json"
 VALIDATION_NAME = "validation.json"
+TOKENIZER_NAME = "tokenizer.json"  # a tokenized set carries the tokenizer its .ids were made with
 SPLITS = ("train", "val")
 SAMPLE_FIELDS = ("txt", "ids", "json")  # the only extensions written (.ids only with a tokenizer)
 

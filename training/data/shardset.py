@@ -30,3 +30,6 @@ class ShardSet(BaseModel):
     )
     token_dtype: str = Field("", description="How the .ids are stored: '<u2' or '<u4' (numpy); '' for text only.")
     vocab_size: int = Field(0, description="The tokenizer's ids (every id is below it); 0 for text only.")
+    tokenizer_uri: str = Field(
+        "", description="The set's own tokenizer.json (verified against tokenizer_sha256); '' for text only."
+    )
