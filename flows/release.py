@@ -9,12 +9,13 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from deployments.release_lock import release_lock
-from flows.config import PipelineConfig
+from flows.config import ConfigError, PipelineConfig
 from flows.run_context import shardline_run
 from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, stage_run
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.promote import promote_model
+from tasks.retry import retry_unless
 from tasks.train import train_fsdp
 from tasks.validate import cached as validate_cached
 from training.data import ShardSet
@@ -32,15 +33,31 @@ def shard_set_prefix(uri: str) -> str:
     return uri.removesuffix("/manifest.json")
 
 
-@task(name="open_shard_set", retries=2, retry_delay_seconds=5, cache_policy=NO_CACHE, timeout_seconds=OPEN_TIMEOUT_S)
+@task(
+    name="open_shard_set",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless(ConfigError),
+    cache_policy=NO_CACHE,
+    timeout_seconds=OPEN_TIMEOUT_S,
+)
 def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
-    """Open and verify a published shard set; its digest and manifest are tagged on the data child run."""
+    """Open and verify a published shard set; its digest and manifest are tagged on the data child run.
+
+    A set of token ids (`shardline shard` with a [tokenizer]) is refused in one line: validation and the endpoint
+    still score and serve bytes (flows.config.check_trains_bytes says the same of a pipeline run's config).
+    """
     import mlflow
 
     from training.data.publish import load_shard_set
 
     with stage_run(lineage, "shard_dataset") as run_id:
         shards = load_shard_set(shard_set_prefix(uri))
+        if shards.tokenizer_sha256:
+            raise ConfigError(
+                f"shard_set {shards.uri}: its records carry token ids (tokenizer {shards.tokenizer_sha256[:12]}); "
+                "releases still validate and serve byte-level models, so give a set built without a tokenizer"
+            )
         mlflow.set_tags(
             {
                 TAG_DATASET_DIGEST: shards.dataset_digest,

@@ -52,6 +52,12 @@ class TrainConfig(BaseModel):
     n_head: int = Field(4, ge=1, description="Attention heads.")
     d_model: int = Field(128, ge=8, description="Model width.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    vocab_size: int = Field(
+        0,
+        ge=0,
+        description="Token ids the built-in GPT embeds. 0 takes the shard set's: 256 bytes, or its tokenizer's "
+        "vocabulary. A larger value pads the embedding. A transformers model's is hf_config's vocab_size.",
+    )
     hf_config: dict[str, Any] | str = Field(
         default_factory=dict,
         description="A Hugging Face transformers causal LM to train instead of the built-in GPT: its config inline "

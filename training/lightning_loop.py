@@ -104,12 +104,12 @@ def check_module(trainer: Any, pl_module: Any, cfg: TrainConfig) -> None:
 class _Stream(torch.utils.data.IterableDataset):
     """This rank's micro batches, from the position the checkpoint callback restored (read at the first iter)."""
 
-    def __init__(self, shards: list[str], rank: int, world: int, cfg: TrainConfig) -> None:
-        self.shards, self.rank, self.world, self.cfg = shards, rank, world, cfg
+    def __init__(self, shards: list[str], rank: int, world: int, cfg: TrainConfig, token_dtype: str = "") -> None:
+        self.shards, self.rank, self.world, self.cfg, self.token_dtype = shards, rank, world, cfg, token_dtype
         self.start, self.position = 0, 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return data_stream(self.shards, self.rank, self.world, self.cfg, self.start, self.position)
+        return data_stream(self.shards, self.rank, self.world, self.cfg, self.start, self.position, self.token_dtype)
 
 
 class ShardlineCheckpoints(pl.Callback):
@@ -205,7 +205,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     model = served_model(module, cfg)  # the module without one fails here, before any worker trains
     if config.get("init_checkpoint"):  # train.init_from; a checkpoint of this run (restored at fit start) still wins
         init_weights(model, config["init_checkpoint"])
-    stream = _Stream(config["train_shards"], rank, world, cfg)
+    stream = _Stream(config["train_shards"], rank, world, cfg, config.get("token_dtype", ""))
     callback = ShardlineCheckpoints(cfg, stream, config, rank, world)
     trainer = pl.Trainer(
         accelerator="gpu" if cfg.use_gpu else "cpu",

@@ -65,9 +65,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 
 def data_stream(
-    shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, start: int, position: int
+    shard_uris: list[str], rank: int, world: int, cfg: TrainConfig, start: int, position: int, token_dtype: str = ""
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro batches from optimizer step `start` on; the resume rule lives here.
+    """This rank's micro batches from optimizer step `start` on; the resume rule lives here. `token_dtype`
+    (ShardSet.token_dtype): the set's records carry token ids, which are read instead of the text's bytes.
 
     Same world size (`position` >= 0, the micro batches this rank had consumed when the checkpoint was saved):
     the uninterrupted run's stream, its first `position` batches skipped, so a resumed run sees exactly the
@@ -82,10 +83,10 @@ def data_stream(
 
     if position >= 0:
         stream: Iterator[tuple[torch.Tensor, torch.Tensor]] = itertools.islice(
-            train_batches(shard_uris, rank, world, cfg, 0), position, None
+            train_batches(shard_uris, rank, world, cfg, 0, token_dtype=token_dtype), position, None
         )
     else:
-        stream = iter(train_batches(shard_uris, rank, world, cfg, start))
+        stream = iter(train_batches(shard_uris, rank, world, cfg, start, token_dtype=token_dtype))
     with torch.random.fork_rng(devices=[]):
         first = next(stream, None)
     return itertools.chain([] if first is None else [first], stream)
@@ -161,7 +162,8 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
 def train_func(config: dict[str, Any]) -> dict[str, float]:
     """Train on this rank until `train.steps`, resuming from the latest complete checkpoint.
 
-    config keys: train (TrainConfig as dict), train_shards (URIs), tracking_uri and run_id (MLflow; optional),
+    config keys: train (TrainConfig as dict), train_shards (URIs), token_dtype (a tokenized set's; optional),
+    tracking_uri and run_id (MLflow; optional),
     checkpoint_root (torchrun only: shared directory for checkpoints), init_checkpoint (optional: a checkpoint
     whose model weights start the run, train.init_from resolved).
 
@@ -197,7 +199,7 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     checkpointer = Checkpointer(hooks, model, optimizer, cfg, rank, world, device, report=window.summary)
     start, position = checkpointer.restore()
 
-    batches = data_stream(config["train_shards"], rank, world, cfg, start, position)
+    batches = data_stream(config["train_shards"], rank, world, cfg, start, position, config.get("token_dtype", ""))
     logger = MlflowLogger(config.get("tracking_uri", ""), config.get("run_id", "")) if rank == 0 else None
     nodes = placement.gather_nodes(device)  # lineage: the nodes that trained (an autoscaler may just have added them)
     if logger is not None:

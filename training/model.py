@@ -115,8 +115,9 @@ class GPT(nn.Module):
 
 
 def build_gpt(cfg: TrainConfig) -> GPT:
-    """The default `train.model_factory`: a GPT sized by `cfg` (seq_len, n_layer, n_head, d_model, dropout)."""
-    return GPT(cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout)
+    """The default `train.model_factory`: a GPT sized by `cfg` (seq_len, n_layer, n_head, d_model, dropout) over
+    cfg.vocab_size ids (0: the 256 bytes; the training stage sets it from the shard set, trainer.fit_vocabulary)."""
+    return GPT(cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout, vocab=cfg.vocab_size or VOCAB)
 
 
 def save_weights(model: nn.Module, path: str) -> None:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from infra.cluster import ClusterError
 from infra.paths import shardline_home
-from training.config import TrainConfig
+from training.config import DEFAULT_FACTORY, TrainConfig
 
 if TYPE_CHECKING:
     from training.data import ShardSet
@@ -78,13 +78,39 @@ def failure_policy(cfg: TrainConfig) -> Any:
     )
 
 
+def fit_vocabulary(cfg: TrainConfig, shards: ShardSet) -> TrainConfig:
+    """The TrainConfig with the built-in GPT's embedding sized for the shard set's ids (256 bytes, or its
+    tokenizer's vocabulary) when train.vocab_size is 0; ValueError (one line) when a model's embedding is too
+    small for them. A plug-in factory's module sizes its own model from the ids its batch_format is given."""
+    from training.model import VOCAB  # torch: only where training runs
+
+    ids = shards.vocab_size or VOCAB
+    source = f"the shard set's tokenizer has {ids} ids" if shards.vocab_size else "the shard set is bytes (256 ids)"
+    if cfg.hf_config:
+        embeds = int(cfg.hf_config.get("vocab_size", 0)) if isinstance(cfg.hf_config, dict) else 0  # read at load
+        if embeds < ids:
+            raise ValueError(f"train.hf_config vocab_size={embeds}: {source}; the embedding needs at least {ids} rows")
+        return cfg
+    if cfg.model_factory != DEFAULT_FACTORY:
+        return cfg
+    if cfg.vocab_size and cfg.vocab_size < ids:
+        raise ValueError(f"train.vocab_size={cfg.vocab_size}: {source}; set it to 0 or at least {ids}")
+    return cfg if cfg.vocab_size else cfg.model_copy(update={"vocab_size": ids})
+
+
 def worker_config(
-    cfg: TrainConfig, train_shards: list[str], tracking_uri: str, train_run_id: str, init_checkpoint: str = ""
+    cfg: TrainConfig,
+    train_shards: list[str],
+    tracking_uri: str,
+    train_run_id: str,
+    init_checkpoint: str = "",
+    token_dtype: str = "",
 ) -> dict[str, Any]:
     """The `config` dict train_func receives (plain data: it crosses into the Ray workers)."""
     return {
         "train": cfg.model_dump(),
         "train_shards": list(train_shards),
+        "token_dtype": token_dtype,
         "tracking_uri": tracking_uri,
         "run_id": train_run_id,
         "init_checkpoint": init_checkpoint,
@@ -143,6 +169,7 @@ def run_training(
         from training.lightning_loop import train_func
 
     check_global_batch(cfg, cfg.workers)
+    cfg = fit_vocabulary(cfg, shards)
     resources = worker_resources(cfg)
     load_object(cfg.model_factory, "train.model_factory")
     load_object(cfg.batch_format, "train.batch_format")
@@ -156,7 +183,9 @@ def run_training(
         Path(storage).mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
         train_func,  # type: ignore[arg-type]  # returns its metrics for torchrun; Ray ignores the value
-        train_loop_config=worker_config(cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint),
+        train_loop_config=worker_config(
+            cfg, shards.train_shards, tracking_uri, train_run_id, init_checkpoint, shards.token_dtype
+        ),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
         run_config=run_config(cfg, run_name, storage, arrow, worker_env),
     )

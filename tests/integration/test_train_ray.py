@@ -98,6 +98,29 @@ def test_two_worker_fsdp_run_checkpoints_and_validates(ray_cluster, tracking, tm
     assert loss[-1].value / 0.6931 < 8.0
 
 
+def test_a_tokenized_set_trains_a_gpt_over_its_tokenizers_ids(ray_cluster, tracking, tmp_path):
+    from support.data_helpers import config, make_corpus
+
+    from training import tokenizer as tk
+    from training.data import build_shards
+    from training.evaluate import load_checkpoint_model
+    from training.trainer import fit_vocabulary, run_training
+
+    uri, client, run_id = tracking
+    corpus = make_corpus(tmp_path / "c", n=80)
+    tok = tk.train_bpe((p.read_bytes() for p in sorted(corpus.rglob("*.txt"))), 300)
+    shards = build_shards(config(corpus, tmp_path / "out"), tok)
+    assert (shards.vocab_size, shards.token_dtype) == (300, "<u2")
+    cfg = CFG.model_copy(update={"steps": 16, "checkpoint_every": 16})
+    result = run_training(cfg, shards, uri, run_id, "bpe-run")
+
+    assert fit_vocabulary(cfg, shards).vocab_size == 300
+    model = load_checkpoint_model(result.checkpoint_uri, fit_vocabulary(cfg, shards))  # 300 rows, or it would not load
+    assert model.wte.num_embeddings == 300 and model.config()["vocab"] == 300
+    loss = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.step)
+    assert loss[-1].value < loss[0].value - 1.0  # from about ln 300 = 5.7 nats: it learned the ids, not noise
+
+
 def test_global_batch_mismatch_fails_before_any_worker_starts(ray_cluster, tracking, tmp_path):
     from training.trainer import run_training
 

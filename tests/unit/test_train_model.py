@@ -49,3 +49,34 @@ def test_flops_per_token_is_6n_plus_attention():
 def test_width_must_divide_heads():
     with pytest.raises(ValueError, match="d_model 30 is not divisible by n_head 4"):
         GPT(seq_len=8, n_layer=1, n_head=4, d_model=30)
+
+
+def test_the_gpts_embedding_is_sized_for_the_shard_sets_ids_before_anything_trains(tmp_path):
+    from support.train_support import shard_set
+
+    from training.trainer import fit_vocabulary
+
+    text = shard_set(tmp_path / "text", n_train=1, n_val=1)
+    tokens = text.model_copy(update={"vocab_size": 4096, "token_dtype": "<u2", "tokenizer_sha256": "ab" * 32})
+    cfg = TrainConfig()
+    assert fit_vocabulary(cfg, text).vocab_size == 256 and fit_vocabulary(cfg, tokens).vocab_size == 4096
+    padded = cfg.model_copy(update={"vocab_size": 4160})
+    assert fit_vocabulary(padded, tokens).vocab_size == 4160  # a padded embedding is kept
+    with pytest.raises(
+        ValueError, match=r"^train.vocab_size=300: the shard set's tokenizer has 4096 ids; set it to 0 or"
+    ):
+        fit_vocabulary(cfg.model_copy(update={"vocab_size": 300}), tokens)
+    llama = TrainConfig(
+        hf_config={
+            "model_type": "llama",
+            "vocab_size": 256,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 256,
+        }
+    )
+    assert fit_vocabulary(llama, text) is llama
+    with pytest.raises(ValueError, match=r"^train.hf_config vocab_size=256: the shard set's tokenizer has 4096 ids"):
+        fit_vocabulary(llama, tokens)
