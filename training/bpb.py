@@ -115,13 +115,24 @@ def corpus_bits(
     seq_len: int,
     batch_size: int = 8,
     device: torch.device | str = "cpu",
+    encode: Callable[[bytes], tuple[list[int], int]] | None = None,
 ) -> tuple[float, int, int]:
-    """(bits, predicted bytes, texts) over every text; the same windows as text_bits, batched across texts."""
+    """(bits, predicted bytes, texts) over every text; the same windows as text_bits, batched across texts.
+
+    `encode` (a token model's: training.tokenizer.predicted with its tokenizer) turns a text into its ids and the
+    UTF-8 bytes they predict; the windows are then token_bits', and the bytes are the text's, as for a byte model.
+    """
     counter = BitsCounter(model, batch_size, device)
-    n_texts = 0
+    n_texts, covered = 0, 0
     for text in texts:
         n_texts += 1
-        for window in windows(text, seq_len):
+        if encode is None:
+            for window in windows(text, seq_len):
+                counter.add(window)
+            continue
+        ids, predicted_bytes = encode(text)
+        covered += predicted_bytes
+        for window in token_windows(ids, seq_len):
             counter.add(window)
     bits, nbytes = counter.flush()
-    return bits, nbytes, n_texts
+    return bits, (nbytes if encode is None else covered), n_texts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -11,6 +12,8 @@ from pydantic import BaseModel
 from torch import nn
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from training.config import TrainConfig
 
 
@@ -43,11 +46,14 @@ def bits_per_byte(
     seq_len: int,
     batch_size: int = 8,
     device: torch.device | str = "cpu",
+    tokenizer: Tokenizer | None = None,
 ) -> float:
     """Cross-entropy of the next byte in bits per byte over every text (8.0 is a uniform guess).
 
     The model maps int64 [B, T] byte values to logits [B, T, 256]; the windows are training.bpb's, the same
-    the canary and the live endpoint score with.
+    the canary and the live endpoint score with. With a `tokenizer`, the model maps its ids to logits over them,
+    and the bits of every token but a text's first are divided by the UTF-8 bytes those tokens cover
+    (training.tokenizer.predicted): the same texts, on the same scale as a byte model.
 
     Raises:
         ValueError: no text had two bytes, so nothing was predicted.
@@ -57,7 +63,12 @@ def bits_per_byte(
     was_training = getattr(model, "training", False)
     _mode(model, "eval")
     try:
-        bits, nbytes, _ = corpus_bits(model, texts, seq_len, batch_size, device)
+        encode = None
+        if tokenizer is not None:
+            from training.tokenizer import predicted
+
+            encode = functools.partial(predicted, tokenizer)
+        bits, nbytes, _ = corpus_bits(model, texts, seq_len, batch_size, device, encode)
     finally:
         if was_training:
             _mode(model, "train")
@@ -97,10 +108,18 @@ def load_checkpoint_model(checkpoint_uri: str, train_cfg: TrainConfig) -> nn.Mod
 
 
 def held_out_bpb(
-    model: nn.Module, val_shards: list[str], num_val: int, seq_len: int, batch_size: int, max_texts: int
+    model: nn.Module,
+    val_shards: list[str],
+    num_val: int,
+    seq_len: int,
+    batch_size: int,
+    max_texts: int,
+    tokenizer: Tokenizer | None = None,
 ) -> float:
-    """Bits per byte of `model` on the held-out split (all of it, or the documented sample of max_texts)."""
+    """Bits per byte of `model` on the held-out split (all of it, or the documented sample of max_texts). The texts
+    are the records' .txt whether or not the set is tokenized, so a byte model and a `tokenizer`'s model are scored
+    on the same held-out texts."""
     from training.data.loader import iter_texts
 
     texts = sample_texts((text for _, text in iter_texts(val_shards)), num_val, max_texts)
-    return bits_per_byte(model, texts, seq_len, batch_size=batch_size)
+    return bits_per_byte(model, texts, seq_len, batch_size=batch_size, tokenizer=tokenizer)

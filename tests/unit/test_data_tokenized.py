@@ -200,3 +200,30 @@ def test_a_tokenized_set_carries_its_tokenizer_and_is_not_trusted_with_another(t
     Path(shards.tokenizer_uri).unlink()
     with pytest.raises(DataError, match="tokenizer.json missing"):
         load_shard_set(shards.uri)
+
+
+def test_a_byte_model_and_a_bpe_model_are_scored_on_the_same_held_out_texts(tmp_path: Path, corpus: Path) -> None:
+    import math
+
+    from training.evaluate import held_out_bpb
+
+    class Uniform(torch.nn.Module):  # a blind model: every id equally likely, so its bits are known exactly
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.vocab = vocab
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(*x.shape, self.vocab)
+
+    shards = build_tokenized(config(corpus, tmp_path / "out"), tk.TokenizerConfig(kind="train", vocab_size=300)).shards
+    tok = tk.load(shards.tokenizer_uri)
+    texts = [text for _, text in iter_texts(shards.val_shards)]
+    encoded = [tk.predicted(tok, text) for text in texts]
+    tokens, covered = sum(max(0, len(ids) - 1) for ids, _ in encoded), sum(n for _, n in encoded)
+    assert 0.8 * sum(len(t) - 1 for t in texts) < covered < sum(len(t) - 1 for t in texts)  # first tokens aside
+
+    as_bytes = held_out_bpb(Uniform(256), shards.val_shards, shards.num_val, 32, 4, 0)
+    as_tokens = held_out_bpb(Uniform(300), shards.val_shards, shards.num_val, 32, 4, 0, tokenizer=tok)
+    assert as_bytes == pytest.approx(8.0)
+    assert as_tokens == pytest.approx(math.log2(300) * tokens / covered, rel=1e-6)  # the same texts, per byte
+    assert as_tokens < as_bytes  # ~3 bytes a token: a blind BPE guess costs fewer bits per byte than a blind byte
