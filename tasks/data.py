@@ -71,7 +71,7 @@ def shard_dataset(
         tok_cfg = tokenizer if tokenizer is not None and tokenizer.kind != "bytes" else None
         if tok_cfg is not None:
             _check_tokenizer_path(tok_cfg.path)
-        mlflow.log_params({**flat_params("data", cfg), **(flat_params("tokenizer", tok_cfg) if tok_cfg else {})})
+        mlflow.log_params({**flat_params("data", cfg), **(_tokenizer_params(tok_cfg) if tok_cfg else {})})
         if cluster is not None:
             mlflow.set_tag(TAG_CLUSTER_ADDRESS, cluster.address)
         start = time.monotonic()
@@ -86,7 +86,7 @@ def shard_dataset(
         if built is not None:
             mlflow.log_text(built.tokenizer_json, "tokenizer/tokenizer.json")
             mlflow.set_tags(
-                {TAG_TOKENIZER_SHA256: built.tokenizer_sha256}
+                {TAG_TOKENIZER_SHA256: shards.tokenizer_sha256}  # the set's own (its manifest and tokenizer.json)
                 | ({TAG_TOKENIZER_TRAINED_ON: built.text_digest} if built.text_digest else {})
             )
             mlflow.log_metrics({"vocab_size": shards.vocab_size, "tokenizer_cache_hit": int(built.tokenizer_cache_hit)})
@@ -119,6 +119,12 @@ def shard_dataset(
             time.monotonic() - start,
         )
     return shards.model_copy(update={"data_run_id": run_id})
+
+
+def _tokenizer_params(tok_cfg: TokenizerConfig) -> dict[str, str]:
+    """The tokenizer settings its kind uses, as MLflow params (a file's path, or a trained BPE's settings)."""
+    used = {"file": ("kind", "path"), "train": ("kind", "vocab_size", "min_frequency")}[tok_cfg.kind]
+    return {k: v for k, v in flat_params("tokenizer", tok_cfg).items() if k.split(".", 1)[1] in used}
 
 
 def _check_tokenizer_path(path: str) -> None:

@@ -35,7 +35,14 @@ from training import resume
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig
 from training.data import ShardSet
-from training.trainer import PlacementTimeout, TrainResult, logged_step, loss_curve_png, run_training
+from training.trainer import (
+    PlacementTimeout,
+    TrainResult,
+    fit_vocabulary,
+    logged_step,
+    loss_curve_png,
+    run_training,
+)
 
 POLL_S = 2.0
 
@@ -85,8 +92,8 @@ def train_fsdp(
         mlflow.set_tag(TAG_NETWORK, cluster.network)
         mlflow.log_params({f"network.{k}": v for k, v in cluster.network_env.items()})
         init = resume.resolve_init_from(cfg.init_from, model_name, lineage.tracking_uri)
-        if init is not None:
-            resume.check_init_checkpoint(init, cfg)
+        if init is not None:  # against the model as the workers will build it, sized for the set's ids
+            resume.check_init_checkpoint(init, fit_vocabulary(cfg, shards))
             mlflow.set_tags(
                 safe_tags(
                     {resume.TAG_INIT_CHECKPOINT: init.checkpoint_uri, resume.TAG_INIT_VERSION: init.model_version}

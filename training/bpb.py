@@ -120,7 +120,8 @@ def corpus_bits(
     """(bits, predicted bytes, texts) over every text; the same windows as text_bits, batched across texts.
 
     `encode` (a token model's: training.tokenizer.predicted with its tokenizer) turns a text into its ids and the
-    UTF-8 bytes they predict; the windows are then token_bits', and the bytes are the text's, as for a byte model.
+    UTF-8 bytes its tokens after the first cover; the windows are then token_bits', and those bytes are counted (a
+    byte model counts every byte but the first, so both figures are bits per byte of the same texts).
     """
     counter = BitsCounter(model, batch_size, device)
     n_texts, covered = 0, 0

@@ -73,7 +73,8 @@ def bits_per_byte(
         if was_training:
             _mode(model, "train")
     if nbytes == 0:
-        raise ValueError("bits_per_byte: no held-out text with at least 2 bytes")
+        unit = "tokens" if tokenizer is not None else "bytes"
+        raise ValueError(f"bits_per_byte: no held-out text with at least 2 {unit}")
     return bits / nbytes
 
 

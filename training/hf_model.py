@@ -62,6 +62,11 @@ def _transformers_config(spec: dict[str, Any]) -> Any:
     return config
 
 
+def embedding_rows(spec: dict[str, Any]) -> int:
+    """The token ids a transformers spec embeds, as transformers fills them in (a Llama without vocab_size: 32000)."""
+    return int(getattr(_transformers_config(spec), "vocab_size", 0) or 0)
+
+
 def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, Any]:
     """The inline config of `train.hf_config` (a dict, or a config.json path or URI, read now), checked against
     transformers and `seq_len`.

@@ -61,6 +61,8 @@ def _digest(payload: dict[str, Any]) -> str:
 def request_key(cfg: TrainConfig, dataset_digest: str) -> str:
     """Key of the training the user asked for: dataset digest + the result-determining config."""
     fields = {k: v for k, v in cfg.model_dump().items() if k not in OPERATIONAL_FIELDS}
+    if not fields.get("vocab_size"):  # 0: the data's vocabulary, which the digest pins; older keys stay valid
+        fields.pop("vocab_size", None)
     return _digest({"dataset": dataset_digest, "train": fields})
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from infra.cluster import ClusterError
 from infra.paths import shardline_home
-from training.config import DEFAULT_FACTORY, TrainConfig
+from training.config import TrainConfig
 
 if TYPE_CHECKING:
     from training.data import ShardSet
@@ -79,19 +79,22 @@ def failure_policy(cfg: TrainConfig) -> Any:
 
 
 def fit_vocabulary(cfg: TrainConfig, shards: ShardSet) -> TrainConfig:
-    """The TrainConfig with the built-in GPT's embedding sized for the shard set's ids (256 bytes, or its
-    tokenizer's vocabulary) when train.vocab_size is 0; ValueError (one line) when a model's embedding is too
-    small for them. A plug-in factory's module sizes its own model from the ids its batch_format is given."""
+    """The TrainConfig with train.vocab_size set for the shard set's ids (256 bytes, or its tokenizer's
+    vocabulary) when it is 0; ValueError (one line) when the model's embedding is too small for them.
+
+    The built-in GPT embeds cfg.vocab_size ids, and a plug-in factory or LightningModule should read it too. A
+    transformers model's embedding is its config's vocab_size (as transformers fills it in), checked here.
+    """
     from training.model import VOCAB  # torch: only where training runs
 
     ids = shards.vocab_size or VOCAB
     source = f"the shard set's tokenizer has {ids} ids" if shards.vocab_size else "the shard set is bytes (256 ids)"
     if cfg.hf_config:
-        embeds = int(cfg.hf_config.get("vocab_size", 0)) if isinstance(cfg.hf_config, dict) else 0  # read at load
+        from training.hf_model import embedding_rows
+
+        embeds = embedding_rows(cfg.hf_config) if isinstance(cfg.hf_config, dict) else 0  # inline once loaded
         if embeds < ids:
             raise ValueError(f"train.hf_config vocab_size={embeds}: {source}; the embedding needs at least {ids} rows")
-        return cfg
-    if cfg.model_factory != DEFAULT_FACTORY:
         return cfg
     if cfg.vocab_size and cfg.vocab_size < ids:
         raise ValueError(f"train.vocab_size={cfg.vocab_size}: {source}; set it to 0 or at least {ids}")

@@ -71,7 +71,11 @@ def test_a_trained_tokenizer_is_logged_with_the_set_and_tagged_with_its_fingerpr
     run, rerun = client.get_run(first.data_run_id), client.get_run(second.data_run_id)
     assert run.data.tags[TAG_TOKENIZER_SHA256] == first.tokenizer_sha256
     assert run.data.tags[TAG_TOKENIZER_TRAINED_ON] == text_only.dataset_digest
-    assert run.data.params["tokenizer.kind"] == "train" and run.data.params["tokenizer.vocab_size"] == "300"
+    assert {k: v for k, v in run.data.params.items() if k.startswith("tokenizer.")} == {
+        "tokenizer.kind": "train",
+        "tokenizer.vocab_size": "300",
+        "tokenizer.min_frequency": "2",
+    }
     assert run.data.metrics["vocab_size"] == 300 and rerun.data.metrics["tokenizer_cache_hit"] == 1
     logged = mlflow.artifacts.load_text(f"runs:/{first.data_run_id}/tokenizer/tokenizer.json")
     assert tk.fingerprint(tk.Tokenizer.from_str(logged)) == first.tokenizer_sha256
@@ -98,5 +102,5 @@ def test_a_bad_tokenizer_fails_the_stage_in_one_line_and_publishes_nothing(tmp_p
         order_by=["attributes.start_time ASC"],
     )
     assert [r.info.status for r in runs] == ["FAILED", "FAILED"]
-    assert runs[0].data.params["tokenizer.path"] == str(bad)
+    assert runs[0].data.params["tokenizer.path"] == str(bad) and "tokenizer.vocab_size" not in runs[0].data.params
     assert runs[1].data.params == {}  # the credential never reached MLflow

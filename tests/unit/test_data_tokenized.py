@@ -227,3 +227,14 @@ def test_a_byte_model_and_a_bpe_model_are_scored_on_the_same_held_out_texts(tmp_
     assert as_bytes == pytest.approx(8.0)
     assert as_tokens == pytest.approx(math.log2(300) * tokens / covered, rel=1e-6)  # the same texts, per byte
     assert as_tokens < as_bytes  # ~3 bytes a token: a blind BPE guess costs fewer bits per byte than a blind byte
+
+
+def test_a_tokenizer_that_gives_the_same_ids_republishes_the_set_with_itself(tmp_path: Path, corpus: Path) -> None:
+    tok = _bpe(corpus)
+    first = build_shards(config(corpus, tmp_path / "out", reuse_unchanged=False), tok)
+    other = tk.Tokenizer.from_str(tok.to_str())
+    other.add_special_tokens(["<|never-seen|>"])  # one more id, never produced by this corpus: the same .ids
+    second = build_shards(config(corpus, tmp_path / "out", reuse_unchanged=False), other)
+    assert second.dataset_digest == first.dataset_digest and not second.cache_hit  # the same shards, another set
+    assert second.vocab_size == 321 and tk.fingerprint(tk.load(second.tokenizer_uri)) == tk.fingerprint(other)
+    assert second.tokenizer_sha256 == tk.fingerprint(other) != first.tokenizer_sha256

@@ -80,3 +80,28 @@ def test_the_gpts_embedding_is_sized_for_the_shard_sets_ids_before_anything_trai
     assert fit_vocabulary(llama, text) is llama
     with pytest.raises(ValueError, match=r"^train.hf_config vocab_size=256: the shard set's tokenizer has 4096 ids"):
         fit_vocabulary(llama, tokens)
+
+
+def test_a_transformers_spec_without_vocab_size_embeds_what_transformers_fills_in(tmp_path):
+    from support.train_support import shard_set
+
+    from training.trainer import fit_vocabulary
+
+    spec = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    spec |= {"num_attention_heads": 2, "max_position_embeddings": 256}  # no vocab_size: llama's 32000
+    llama = TrainConfig(hf_config=spec)
+    text = shard_set(tmp_path / "text", n_train=1, n_val=1)
+    assert fit_vocabulary(llama, text) is llama
+    assert fit_vocabulary(llama, text.model_copy(update={"vocab_size": 4096})) is llama
+
+
+def test_the_data_decided_vocabulary_leaves_the_training_key_as_it_was():
+    from training.resume import request_key
+
+    # the key of the default config before train.vocab_size existed: runs recorded then still resume and reuse
+    fields = {k: v for k, v in TrainConfig().model_dump().items() if k != "vocab_size"}
+    from training.resume import OPERATIONAL_FIELDS, _digest
+
+    before = _digest({"dataset": "d" * 32, "train": {k: v for k, v in fields.items() if k not in OPERATIONAL_FIELDS}})
+    assert request_key(TrainConfig(), "d" * 32) == before
+    assert request_key(TrainConfig(vocab_size=4160), "d" * 32) != before  # a padded embedding is another model

@@ -68,6 +68,8 @@ def verify_published(final: str, expected: Manifest | None, mode: str, retries: 
         return "manifest digest does not match its shards or its location"
     if expected is not None and published.splits != expected.splits:
         return "manifest lists different shards"
+    if expected is not None and published.layout != expected.layout:  # e.g. a tokenizer that gives the same ids
+        return "manifest describes another layout"
     sizes = {e.uri: e.size for e in storage.list_prefix(final, retries)}
     if storage.join(final, VALIDATION_NAME) not in sizes:
         return f"{VALIDATION_NAME} missing"
