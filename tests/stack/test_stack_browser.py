@@ -7,10 +7,9 @@ import re
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
 from support.requires import missing
-from support.stack_support import REPO, assert_completed, deployment, runs_of, wait_for_run
+from support.stack_support import REPO, assert_completed, deployment, prefect_api, runs_of, wait_for_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
@@ -43,7 +42,7 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
     manual = deployment(api, "shardline/manual")
     # The operator's defaults for this deployment: the debug model, so the run takes about a minute here.
     defaults = {"config": stack["config"]("stack-ui", steps=30)}
-    httpx.patch(f"{api}/deployments/{manual['id']}", json={"parameters": defaults}, timeout=30).raise_for_status()
+    prefect_api("PATCH", f"{api}/deployments/{manual['id']}", json={"parameters": defaults})
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
         with sync_playwright() as pw:
@@ -72,7 +71,7 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
             page.screenshot(path=str(ARTIFACTS / "prefect-ui-custom-run.png"), full_page=True)
             browser.close()
     finally:
-        httpx.patch(f"{api}/deployments/{manual['id']}", json={"parameters": {}}, timeout=30).raise_for_status()
+        prefect_api("PATCH", f"{api}/deployments/{manual['id']}", json={"parameters": {}})
     assert_completed(done, stack["log"])
     assert done["deployment_id"] == manual["id"]
     assert done["parameters"]["config"]["train"]["steps"] == STEPS

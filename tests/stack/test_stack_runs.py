@@ -13,6 +13,7 @@ from support.stack_support import (
     create_run,
     deployment,
     mlflow_runs_of_flow_run,
+    prefect_api,
     runs_of,
     shardline,
     wait_for_run,
@@ -76,18 +77,18 @@ def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(s
     assert len({t.date() for t in times}) == len(times)  # one per night
 
     first = scheduled[0]
-    httpx.patch(
-        f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}}, timeout=30
-    ).raise_for_status()
+    prefect_api(
+        "PATCH", f"{api}/flow_runs/{first['id']}", json={"parameters": {"config": stack["config"]("stack-nightly")}}
+    )
     now = dt.datetime.now(dt.UTC).isoformat()
-    httpx.post(
+    prefect_api(
+        "POST",
         f"{api}/flow_runs/{first['id']}/set_state",
-        timeout=30,
         json={
             "state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}},
             "force": True,
         },
-    ).raise_for_status()
+    )
     done = wait_for_run(api, first["id"], RUN_TIMEOUT_S, stack["log"])
     assert_completed(done, stack["log"])
     assert done["deployment_id"] == nightly["id"]

@@ -49,31 +49,42 @@ def small_config(model_name: str, steps: int = 10, **sections) -> dict:
     return cfg
 
 
+def prefect_api(method: str, url: str, **kwargs) -> httpx.Response:
+    """One call to the Prefect server's REST API, retried on 503 the way Prefect's own client retries it.
+
+    The server answers 503 for errors a client may retry: a SQLite "database is locked" while the worker, the
+    scheduler and the flow runs write. At most 5 tries, 1, 2, 4 and 8 s apart. Any other status returns at once,
+    raised by raise_for_status.
+    """
+    for attempt in range(5):
+        r = httpx.request(method, url, timeout=30, **kwargs)
+        if r.status_code != 503 or attempt == 4:
+            return r.raise_for_status()
+        time.sleep(2**attempt)
+    raise AssertionError("unreachable")
+
+
 def deployment(api: str, name: str) -> dict:
-    r = httpx.get(f"{api}/deployments/name/{name}", timeout=30)
-    r.raise_for_status()
-    return r.json()
+    return prefect_api("GET", f"{api}/deployments/name/{name}").json()
 
 
 def create_run(api: str, deployment_id: str, parameters: dict) -> dict:
     """Exactly the UI's "Custom run": POST /deployments/{id}/create_flow_run with the form's parameters."""
-    r = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters}, timeout=30)
-    r.raise_for_status()
-    return r.json()
+    return prefect_api(
+        "POST", f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": parameters}
+    ).json()
 
 
 def runs_of(api: str, deployment_id: str) -> list[dict]:
     body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200}
-    r = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=30)
-    r.raise_for_status()
-    return r.json()
+    return prefect_api("POST", f"{api}/flow_runs/filter", json=body).json()
 
 
 def wait_for_run(api: str, run_id: str, timeout_s: float, log: Path | None = None) -> dict:
     """Poll the flow run until it is final; return it. On timeout the assertion shows the worker's log tail."""
     deadline = time.monotonic() + timeout_s
     while True:
-        run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=30).json()
+        run = prefect_api("GET", f"{api}/flow_runs/{run_id}").json()
         if run["state"]["type"] in FINAL:
             return run
         if time.monotonic() > deadline:
