@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.tasks import exponential_backoff
 
+from infra import storage
 from infra.cluster import ClusterInfo
 from infra.names import TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
 from infra.tracking import (
@@ -84,7 +85,9 @@ def shard_dataset(
         log_dataset(shards, cfg.storage_retries)
         mlflow.set_tags(safe_tags({TAG_DATASET_DIGEST: shards.dataset_digest, TAG_MANIFEST_URI: shards.manifest_uri}))
         if built is not None:
-            mlflow.log_text(built.tokenizer_json, "tokenizer/tokenizer.json")
+            # the set's own copy: the artifact is exactly the tokenizer its manifest names
+            tokenizer_text = storage.read_bytes(shards.tokenizer_uri, cfg.storage_retries).decode("utf-8")
+            mlflow.log_text(tokenizer_text, "tokenizer/tokenizer.json")
             mlflow.set_tags(
                 {TAG_TOKENIZER_SHA256: shards.tokenizer_sha256}  # the set's own (its manifest and tokenizer.json)
                 | ({TAG_TOKENIZER_TRAINED_ON: built.text_digest} if built.text_digest else {})

@@ -31,7 +31,6 @@ class TokenizedSet(BaseModel):
     tokenizer_path: str = Field("", description="The tokenizer.json used (the trained one is in the cache).")
     tokenizer_sha256: str = Field("", description="training.tokenizer.fingerprint of it; '' for bytes.")
     tokenizer_cache_hit: bool = Field(False, description="kind='train': the tokenizer was read from the cache.")
-    tokenizer_json: str = Field("", repr=False, description="The tokenizer.json text the ids were made with.")
 
 
 def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Path | None = None) -> TokenizedSet:
@@ -50,7 +49,6 @@ def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Pat
             shards=shards,
             tokenizer_path=tok_cfg.path,
             tokenizer_sha256=tk.fingerprint(tok),
-            tokenizer_json=tok.to_str(),
         )
     text = build_shards(cfg)
 
@@ -67,5 +65,4 @@ def build_tokenized(cfg: DataConfig, tok_cfg: tk.TokenizerConfig, cache_dir: Pat
         tokenizer_path=str(path),
         tokenizer_sha256=tk.fingerprint(tok),
         tokenizer_cache_hit=hit,
-        tokenizer_json=tok.to_str(),
     )
