@@ -60,6 +60,30 @@ def missing_evidence(observations: Iterable[dict[str, Any]], cfg: CanaryConfig) 
     return ", ".join(lacking)
 
 
+def errors_already_fail(observations: Iterable[dict[str, Any]], cfg: CanaryConfig) -> str:
+    """The error-rate failure of a step that has its canary.min_requests challenger requests but not yet its pairs,
+    else ''. A challenger that errors cannot be paired (no score), so waiting for canary.min_paired would keep it on
+    live traffic until canary.step_timeout_s only to reach the same verdict: the step ends here and is judged
+    (Argo Rollouts' failureLimit, Flagger's failed checks). The rate is the one summarize_step judges: every call of
+    either version so far."""
+    ch_calls = ch_errors = base_calls = base_errors = 0
+    for ob in observations:
+        ch = ob.get("challenger")
+        if ch is not None:
+            ch_calls += 1
+            ch_errors += not ch.get("ok")
+        for call in (ob.get("champion"), ob.get("shadow")):
+            if call is not None:
+                base_calls += 1
+                base_errors += not call.get("ok")
+    if ch_calls < cfg.min_requests:
+        return ""
+    increase = ch_errors / ch_calls - (base_errors / base_calls if base_calls else 0.0)
+    if increase <= cfg.max_error_rate_increase:
+        return ""
+    return f"error rate {ch_errors / ch_calls:.3f} on {ch_calls} challenger requests already fails the gate"
+
+
 def summarize_step(
     percent: int,
     observations: list[dict[str, Any]],

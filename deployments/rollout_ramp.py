@@ -5,7 +5,8 @@ collects from the routers, and probe traffic that tops it up.
 `Ramp.collect` reads the observations a step's requests left in the router (a restarted router starts counting
 again; what was seen is kept) while polling the operator's commands (deployments/canary_control) and renewing the
 lease, until the step has `canary.min_requests` challenger requests, `canary.min_paired` of them paired with a
-champion score, and `canary.bake_seconds` passed, or `canary.step_timeout_s` ran out. The rollout driver
+champion score, and `canary.bake_seconds` passed, or `canary.step_timeout_s` ran out, or (sooner) the challenger's
+errors already fail the error-rate gate on `canary.min_requests` requests. The rollout driver
 (deployments/rollout) decides what to do with each step.
 """
 
@@ -22,7 +23,7 @@ from deployments import canary_control
 from deployments.canary_records import OperatorCommand
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.endpoint import apply, router_handle
-from deployments.rollout_policy import missing_evidence
+from deployments.rollout_policy import errors_already_fail, missing_evidence
 from deployments.router_config import PROBE_HEADER
 from deployments.serve_build import AppSpec, app_name_for, router_config
 
@@ -176,6 +177,9 @@ class Ramp:
             lacking = missing_evidence(seen.values(), cfg)
             elapsed = time.monotonic() - start
             if paused_at is None and not lacking and elapsed >= cfg.bake_seconds:
+                return Collected(list(seen.values()), elapsed, "", None)
+            if paused_at is None and lacking and (failing := errors_already_fail(seen.values(), cfg)):
+                log.info("step %d%% ends early: %s", self.percent, failing)
                 return Collected(list(seen.values()), elapsed, "", None)
             if paused_at is None and lacking and elapsed >= cfg.step_timeout_s:
                 return Collected(

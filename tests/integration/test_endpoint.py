@@ -211,6 +211,9 @@ def test_a_bad_challenger_is_rolled_back_with_zero_failed_requests(world, kind, 
         time.sleep(1.0)
     print(kind, result.reason)
     assert result.decision == "rejected" and gate in result.reason, result.reason
+    if kind == "erroring":  # ended as soon as its errors failed the gate, not by canary.step_timeout_s
+        assert len(result.steps) == 1 and result.steps[0]["challenger"]["n"] >= cfg.min_requests
+        assert not any("step_timeout_s" in why for why in result.steps[0]["inconclusive"])
     assert read_aliases(client, NAME)["champion"] == "2" and result.champion_version == "2"
     assert client.get_model_version(NAME, promoted.version).tags[TAG_REJECTED] == result.reason
     assert not load.failed, load.failed[:5]  # the champion answered whatever the challenger failed

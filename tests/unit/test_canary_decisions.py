@@ -8,7 +8,13 @@ from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_chal
 
 from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
 from deployments.canary_stats import p95, paired_upper_bound
-from deployments.rollout_policy import MIN_SAMPLES_P99, decide_canary, gate_step, missing_evidence
+from deployments.rollout_policy import (
+    MIN_SAMPLES_P99,
+    decide_canary,
+    errors_already_fail,
+    gate_step,
+    missing_evidence,
+)
 
 
 def test_p95_is_nearest_rank():
@@ -134,6 +140,26 @@ def test_error_rate_increase_rejects():
         50, [challenger_failed()] + noisy(4, 2.0, 2.0), CFG.model_copy(update={"max_error_rate_increase": 0.25})
     )
     assert allowed.failures == []
+
+
+def test_a_challenger_failing_its_requests_ends_the_step_before_its_pairs_come():
+    cfg = CFG.model_copy(update={"min_requests": 4, "min_paired": 10})
+    failing = [challenger_failed()] * 3 + [to_champion()] * 5
+    assert errors_already_fail(failing, cfg) == ""  # 3 of min_requests=4: not judged yet
+    failing.append(challenger_failed())
+    assert missing_evidence(failing, cfg) == "0 of canary.min_paired=10 paired requests"
+    assert errors_already_fail(failing, cfg) == "error rate 1.000 on 4 challenger requests already fails the gate"
+    step = step_of(50, failing, cfg)  # what the ramp judges when it ends the step there
+    assert step.outcome == "fail" and step.failures[0].startswith("error rate 1.000 (n=4)")
+    assert decide_canary("m", "2", "1", [step], cfg).verdict == "rejected"
+    # errors within canary.max_error_rate_increase, or no more than the champion's, wait for the pairs as before
+    mixed = [challenger_failed()] + [to_challenger()] * 3
+    assert errors_already_fail(mixed, cfg.model_copy(update={"max_error_rate_increase": 0.25})) == ""
+    assert errors_already_fail(mixed, cfg) == "error rate 0.250 on 4 challenger requests already fails the gate"
+    # the champion's own errors count against the increase: 1.000 - 4/12 = 0.667
+    both_fail = [challenger_failed()] * 4 + [to_champion(ok=False)] * 4
+    assert errors_already_fail(both_fail, cfg.model_copy(update={"max_error_rate_increase": 0.7})) == ""
+    assert errors_already_fail(both_fail, cfg.model_copy(update={"max_error_rate_increase": 0.6})) != ""
 
 
 def test_p95_latency_ratio_rejects():
