@@ -18,7 +18,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
-from training.model import GPT, VOCAB, Block
+from training.model import GPT, Block
 
 
 class Layer(NamedTuple):
@@ -90,7 +90,7 @@ def _head(model: GPT, x: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [T, 256] at every position of `tokens` (int64 [T], 1 <= T <= seq_len), whose keys and values
+    """Logits [T, vocab] at every position of `tokens` (int64 [T], 1 <= T <= seq_len), whose keys and values
     become `slot`'s whole cache."""
     t = tokens.numel()
     if not 1 <= t <= model.seq_len:
@@ -113,7 +113,7 @@ def prefill(model: GPT, cache: KVCache, slot: int, tokens: torch.Tensor) -> torc
 
 @torch.inference_mode()
 def decode(model: GPT, cache: KVCache, slots: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits [B, 256] after appending tokens[b] to slot slots[b], for every b in one forward.
+    """Logits [B, vocab] after appending tokens[b] to slot slots[b], for every b in one forward.
 
     Raises:
         ValueError: a slot is already full (seq_len tokens): slide it first.
@@ -177,20 +177,20 @@ class CachedGPT:
         self.context: list[list[int]] = [[] for _ in range(slots)]  # each slot's last seq_len tokens
 
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Logits [T, 256] at every position of the last seq_len `tokens`; `slot` now holds them."""
+        """Logits [T, vocab] at every position of the last seq_len `tokens`; `slot` now holds them."""
         window = tokens[-self.seq_len :]
         self.context[slot] = list(window)
         return prefill(self.model, self.cache, slot, torch.tensor(window, dtype=torch.long))
 
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """Next-token logits [B, 256] once tokens[b] is appended to slots[b] (full slots slide first)."""
+        """Next-token logits [B, vocab] once tokens[b] is appended to slots[b] (full slots slide first)."""
         full = {b for b, s in enumerate(slots) if self.cache.lengths[s] >= self.seq_len}
         rest = [b for b in range(len(slots)) if b not in full]
         for b in rest:
             self.context[slots[b]] = (self.context[slots[b]] + [tokens[b]])[-self.seq_len :]
         if not full:
             return decode(self.model, self.cache, slots, tokens)
-        out = torch.empty(len(slots), VOCAB)
+        out = torch.empty(len(slots), self.model.lm_head.out_features)
         for b in full:
             out[b] = self.prefill(slots[b], (self.context[slots[b]] + [tokens[b]])[-(self.seq_len // 2 or 1) :])[-1]
         if rest:

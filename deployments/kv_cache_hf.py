@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from training.hf_model import VOCAB, CausalLM
+from training.hf_model import CausalLM
 
 
 class CachedCausalLM:
@@ -37,15 +37,15 @@ class CachedCausalLM:
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Logits [T, 256] at every position of the last seq_len `tokens`; `slot` now holds their cache."""
+        """Logits [T, vocab] at every position of the last seq_len `tokens`; `slot` now holds their cache."""
         window = tokens[-self.seq_len :]
         out = self.model.lm(input_ids=torch.tensor([window], dtype=torch.long), use_cache=True)
         self.past[slot], self.lengths[slot], self.context[slot] = out[self.arg], len(window), list(window)
-        return out.logits[0, :, :VOCAB].float()
+        return out.logits[0, :, : self.model.vocab].float()
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """Next-token logits [B, 256] once tokens[b] is appended to slots[b] (full slots slide first)."""
+        """Next-token logits [B, vocab] once tokens[b] is appended to slots[b] (full slots slide first)."""
         rows = []
         for slot, token in zip(slots, tokens, strict=True):
             context = (self.context[slot] + [token])[-self.seq_len :]
@@ -56,5 +56,5 @@ class CachedCausalLM:
             out = self.model.lm(input_ids=ids, use_cache=True, **{self.arg: self.past[slot]})
             self.past[slot], self.context[slot] = out[self.arg], context
             self.lengths[slot] += 1
-            rows.append(out.logits[0, -1, :VOCAB].float())
+            rows.append(out.logits[0, -1, : self.model.vocab].float())
         return torch.stack(rows)

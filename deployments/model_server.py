@@ -49,7 +49,8 @@ def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
         from training.hf_model import load_causal_lm
 
         spec = metadata[EAGER_HF]
-        return CachedCausalLM(load_causal_lm(spec["config"], seq_len, model_file(model_uri, spec["weights"])), slots)
+        weights = model_file(model_uri, spec["weights"])
+        return CachedCausalLM(load_causal_lm(spec["config"], seq_len, weights, spec.get("vocab", 256)), slots)
     if not eager:
         return Recompute(load_served_model(model_uri), seq_len, slots)
     from deployments.kv_cache import CachedGPT
@@ -74,6 +75,7 @@ def check_backend(model_uri: str, model: Any, seq_len: int, steps: int = 6) -> N
     from deployments.kv_cache import CachedGPT
     from infra.redact import first_line
     from training.evaluate import NotServable
+    from training.servable import vocab_of
 
     try:
         backend = load_backend(model_uri, slots=1)
@@ -82,7 +84,8 @@ def check_backend(model_uri: str, model: Any, seq_len: int, steps: int = 6) -> N
     if not (isinstance(backend, CachedGPT) or getattr(backend, "kv_cache", False)):
         return
     n = max(1, min(seq_len - steps, seq_len // 2))
-    tokens = torch.randint(0, 256, (n + steps,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_of(model, seq_len), (n + steps,), generator=gen).tolist()
     with torch.no_grad():
         got = [backend.prefill(0, tokens[:n])[-1]]
         got += [backend.decode([0], [t])[0] for t in tokens[n : n + steps - 1]]

@@ -5,10 +5,11 @@ ever. Its config is given inline in the TOML (a `[train.hf_config]` table with `
 path (local, s3://, az://), which config loading reads once and keeps inline (`resolve_hf_config`), so workers,
 Prefect parameters and the registered model carry the config itself and never go back to the file.
 
-Tokens are bytes (the default tokenizer): the config's `vocab_size` must hold the 256 byte values; a larger vocabulary
-trains and serves only its first 256 logits. FSDP2 shards each decoder layer, found as the model declares it
-(`_no_split_modules`, as Accelerate and torchtitan find it; training.parallelize), and activation checkpointing,
-mixed precision and exact resume work as they do for the built-in GPT.
+Token ids are bytes (the default tokenizer) or a tokenizer's ids (train.vocab_size, set from the shard set by
+trainer.fit_vocabulary): the config's `vocab_size` must hold them, and a larger embedding (a Llama config padded to a
+multiple) trains and serves only the logits of those ids. FSDP2 shards each decoder layer, found as the model
+declares it (`_no_split_modules`, as Accelerate and torchtitan find it; training.parallelize), and activation
+checkpointing, mixed precision and exact resume work as they do for the built-in GPT.
 """
 
 from __future__ import annotations
@@ -162,20 +163,21 @@ def load_pretrained(model: nn.Module, directory: str) -> None:
 
 
 class CausalLM(nn.Module):
-    """A transformers causal LM behind the built-in GPT's interface: forward(idx int64 [B, T]) -> logits [B, T, 256].
+    """A transformers causal LM behind the built-in GPT's interface: forward(idx int64 [B, T]) -> logits
+    [B, T, vocab], `vocab` the token ids it is trained on (256 bytes by default).
 
     The transformers model is `self.lm`; its state dict keys are `lm.<transformers' own keys>`."""
 
-    def __init__(self, spec: dict[str, Any], seq_len: int) -> None:
+    def __init__(self, spec: dict[str, Any], seq_len: int, vocab: int = VOCAB) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.seq_len, self.spec = seq_len, dict(spec)
+        self.seq_len, self.spec, self.vocab = seq_len, dict(spec), vocab
         self.lm = AutoModelForCausalLM.from_config(_transformers_config(spec))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # no cache: training and the served program run whole windows (the engine recomputes them)
-        return self.lm(input_ids=idx, use_cache=False).logits[..., :VOCAB]
+        return self.lm(input_ids=idx, use_cache=False).logits[..., : self.vocab]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM appendix B: 6N + 12 * L * d * T, N the parameters a token's matmuls use
@@ -189,9 +191,9 @@ class CausalLM(nn.Module):
         return 6.0 * n + 12.0 * layers * width * seq_len
 
 
-def load_causal_lm(spec: dict[str, Any], seq_len: int, weights_path: str) -> CausalLM:
+def load_causal_lm(spec: dict[str, Any], seq_len: int, weights_path: str, vocab: int = VOCAB) -> CausalLM:
     """A CausalLM from its inline config and a state dict file (tensors only, `weights_only=True`), in eval mode."""
-    model = CausalLM(spec, seq_len)
+    model = CausalLM(spec, seq_len, vocab)
     model.load_state_dict(torch.load(weights_path, map_location="cpu", weights_only=True))
     return model.eval()
 
@@ -202,4 +204,4 @@ def build_hf_model(cfg: Any) -> CausalLM:
     model built from the config, randomly initialised (seeded by the loop, so every rank starts equal)."""
     if not isinstance(cfg.hf_config, dict) or not cfg.hf_config:
         raise ValueError("train.hf_config: empty; build_hf_model needs the model's config")
-    return CausalLM(cfg.hf_config, cfg.seq_len)
+    return CausalLM(cfg.hf_config, cfg.seq_len, cfg.vocab_size or VOCAB)

@@ -40,14 +40,28 @@ def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
     return sorted({(1, 1), (1, 2), (1, max(1, seq_len // 2) + 1), (1, seq_len), (3, 2), (8, seq_len)})
 
 
-def _signature() -> Any:
+def example_ids(seq_len: int) -> torch.Tensor:
+    """The input example a logged model carries: [2, T] ids of real text, B and T > 1 so that torch.export keeps
+    both dimensions dynamic."""
+    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
+    return torch.tensor(list(text), dtype=torch.long).reshape(2, -1)
+
+
+def vocab_of(model: nn.Module, seq_len: int) -> int:
+    """The token ids `model` scores: the width of its logits on the example input (256 bytes, or a tokenizer's
+    ids). Served inputs are ids below it, and the served form must answer with as many logits."""
+    with torch.no_grad():
+        return int(model(example_ids(seq_len)).shape[-1])
+
+
+def _signature(vocab: int) -> Any:
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
     return ModelSignature(
         inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1))]),
-        outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, 256))]),
+        outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, vocab))]),
     )
 
 
@@ -57,20 +71,16 @@ def _requirements() -> list[str]:
     return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
 
 
-def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
+def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int) -> str:
     """The model as a pt2 program (batch and time dynamic). The built-in GPT also gets its weights as an extra file
     and metadata[EAGER_METADATA] = {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot
     carry a KV cache, so serving rebuilds the eager model from them and decodes incrementally."""
     import mlflow
-    import numpy as np
 
     from training.hf_model import EAGER_HF, EAGER_HF_FILE, CausalLM
     from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
 
-    # B and T > 1 in the example, so torch.export keeps both dimensions dynamic.
-    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
-    example = np.frombuffer(text, dtype=np.uint8).astype(np.int64).reshape(2, -1)
-    metadata: dict = {"seq_len": seq_len}
+    metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
     with tempfile.TemporaryDirectory() as tmp:
         extra_files = None
         if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
@@ -81,13 +91,13 @@ def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
         elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
             save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
             extra_files = [str(Path(tmp) / EAGER_HF_FILE)]
-            metadata[EAGER_HF] = {"config": model.spec, "weights": f"extra_files/{EAGER_HF_FILE}"}
+            metadata[EAGER_HF] = {"config": model.spec, "weights": f"extra_files/{EAGER_HF_FILE}", "vocab": model.vocab}
         info = mlflow.pytorch.log_model(
             model.eval(),
             name=name,
             serialization_format="pt2",
-            signature=_signature(),
-            input_example=example,
+            signature=_signature(vocab),
+            input_example=example_ids(seq_len).numpy(),
             metadata=metadata,
             extra_files=extra_files,
             pip_requirements=_requirements(),
@@ -95,7 +105,9 @@ def _log_pt2(model: nn.Module, seq_len: int, name: str) -> str:
     return info.model_uri
 
 
-def _log_eager(model: nn.Module, seq_len: int, name: str, factory: str, train_config: dict, why: str) -> str:
+def _log_eager(
+    model: nn.Module, seq_len: int, name: str, factory: str, train_config: dict, why: str, vocab: int
+) -> str:
     """The model as its weights plus what rebuilds it (factory and TrainConfig), as a models-from-code pyfunc."""
     import mlflow
 
@@ -109,8 +121,8 @@ def _log_eager(model: nn.Module, seq_len: int, name: str, factory: str, train_co
             python_model=str(EAGER_CODE),
             artifacts={"weights": str(weights)},
             model_config={"factory": factory, "train_config": train_config},
-            signature=_signature(),
-            metadata={"seq_len": seq_len, EAGER_FACTORY: spec},
+            signature=_signature(vocab),
+            metadata={"seq_len": seq_len, "vocab_size": vocab, EAGER_FACTORY: spec},
             pip_requirements=_requirements(),
         )
     return info.model_uri
@@ -130,8 +142,8 @@ def log_servable_model(
 ) -> str:
     """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
     every serving shape, and return its models:/ URI: the pt2 program when it serves, else the eager form
-    (module docstring). Input int64 [B, T] byte values with T <= seq_len, output float32 logits [B, T, 256];
-    metadata["seq_len"] records seq_len.
+    (module docstring). Input int64 [B, T] token ids (bytes, or a tokenizer's) with T <= seq_len, output float32
+    logits [B, T, vocab]; metadata["seq_len"] and metadata["vocab_size"] record both.
 
     Args:
         factory, train_config: `train.model_factory` and the TrainConfig (as JSON) that rebuild the model; without
@@ -142,7 +154,12 @@ def log_servable_model(
     """
     who = f"train.model_factory={factory!r}: " if factory else ""
     try:
-        uri = _log_pt2(model, seq_len, name)
+        vocab = vocab_of(model, seq_len)
+    except Exception as e:  # noqa: BLE001 - a model that fails on the example cannot serve in any form
+        shape = tuple(example_ids(seq_len).shape)
+        raise NotServable(f"{who}the model fails on the example input {list(shape)}: {first_line(e)}") from None
+    try:
+        uri = _log_pt2(model, seq_len, name, vocab)
     except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
         why = f"torch.export failed: {first_line(e)}"
     else:
@@ -154,7 +171,7 @@ def log_servable_model(
             why = str(e).removeprefix(who)
     if not factory or train_config is None:
         raise NotServable(f"{who}{why}")
-    uri = _log_eager(model, seq_len, name, factory, train_config, why)
+    uri = _log_eager(model, seq_len, name, factory, train_config, why, vocab)
     try:
         check_servable(uri, model, seq_len, factory)
     except NotServable:
@@ -196,7 +213,7 @@ def model_file(model_uri: str, relative: str) -> str:
 
 
 def load_served_model(model_uri: str) -> Any:
-    """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, 256]: the pt2 program,
+    """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, vocab]: the pt2 program,
     or the eager model rebuilt by the installed factory from its weights file alone (the code logged with the
     pyfunc is never run here: a store that could rewrite it could make MLflow unpickle instead)."""
     import mlflow
@@ -219,15 +236,15 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
         loaded = load_served_model(model_uri)
     except Exception as e:  # noqa: BLE001 - a form that does not load cannot serve
         raise NotServable(f"{who}{form} does not load: {first_line(e)}") from None
-    gen = torch.Generator().manual_seed(0)
+    gen, vocab = torch.Generator().manual_seed(0), vocab_of(eager, seq_len)
     for b, t in serving_shapes(seq_len):
-        x = torch.randint(0, 256, (b, t), generator=gen)
+        x = torch.randint(0, vocab, (b, t), generator=gen)
         try:
             with torch.no_grad():
                 got, want = loaded(x), eager(x)
         except Exception as e:  # noqa: BLE001 - any failure here means the endpoint would fail the same way
             raise NotServable(f"{who}{form} fails at serving shape [{b}, {t}]: {first_line(e)}") from None
-        if tuple(got.shape) != (b, t, 256) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
+        if tuple(got.shape) != (b, t, vocab) or not torch.allclose(got.float(), want.float(), atol=1e-3, rtol=1e-3):
             raise NotServable(
                 f"{who}{form}'s logits at shape [{b}, {t}] differ from the trained model's (shape {tuple(got.shape)})"
             )

@@ -190,6 +190,30 @@ def test_a_gpt_logged_by_validation_serves_with_the_kv_cache_and_batched_scores(
         assert scored["bytes"] == n and math.isclose(scored["bits"], bits, rel_tol=1e-4)
 
 
+def test_a_gpt_over_a_tokenizers_ids_serves_all_its_logits_also_past_its_window(mlflow_store):
+    """A GPT of 300 token ids (train.vocab_size from a tokenizer): validation records the vocabulary and proves the
+    cache at ids past the bytes; a full slot slides and still answers 300 logits, as a whole forward does."""
+    import mlflow
+
+    from deployments.model_server import check_backend, load_backend
+
+    uri, exp = mlflow_store
+    torch.manual_seed(0)
+    model = GPT(SEQ, n_layer=2, n_head=2, d_model=32, vocab=300).eval()
+    model_uri = f"models:/gpt-300/{_register(uri, exp, model, 'gpt-300')}"
+    assert mlflow.models.get_model_info(model_uri).metadata["vocab_size"] == 300
+    check_backend(model_uri, model, SEQ)
+    backend = load_backend(model_uri, slots=2)
+    ids = [int(i) for i in torch.randint(0, 300, (SEQ,))]
+    assert isinstance(backend, CachedGPT) and backend.prefill(0, ids).shape == (SEQ, 300)
+    backend.prefill(1, ids[:3])
+    both = backend.decode([0, 1], [299, 298])  # slot 0 is full: it slides to the last half window
+    assert both.shape == (2, 300)
+    want = model(torch.tensor([[*ids[-(SEQ // 2 - 1) :], 299]]))[0, -1]  # the half window ends with the new id
+    assert torch.allclose(both[0], want, atol=1e-4)
+    assert torch.allclose(both[1], model(torch.tensor([[*ids[:3], 298]]))[0, -1], atol=1e-4)
+
+
 def test_a_plugged_in_model_serves_its_exported_program_by_recompute(mlflow_store):
     from deployments.model_server import ModelServer
 

@@ -179,3 +179,33 @@ def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_
     assert torch.allclose(first, model(torch.tensor([list(b"import o")]))[0], atol=1e-4)
     step = backend.decode([0], [ord("s")])
     assert torch.allclose(step[0], model(torch.tensor([list(b"import os")]))[0, -1], atol=1e-4)
+
+
+def test_a_transformers_model_on_a_tokenizers_ids_trains_and_serves_every_id(mlflow_store):
+    """With a tokenizer's 300 ids (train.vocab_size, as fit_vocabulary sets it) and an embedding padded to 320, the
+    model trains on ids past the 256 bytes, and validation logs, and the endpoint serves, all 300 logits."""
+    import mlflow
+
+    from deployments.kv_cache_hf import CachedCausalLM
+    from deployments.model_server import check_backend, load_backend
+    from training.servable import log_servable_model
+
+    cfg = TrainConfig(seq_len=32, hf_config={**TINY_LLAMA, "vocab_size": 320}, vocab_size=300)
+    torch.manual_seed(0)
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg)
+    ids = torch.randint(256, 300, (2, 9))  # only ids a byte model never sees
+    logits = model(ids[:, :-1])
+    assert logits.shape == (2, 8, 300)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), ids[:, 1:].reshape(-1))
+    loss.backward()
+    assert torch.isfinite(loss) and model.lm.get_input_embeddings().weight.grad[256:300].abs().sum() > 0
+    model.eval().requires_grad_(False)
+    with mlflow.start_run(experiment_id=mlflow_store[1]):
+        uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+    info = mlflow.models.get_model_info(uri)
+    assert info.metadata["vocab_size"] == 300 and info.signature.outputs.inputs[0].shape == (-1, -1, 300)
+    version = mlflow.register_model(uri, "tiny-llama-bpe").version
+    backend = load_backend(f"models:/tiny-llama-bpe/{version}", slots=1)
+    assert isinstance(backend, CachedCausalLM)
+    check_backend(f"models:/tiny-llama-bpe/{version}", model, 32)  # cached decoding of ids up to 299 = forward
+    assert backend.prefill(0, [299, 257, 3]).shape == (3, 300) and backend.decode([0], [298]).shape == (1, 300)
