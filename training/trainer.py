@@ -83,7 +83,8 @@ def fit_vocabulary(cfg: TrainConfig, shards: ShardSet) -> TrainConfig:
     vocabulary) when it is 0; ValueError (one line) when the model's embedding is too small for them.
 
     The built-in GPT embeds cfg.vocab_size ids, and a plug-in factory or LightningModule should read it too. A
-    transformers model's embedding is its config's vocab_size (as transformers fills it in), checked here.
+    transformers model's embedding is its config's vocab_size (as transformers fills it in), checked here; its
+    logits are those of the cfg.vocab_size ids (a padded embedding's extra rows are never predicted).
     """
     from training.model import VOCAB  # torch: only where training runs
 
@@ -95,7 +96,7 @@ def fit_vocabulary(cfg: TrainConfig, shards: ShardSet) -> TrainConfig:
         embeds = embedding_rows(cfg.hf_config) if isinstance(cfg.hf_config, dict) else 0  # inline once loaded
         if embeds < ids:
             raise ValueError(f"train.hf_config vocab_size={embeds}: {source}; the embedding needs at least {ids} rows")
-        return cfg
+        return cfg.model_copy(update={"vocab_size": ids})
     if cfg.vocab_size and cfg.vocab_size < ids:
         raise ValueError(f"train.vocab_size={cfg.vocab_size}: {source}; set it to 0 or at least {ids}")
     return cfg if cfg.vocab_size else cfg.model_copy(update={"vocab_size": ids})

@@ -77,7 +77,7 @@ def test_the_gpts_embedding_is_sized_for_the_shard_sets_ids_before_anything_trai
             "max_position_embeddings": 256,
         }
     )
-    assert fit_vocabulary(llama, text) is llama
+    assert fit_vocabulary(llama, text).vocab_size == 256  # the logits it trains and serves
     with pytest.raises(ValueError, match=r"^train.hf_config vocab_size=256: the shard set's tokenizer has 4096 ids"):
         fit_vocabulary(llama, tokens)
 
@@ -91,8 +91,8 @@ def test_a_transformers_spec_without_vocab_size_embeds_what_transformers_fills_i
     spec |= {"num_attention_heads": 2, "max_position_embeddings": 256}  # no vocab_size: llama's 32000
     llama = TrainConfig(hf_config=spec)
     text = shard_set(tmp_path / "text", n_train=1, n_val=1)
-    assert fit_vocabulary(llama, text) is llama
-    assert fit_vocabulary(llama, text.model_copy(update={"vocab_size": 4096})) is llama
+    assert fit_vocabulary(llama, text).vocab_size == 256  # the logits it trains and serves
+    assert fit_vocabulary(llama, text.model_copy(update={"vocab_size": 4096})).vocab_size == 4096  # of 32000 rows
 
 
 def test_the_data_decided_vocabulary_leaves_the_training_key_as_it_was():
