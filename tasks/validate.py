@@ -4,11 +4,13 @@ registered."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlflow
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
@@ -20,8 +22,8 @@ from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
 from training.evaluate import GateFailed, ValidationResult, held_out_bpb, load_checkpoint_model
-from training.servable import log_servable_model
-from training.trainer import TrainResult
+from training.servable import log_servable_model, vocab_of
+from training.trainer import TrainResult, fit_vocabulary
 
 
 @task(
@@ -42,6 +44,11 @@ def validate_checkpoint(
 ) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
+    A shard set of token ids is scored with its own tokenizer (the summed token NLL over the texts' UTF-8 bytes),
+    so the figure compares with a byte model's on the same held-out texts, and its model is built for the set's
+    ids as the workers built it (trainer.fit_vocabulary). A byte-level champion is scored as bytes; a champion
+    over token ids is refused as a comparison (GateFailed) until the registry carries its tokenizer.
+
     Through `cached()` (as the flows call it) Prefect caches it (tasks/cache.py): a rerun with the same checkpoint
     bytes, data, config and champion gets the recorded result back, pointing at the validation run and logged
     model of the attempt that computed it.
@@ -60,14 +67,25 @@ def validate_checkpoint(
     """
     from deployments.registry import champion_model
 
-    logger = get_run_logger()
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # called as validate_checkpoint.fn(...) outside a run (a unit test, a REPL)
+        logger = logging.getLogger("shardline.validate")
     with stage_run(lineage, "validate_checkpoint") as run_id:
         mlflow.set_tags({TAG_TRAIN_RUN_ID: trained.train_run_id, TAG_CHECKPOINT_URI: trained.checkpoint_uri})
         mlflow.log_params(flat_params("validation", cfg))
+        train_cfg = fit_vocabulary(train_cfg, shards)  # the model as the workers built it, for the set's ids
         model = load_checkpoint_model(trained.checkpoint_uri, train_cfg)
+        tokenizer = None
+        if shards.tokenizer_uri:
+            from training.tokenizer import load as load_tokenizer
 
-        def score(m: Any) -> float:  # the trained nn.Module, or the champion as it is served
-            return held_out_bpb(m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts)
+            tokenizer = load_tokenizer(shards.tokenizer_uri)
+
+        def score(m: Any, tok: Any = tokenizer) -> float:  # the trained nn.Module, or the champion as it is served
+            return held_out_bpb(
+                m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts, tok
+            )
 
         bpb = score(model)
         texts = min(shards.num_val, cfg.max_texts or shards.num_val)
@@ -81,7 +99,12 @@ def validate_checkpoint(
         champion = champion_model(lineage.tracking_uri, registry.model_name) if registry else None
         if champion is not None:
             champion_version, champion_model_obj = champion
-            champion_bpb = score(champion_model_obj)
+            if vocab_of(champion_model_obj, train_cfg.seq_len) != 256:
+                raise GateFailed(
+                    f"champion v{champion_version} predicts token ids, not bytes: comparing against it needs its "
+                    "tokenizer, which the registry does not carry yet"
+                )
+            champion_bpb = score(champion_model_obj, None)  # a byte model: its bits on the same texts
             mlflow.log_metric("champion_val_bits_per_byte", champion_bpb)
             mlflow.set_tag("shardline.champion_version", champion_version)
             limit = cfg.max_regression_vs_champion
