@@ -15,6 +15,7 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.model_server import check_backend
+from infra.names import TAG_TOKENIZER_SHA256
 from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
@@ -22,7 +23,7 @@ from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
 from training.evaluate import GateFailed, ValidationResult, held_out_bpb, load_checkpoint_model
-from training.servable import log_servable_model, vocab_of
+from training.servable import log_servable_model, served_tokenizer, vocab_of
 from training.trainer import TrainResult, fit_vocabulary
 
 
@@ -45,9 +46,10 @@ def validate_checkpoint(
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
     A shard set of token ids is scored with its own tokenizer (the summed token NLL over the texts' UTF-8 bytes),
-    so the figure compares with a byte model's on the same held-out texts, and its model is built for the set's
-    ids as the workers built it (trainer.fit_vocabulary). A byte-level champion is scored as bytes; a champion
-    over token ids is refused as a comparison (GateFailed) until the registry carries its tokenizer.
+    so the figure compares with a byte model's on the same held-out texts; its model is built for the set's ids as
+    the workers built it (trainer.fit_vocabulary) and logged with the tokenizer inside it. The champion is scored
+    the same way with the tokenizer its version carries (none: bytes), so a BPE challenger and a byte-level
+    champion are judged on the same texts.
 
     Through `cached()` (as the flows call it) Prefect caches it (tasks/cache.py): a rerun with the same checkpoint
     bytes, data, config and champion gets the recorded result back, pointing at the validation run and logged
@@ -81,6 +83,7 @@ def validate_checkpoint(
             from training.tokenizer import load as load_tokenizer
 
             tokenizer = load_tokenizer(shards.tokenizer_uri)
+            mlflow.set_tag(TAG_TOKENIZER_SHA256, shards.tokenizer_sha256)
 
         def score(m: Any, tok: Any = tokenizer) -> float:  # the trained nn.Module, or the champion as it is served
             return held_out_bpb(
@@ -97,14 +100,15 @@ def validate_checkpoint(
         )
         champion_version, champion_bpb = None, None
         champion = champion_model(lineage.tracking_uri, registry.model_name) if registry else None
-        if champion is not None:
+        if champion is not None and registry is not None:
             champion_version, champion_model_obj = champion
-            if vocab_of(champion_model_obj, train_cfg.seq_len) != 256:
+            champion_tok = served_tokenizer(f"models:/{registry.model_name}/{champion_version}")
+            if champion_tok is None and vocab_of(champion_model_obj, train_cfg.seq_len) != 256:
                 raise GateFailed(
-                    f"champion v{champion_version} predicts token ids, not bytes: comparing against it needs its "
-                    "tokenizer, which the registry does not carry yet"
+                    f"champion v{champion_version} predicts token ids but carries no tokenizer: it cannot be "
+                    "scored on the held-out texts"
                 )
-            champion_bpb = score(champion_model_obj, None)  # a byte model: its bits on the same texts
+            champion_bpb = score(champion_model_obj, champion_tok)  # its own ids (or bytes), the same texts
             mlflow.log_metric("champion_val_bits_per_byte", champion_bpb)
             mlflow.set_tag("shardline.champion_version", champion_version)
             limit = cfg.max_regression_vs_champion
@@ -129,6 +133,7 @@ def validate_checkpoint(
             train_cfg.seq_len,
             factory=train_cfg.model_factory,
             train_config=train_cfg.model_dump(mode="json"),
+            tokenizer_json=tokenizer.to_str() if tokenizer is not None else "",
         )
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)

@@ -29,6 +29,9 @@ from training.evaluate import NotServable
 
 # metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
 EAGER_FACTORY = "eager_factory"
+# metadata[TOKENIZER] of a model over a tokenizer's ids: {"file": its tokenizer.json in the model, "sha256"}
+TOKENIZER = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
 EAGER_STATE_FILE = "state_dict.pt"
 EAGER_CODE = Path(__file__).with_name("eager_pyfunc.py")
 # TrainConfig keys an eager form leaves out: where the first weights came from does not rebuild the model
@@ -71,7 +74,22 @@ def _requirements() -> list[str]:
     return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
 
 
-def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int) -> str:
+def _tokenizer_file(tmp: str, tokenizer_json: str) -> str:
+    """The tokenizer written where a logged model's files are gathered; '' without one."""
+    if not tokenizer_json:
+        return ""
+    path = Path(tmp) / TOKENIZER_FILE
+    path.write_text(tokenizer_json, encoding="utf-8")
+    return str(path)
+
+
+def _tokenizer_metadata(tokenizer_json: str, folder: str) -> dict:
+    from training.tokenizer import fingerprint_json
+
+    return {TOKENIZER: {"file": f"{folder}/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}}
+
+
+def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
     """The model as a pt2 program (batch and time dynamic). The built-in GPT also gets its weights as an extra file
     and metadata[EAGER_METADATA] = {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot
     carry a KV cache, so serving rebuilds the eager model from them and decodes incrementally."""
@@ -82,15 +100,17 @@ def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int) -> str:
 
     metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
     with tempfile.TemporaryDirectory() as tmp:
-        extra_files = None
+        extra_files = [f] if (f := _tokenizer_file(tmp, tokenizer_json)) else []
+        if f:
+            metadata |= _tokenizer_metadata(tokenizer_json, "extra_files")
         if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
             save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
-            extra_files = [str(Path(tmp) / EAGER_WEIGHTS_FILE)]
+            extra_files.append(str(Path(tmp) / EAGER_WEIGHTS_FILE))
             # mlflow copies extra files to extra_files/<name> inside the logged model
             metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
         elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
             save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
-            extra_files = [str(Path(tmp) / EAGER_HF_FILE)]
+            extra_files.append(str(Path(tmp) / EAGER_HF_FILE))
             metadata[EAGER_HF] = {"config": model.spec, "weights": f"extra_files/{EAGER_HF_FILE}", "vocab": model.vocab}
         info = mlflow.pytorch.log_model(
             model.eval(),
@@ -99,14 +119,21 @@ def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int) -> str:
             signature=_signature(vocab),
             input_example=example_ids(seq_len).numpy(),
             metadata=metadata,
-            extra_files=extra_files,
+            extra_files=extra_files or None,
             pip_requirements=_requirements(),
         )
     return info.model_uri
 
 
 def _log_eager(
-    model: nn.Module, seq_len: int, name: str, factory: str, train_config: dict, why: str, vocab: int
+    model: nn.Module,
+    seq_len: int,
+    name: str,
+    factory: str,
+    train_config: dict,
+    why: str,
+    vocab: int,
+    tokenizer_json: str = "",
 ) -> str:
     """The model as its weights plus what rebuilds it (factory and TrainConfig), as a models-from-code pyfunc."""
     import mlflow
@@ -119,10 +146,18 @@ def _log_eager(
         info = mlflow.pyfunc.log_model(
             name=name,
             python_model=str(EAGER_CODE),
-            artifacts={"weights": str(weights)},
+            artifacts={
+                "weights": str(weights),
+                **({"tokenizer": tok} if (tok := _tokenizer_file(tmp, tokenizer_json)) else {}),
+            },
             model_config={"factory": factory, "train_config": train_config},
             signature=_signature(vocab),
-            metadata={"seq_len": seq_len, "vocab_size": vocab, EAGER_FACTORY: spec},
+            metadata={
+                "seq_len": seq_len,
+                "vocab_size": vocab,
+                EAGER_FACTORY: spec,
+                **(_tokenizer_metadata(tokenizer_json, "artifacts") if tokenizer_json else {}),
+            },
             pip_requirements=_requirements(),
         )
     return info.model_uri
@@ -138,7 +173,12 @@ def _discard(model_uri: str) -> None:
 
 
 def log_servable_model(
-    model: nn.Module, seq_len: int, name: str = "model", factory: str = "", train_config: dict | None = None
+    model: nn.Module,
+    seq_len: int,
+    name: str = "model",
+    factory: str = "",
+    train_config: dict | None = None,
+    tokenizer_json: str = "",
 ) -> str:
     """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
     every serving shape, and return its models:/ URI: the pt2 program when it serves, else the eager form
@@ -148,6 +188,9 @@ def log_servable_model(
     Args:
         factory, train_config: `train.model_factory` and the TrainConfig (as JSON) that rebuild the model; without
             them only the pt2 form is tried.
+        tokenizer_json: the tokenizer whose ids the model predicts ('' for bytes): logged inside the model, with
+            metadata["tokenizer"] naming the file and its fingerprint, so a version carries what decodes it
+            (`served_tokenizer`).
 
     Raises:
         NotServable: neither form answers at every serving shape (naming the factory, the shape and the cause).
@@ -158,8 +201,14 @@ def log_servable_model(
     except Exception as e:  # noqa: BLE001 - a model that fails on the example cannot serve in any form
         shape = tuple(example_ids(seq_len).shape)
         raise NotServable(f"{who}the model fails on the example input {list(shape)}: {first_line(e)}") from None
+    if tokenizer_json:
+        from training.tokenizer import Tokenizer
+
+        ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+        if ids > vocab:
+            raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
     try:
-        uri = _log_pt2(model, seq_len, name, vocab)
+        uri = _log_pt2(model, seq_len, name, vocab, tokenizer_json)
     except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
         why = f"torch.export failed: {first_line(e)}"
     else:
@@ -171,7 +220,7 @@ def log_servable_model(
             why = str(e).removeprefix(who)
     if not factory or train_config is None:
         raise NotServable(f"{who}{why}")
-    uri = _log_eager(model, seq_len, name, factory, train_config, why, vocab)
+    uri = _log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json)
     try:
         check_servable(uri, model, seq_len, factory)
     except NotServable:
@@ -210,6 +259,25 @@ def model_file(model_uri: str, relative: str) -> str:
 
     root = ModelsArtifactRepository.get_underlying_uri(model_uri)
     return str(mlflow.artifacts.download_artifacts(artifact_uri=f"{root.rstrip('/')}/{relative}"))
+
+
+def served_tokenizer(model_uri: str) -> Any:
+    """The tokenizer a logged model predicts the ids of (a `tokenizers.Tokenizer`), or None for a byte model.
+
+    Raises:
+        ValueError: the file in the model is not the tokenizer its metadata fingerprints (one line).
+    """
+    import mlflow
+
+    spec = (mlflow.models.get_model_info(model_uri).metadata or {}).get(TOKENIZER)
+    if not spec:
+        return None
+    from training.tokenizer import fingerprint_json, load
+
+    path = model_file(model_uri, spec["file"])
+    if fingerprint_json(Path(path).read_text(encoding="utf-8")) != spec["sha256"]:
+        raise ValueError(f"{model_uri}: {spec['file']} is not the tokenizer sha256 {spec['sha256'][:12]} it names")
+    return load(path)
 
 
 def load_served_model(model_uri: str) -> Any:

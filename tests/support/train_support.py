@@ -111,11 +111,11 @@ class ByteGRU(nn.Module):
     """A byte-level GRU: causal, but torch.export specialises its sequence length to the example's, so it is
     served eagerly (training.servable)."""
 
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, vocab: int = 256) -> None:
         super().__init__()
-        self.emb = nn.Embedding(256, d)
+        self.emb = nn.Embedding(vocab, d)
         self.rnn = nn.GRU(d, d, batch_first=True)
-        self.head = nn.Linear(d, 256)
+        self.head = nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(self.emb(idx))
@@ -123,7 +123,7 @@ class ByteGRU(nn.Module):
 
 
 def build_byte_gru(cfg) -> nn.Module:
-    return ByteGRU(cfg.d_model)
+    return ByteGRU(cfg.d_model, cfg.vocab_size or 256)  # a factory reads train.vocab_size: a tokenizer's ids
 
 
 def reversed_blocks(records, seq_len: int, batch_size: int):

@@ -15,10 +15,10 @@ from training.servable import check_servable, eager_spec, log_servable_model, se
 class Causal(nn.Module):
     """A tiny causal byte model whose exported program keeps batch and time dynamic."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 256) -> None:
         super().__init__()
-        self.emb = nn.Embedding(256, 16)
-        self.head = nn.Linear(16, 256)
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(x))
@@ -126,3 +126,36 @@ def test_validation_scores_the_champions_exported_program_like_the_eager_model(m
     assert eager_spec(_logged(model, 32)) is None  # export captures it: the pt2 program is what serves
     texts = [b"def main():\n    return 0\n" * 5, b"import os"]
     assert bits_per_byte(exported, texts, 32) == pytest.approx(bits_per_byte(model, texts, 32), rel=1e-5)
+
+
+def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlflow_store):
+    """The pt2 program and the eager form both carry the tokenizer their ids come from, fingerprinted; a byte model
+    carries none."""
+    import mlflow
+
+    from training import tokenizer as tk
+    from training.config import TrainConfig
+    from training.servable import served_tokenizer
+
+    tok = tk.train_bpe([b"def main():\n    return 0\n" * 20, b"import os\nimport sys\n" * 20], 270)
+    program = _logged_with(Causal(tok.get_vocab_size()), tok.to_str())
+    cfg = TrainConfig(seq_len=32, d_model=16, vocab_size=300, model_factory="support.train_support:build_byte_gru")
+    gru = build_byte_gru(cfg).eval().requires_grad_(False)
+    eager = _logged_with(gru, tok.to_str(), cfg.model_factory, cfg.model_dump(mode="json"))
+    assert eager_spec(program) is None and eager_spec(eager) is not None
+    for uri in (program, eager):
+        assert served_tokenizer(uri).to_str() == tok.to_str()
+        meta = mlflow.models.get_model_info(uri).metadata["tokenizer"]
+        assert meta["sha256"] == tk.fingerprint(tok) and meta["file"].endswith("/tokenizer.json")
+    assert served_tokenizer(_logged(Causal(), 32)) is None
+    with pytest.raises(NotServable, match=r"^the tokenizer has 270 ids but the model predicts 256$"):
+        _logged_with(Causal(), tok.to_str())  # an id the model has no logit for could never be scored or sampled
+
+
+def _logged_with(model: nn.Module, tokenizer_json: str, factory: str = "", train_config: dict | None = None) -> str:
+    import mlflow
+
+    with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("shardline-test").experiment_id):
+        return log_servable_model(
+            model.eval(), 32, factory=factory, train_config=train_config, tokenizer_json=tokenizer_json
+        )

@@ -1,6 +1,6 @@
 """validate_checkpoint on a shard set of token ids (a real MLflow store, a real DCP checkpoint, no Ray): the model
 is built for the set's ids, scored in bits per byte of the set's texts with its tokenizer, compared with a byte-level
-champion on the same texts, and logged for all its logits."""
+champion on the same texts, logged for all its logits with its tokenizer, and, promoted, scored with that tokenizer."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from training import checkpoint as ck
 from training import tokenizer as tk
 from training.config import TrainConfig, ValidationConfig
 from training.data import build_shards
-from training.evaluate import GateFailed, held_out_bpb, load_checkpoint_model
+from training.evaluate import held_out_bpb, load_checkpoint_model
 from training.loop import build_optimizer
 from training.model import build_gpt
 from training.parallelize import parallelize
-from training.servable import log_servable_model
+from training.servable import log_servable_model, served_tokenizer
 from training.trainer import TrainResult, fit_vocabulary
 
 CFG = TrainConfig(workers=1, seq_len=16, n_layer=1, n_head=2, d_model=16)
@@ -89,10 +89,13 @@ def test_a_token_model_is_scored_per_byte_against_a_byte_champion_on_the_same_te
     # logged for the endpoint with every one of its 300 logits, and the rebuild config sized for them
     assert mlflow.models.get_model_info(result.model_uri).metadata["vocab_size"] == 300
 
-    # a champion over token ids cannot be compared without its tokenizer: refused in one line, nothing logged
+    # the version carries its tokenizer: promoted, it is scored with it against the next challenger
+    assert served_tokenizer(result.model_uri).to_str() == tok.to_str()
+    assert run.data.tags["shardline.tokenizer_sha256"] == shards.tokenizer_sha256
     client = client_for(mlflow_store[0])
     client.set_registered_model_alias(
         NAME, "champion", register_version(client, NAME, result.model_uri, result.validation_run_id)
     )
-    with pytest.raises(GateFailed, match=r"^champion v2 predicts token ids, not bytes: .*tokenizer"):
-        validate_checkpoint.fn(VAL, CFG, trained, shards, lineage_for("against-tokens"), registry)
+    again = validate_checkpoint.fn(VAL, CFG, trained, shards, lineage_for("against-tokens"), registry)
+    assert again.champion_version == "2"
+    assert again.champion_val_bits_per_byte == pytest.approx(result.val_bits_per_byte, rel=1e-5)  # the same model
