@@ -57,20 +57,8 @@ lint: install-test
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Two pytest processes side by side: the processes and stack tiers (CLI children and whole `shardline up` stacks,
-# each on its own $SHARDLINE_HOME and free-picked ports: nothing they start is shared with the other tiers) beside
-# the unit, integration and flows tiers. Those tests wait on servers more than they compute, so the suite takes
-# ~2/3 of its serial time on 2 cores (README "Tests"). The side run's output follows the main one's and stays in
-# $(SIDE_LOG); either run failing fails `make test`.
-SIDE_TIERS := tests/processes tests/stack
-SIDE_LOG   ?= .pytest-side.log
 test: install-test test-system
-	@$(BIN)/python -m pytest $(SIDE_TIERS) -p no:cacheprovider > $(SIDE_LOG) 2>&1 & side=$$!; \
-	trap 'kill $$side 2>/dev/null' INT TERM; \
-	$(BIN)/python -m pytest tests $(SIDE_TIERS:%=--ignore=%); main=$$?; \
-	wait $$side; side_rc=$$?; \
-	echo "======== side run: $(SIDE_TIERS) (log: $(SIDE_LOG)), exit $$side_rc ========"; cat $(SIDE_LOG); \
-	test $$main -eq 0 && test $$side_rc -eq 0
+	$(BIN)/python -m pytest tests
 
 # The unit tier alone (pure logic: no server, no Ray, no subprocess), in a few minutes.
 test-fast: install-test
