@@ -21,24 +21,25 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from deployments.codec import BYTES, ByteCodec, TokenCodec
 from deployments.generation import Completion
 
 
 class Backend(Protocol):
     """What the engine needs from a model: per-slot prefill and a batched one-token decode."""
 
-    model: Callable[[torch.Tensor], torch.Tensor]  # [B, T] byte ids -> [B, T, 256] logits (scoring, health)
+    model: Callable[[torch.Tensor], torch.Tensor]  # [B, T] ids -> [B, T, vocab] logits (scoring, health)
     seq_len: int
     slots: int
 
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor: ...  # [T, 256] logits of the last seq_len
+    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor: ...  # [T, vocab] logits of the last seq_len
 
-    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor: ...  # [B, 256] next-token logits
+    def decode(self, slots: list[int], tokens: list[int]) -> torch.Tensor: ...  # [B, vocab] next-token logits
 
 
 class Recompute:
-    """Any causal [B, T] -> [B, T, 256] model (an exported pt2 program): each decode step runs every slot's
-    last seq_len bytes, right-padded to the longest, as one batch; a row's logits are read at its own last
+    """Any causal [B, T] -> [B, T, vocab] model (an exported pt2 program): each decode step runs every slot's
+    last seq_len ids, right-padded to the longest, as one batch; a row's logits are read at its own last
     position, which causal attention keeps independent of the padding after it."""
 
     def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], seq_len: int, slots: int) -> None:
@@ -82,8 +83,8 @@ class Engine:
     row in a step that was already computing.
     """
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend, codec: ByteCodec | TokenCodec = BYTES) -> None:
+        self.backend, self.codec = backend, codec  # the codec turns a prompt's text into the model's ids
         self.free = list(range(backend.slots))[::-1]
         self.waiting: deque[_Request] = deque()
         self.running: dict[int, _Request] = {}
@@ -102,7 +103,7 @@ class Engine:
         return await future
 
     async def stream(self, prompt: bytes, completion: Completion) -> AsyncGenerator[dict[str, Any], None]:
-        """{"bits", "bytes"} of the prompt's own bytes first, then `completion`'s events as they are decoded.
+        """{"bits", "bytes"} of the prompt's own text first, then `completion`'s events as they are decoded.
 
         The prompt's bits come from the prefill's logits when the prompt fits the window (training.bpb's windows
         are then the generation context); a longer prompt is scored separately, as training.bpb scores it.
@@ -215,15 +216,18 @@ class Engine:
 
     def _prefill(self, req: _Request) -> tuple[dict[str, Any], torch.Tensor]:
         assert req.slot is not None
-        logits = self.backend.prefill(req.slot, list(req.prompt))
-        if len(req.prompt) <= self.backend.seq_len:
-            target = torch.tensor(list(req.prompt[1:]), dtype=torch.long)
+        ids, predicted = self.codec.scored(req.prompt)  # the bytes every id but the first covers
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens: nothing to condition on")
+        logits = self.backend.prefill(req.slot, ids)
+        if len(ids) <= self.backend.seq_len:
+            target = torch.tensor(ids[1:], dtype=torch.long)
             nats = float(F.cross_entropy(logits[:-1].float(), target, reduction="sum")) if len(target) else 0.0
-            head = {"bits": nats / math.log(2), "bytes": len(target)}
+            head = {"bits": nats / math.log(2), "bytes": predicted}
         else:
-            from training.bpb import text_bits
+            from training.bpb import token_bits
 
-            bits, n = text_bits(self.backend.model, req.prompt, self.backend.seq_len)
+            bits, n = token_bits(self.backend.model, ids, predicted, self.backend.seq_len)
             head = {"bits": bits, "bytes": n}
         return head, logits[-1]
 

@@ -5,8 +5,10 @@
 runs the model drives it: `generate` (a plain generator that recomputes the window for every byte) or
 deployments.engine (KV cache, batched decode steps), so a whole completion and a stream share one code path.
 Text that could still turn out to be the start of a stop string is held back until it cannot; the stop string
-itself is never returned (OpenAI's behaviour). The model takes [B, T] byte ids and returns [B, T, 256] logits; the
-context is the last `seq_len` bytes (a longer prompt is truncated on the left, as the README documents).
+itself is never returned (OpenAI's behaviour). The model takes [B, T] ids and returns [B, T, vocab] logits: bytes,
+or a tokenizer's ids through the version's codec (deployments.codec: each id decodes to its bytes, so the UTF-8
+and stop-string holdback is the same); the context is the last `seq_len` ids (a longer prompt is truncated on the
+left, as the README documents).
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from typing import Any
 
 import torch
 
+from deployments.codec import BYTES, ByteCodec, TokenCodec
 
-def token_text(token: int) -> str:
-    """How a byte token reads in `logprobs`: the character when it is one on its own, else `bytes:\\xNN`."""
-    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+Codec = ByteCodec | TokenCodec
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
@@ -42,27 +43,28 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen
     return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
 
 
-def top_entries(logprobs: torch.Tensor, k: int) -> dict[str, float]:
+def top_entries(logprobs: torch.Tensor, k: int, codec: Codec = BYTES) -> dict[str, float]:
     if k <= 0:
         return {}
     values, ids = torch.topk(logprobs, k)
-    return {token_text(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
+    return {codec.label(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
 
 
 def prompt_logprobs(
-    model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, k: int
+    model: Callable[[torch.Tensor], torch.Tensor], prompt: bytes, seq_len: int, k: int, codec: Codec = BYTES
 ) -> list[tuple[float | None, dict[str, float] | None]]:
-    """(logprob, top-k) of each prompt byte under the model, None for the first (never predicted); the same
-    windows as bits per byte, so a byte's logprob here is the one it is scored with."""
+    """(logprob, top-k) of each prompt token (byte, or tokenizer id) under the model, None for the first (never
+    predicted); the same windows as bits per byte, so a token's logprob here is the one it is scored with."""
     out: list[tuple[float | None, dict[str, float] | None]] = [(None, None)]
+    ids = codec.encode(prompt)
     with torch.no_grad():
-        for start in range(0, max(0, len(prompt) - 1), seq_len):
-            window = torch.tensor(list(prompt[start : start + seq_len + 1]), dtype=torch.long)
+        for start in range(0, max(0, len(ids) - 1), seq_len):
+            window = torch.tensor(ids[start : start + seq_len + 1], dtype=torch.long)
             if len(window) < 2:
                 break
             lp = torch.log_softmax(model(window[None, :-1])[0].float(), -1)
             for t, target in enumerate(window[1:].tolist()):
-                out.append((float(lp[t, target]), top_entries(lp[t], k)))
+                out.append((float(lp[t, target]), top_entries(lp[t], k, codec)))
     return out
 
 
@@ -103,14 +105,16 @@ class Completion:
         seed: int | None = None,
         stop: list[str] | None = None,
         logprobs: int | None = None,
+        codec: Codec = BYTES,
     ) -> None:
+        self.codec = codec  # what each id stands for: a byte, or a tokenizer's piece of text
         self.max_tokens, self.temperature, self.top_k, self.top_p = max_tokens, temperature, top_k, top_p
         self.logprobs = logprobs
         self.gen = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.scanner = _StopScanner(stop or [])
         self.text, self.emitted = "", 0  # decoded completion so far; how much of it has been yielded
-        self.pending: list[tuple[int, float, dict[str, float]]] = []  # decoded, not yet emitted (logprobs)
+        self.pending: list[tuple[str, float, dict[str, float]]] = []  # decoded, not yet emitted (logprobs)
         self.tokens = 0
         self.finish: str | None = None if max_tokens > 0 else "length"
 
@@ -120,14 +124,15 @@ class Completion:
         return self.finish is not None
 
     def step(self, logits: torch.Tensor) -> tuple[int, list[dict[str, Any]]]:
-        """The next token picked from `logits` (one position's [256]) and the pieces now safe to emit."""
+        """The next token picked from `logits` (one position's [vocab]) and the pieces now safe to emit."""
         logits = logits.float()
         token = pick(logits, self.temperature, self.top_k, self.top_p, self.gen)
         self.tokens += 1
         if self.logprobs is not None:
             lp = torch.log_softmax(logits, -1)
-            self.pending.append((token, float(lp[token]), top_entries(lp, self.logprobs)))
-        self.text += self.decoder.decode(bytes([token]))
+            label = self.codec.label(token)
+            self.pending.append((label, float(lp[token]), top_entries(lp, self.logprobs, self.codec)))
+        self.text += self.decoder.decode(self.codec.piece(token))
         out: list[dict[str, Any]] = []
         cut = self.scanner.find(self.text)
         if cut >= 0:
@@ -167,6 +172,7 @@ def generate(
     stop: list[str] | None = None,
     logprobs: int | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    codec: Codec = BYTES,
 ) -> Iterator[dict[str, Any]]:
     """Events of one completion: {"text", "logprobs"} pieces, then {"finish_reason", "tokens"}.
 
@@ -175,8 +181,8 @@ def generate(
     alternatives to the pieces. `should_stop` is asked before every decode step (a client that went away ends the
     generation at once).
     """
-    completion = Completion(max_tokens, temperature, top_k, top_p, seed, stop, logprobs)
-    context = torch.tensor(list(prompt[-seq_len:]), dtype=torch.long)
+    completion = Completion(max_tokens, temperature, top_k, top_p, seed, stop, logprobs, codec)
+    context = torch.tensor(codec.encode(prompt)[-seq_len:], dtype=torch.long)
     with torch.no_grad():
         while not completion.done:
             if should_stop():
@@ -188,13 +194,13 @@ def generate(
     yield from completion.close()
 
 
-def _piece(text: str, pending: list[tuple[int, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:
+def _piece(text: str, pending: list[tuple[str, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:
     if logprobs is None:
         return {"text": text, "logprobs": None}
     return {
         "text": text,
         "logprobs": {
-            "tokens": [token_text(t) for t, _, _ in pending],
+            "tokens": [label for label, _, _ in pending],
             "token_logprobs": [lp for _, lp, _ in pending],
             "top_logprobs": [top for _, _, top in pending],
         },
@@ -212,6 +218,14 @@ def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0) -> dict
     position = offset
     for token in out["tokens"]:
         out["text_offset"].append(position)
-        # a character starts at an ASCII byte or a UTF-8 lead byte; continuation bytes add none
-        position += 1 if not token.startswith("bytes:") or int(token[-2:], 16) >= 0xC0 else 0
+        position += _characters_started(token)
     return out
+
+
+def _characters_started(label: str) -> int:
+    """Characters a token's label starts in the text: its length, or for raw bytes (`bytes:\\xNN...`) the ASCII
+    and UTF-8 lead bytes among them (continuation bytes start none)."""
+    if not label.startswith("bytes:"):
+        return len(label)
+    raw = bytes(int(h, 16) for h in label.removeprefix("bytes:").split("\\x")[1:])
+    return sum(1 for b in raw if b < 0x80 or b >= 0xC0)

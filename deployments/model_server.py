@@ -17,6 +17,8 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
+from deployments.codec import BYTES, ByteCodec, TokenCodec, codec_for
+
 SCORE_BATCH = 16  # texts scored in one batched forward at most
 SCORE_WAIT_S = 0.002  # how long the first text of a batch waits for others
 SLOTS = 8  # completions decoded together (serve_build.build_app admits 8 requests at a time per replica)
@@ -99,22 +101,30 @@ def check_backend(model_uri: str, model: Any, seq_len: int, steps: int = 6) -> N
 
 
 def score_many(
-    model: Callable[[Any], Any], texts: list[bytes], seq_len: int, batch_size: int = SCORE_BATCH
+    model: Callable[[Any], Any],
+    texts: list[bytes],
+    seq_len: int,
+    batch_size: int = SCORE_BATCH,
+    codec: ByteCodec | TokenCodec = BYTES,
 ) -> list[tuple[float, int]]:
-    """(bits, predicted bytes) of each text over training.bpb's windows; windows of equal length, from any of the
-    texts, run as one batch (per-row sums, so each text gets its own bits)."""
+    """(bits, predicted bytes) of each text over training.bpb's windows of its ids (bytes, or the codec's
+    tokenizer ids, whose predicted bytes are those every id but the first covers); windows of equal length, from
+    any of the texts, run as one batch (per-row sums, so each text gets its own bits)."""
     import torch
     import torch.nn.functional as F
 
-    from training.bpb import LN2, windows
+    from training.bpb import LN2, token_windows
 
     groups: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+    counts = []
     for i, text in enumerate(texts):
-        for window in windows(text, seq_len):
+        ids, predicted = codec.scored(text)
+        counts.append(predicted)
+        for window in token_windows(ids, seq_len):
             groups[len(window)].append((i, window))
-    bits, counts = [0.0] * len(texts), [0] * len(texts)
+    bits = [0.0] * len(texts)
     with torch.no_grad():
-        for length, items in groups.items():
+        for items in groups.values():
             for start in range(0, len(items), batch_size):
                 chunk = items[start : start + batch_size]
                 seqs = torch.stack([w for _, w in chunk])
@@ -122,7 +132,6 @@ def score_many(
                 nats = F.cross_entropy(logits.transpose(1, 2), seqs[:, 1:], reduction="none").sum(1)
                 for (i, _), n in zip(chunk, nats.tolist(), strict=True):
                     bits[i] += n / LN2
-                    counts[i] += length - 1
     return list(zip(bits, counts, strict=True))
 
 
@@ -153,11 +162,15 @@ class ModelServer:
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
         self.version = version
-        self.backend = load_backend(f"models:/{model_name}/{version}", slots)
+        from training.servable import served_tokenizer
+
+        uri = f"models:/{model_name}/{version}"
+        self.backend = load_backend(uri, slots)
+        self.codec = codec_for(served_tokenizer(uri))  # text <-> ids: bytes, or the version's own tokenizer
         self.model, self.seq_len = self.backend.model, self.backend.seq_len
         # False: a program or eager model, recomputed each step
         self.kv_cache = isinstance(self.backend, CachedGPT) or getattr(self.backend, "kv_cache", False)
-        self.engine = Engine(self.backend)
+        self.engine = Engine(self.backend, self.codec)
         self.score_batch = score_batch
         if score_batch > 1:
             from ray import serve
@@ -166,9 +179,10 @@ class ModelServer:
         else:
             self._score = self._score_one
         # the first calls are slow: not on a request
-        score_many(self.model, [bytes(i % 256 for i in range(2 * self.seq_len + 3))], self.seq_len)
-        self.backend.prefill(0, list(b"warm"))
-        self.backend.decode([0], [32])
+        warm = b"def warm(up):\n    return up\n" * max(1, self.seq_len // 8)  # UTF-8: any codec reads it
+        score_many(self.model, [warm], self.seq_len, codec=self.codec)
+        self.backend.prefill(0, self.codec.encode(b"warm up"))
+        self.backend.decode([0], self.codec.encode(b" ")[:1])
 
     def describe(self) -> dict[str, Any]:
         """The replica's version and process id (tests check that a weight change restarts no replica)."""
@@ -182,7 +196,7 @@ class ModelServer:
             self.model(torch.zeros(1, 1, dtype=torch.long))
 
     async def _score_texts(self, texts: list[bytes]) -> list[tuple[float, int]]:
-        return await self.engine.run(score_many, self.model, texts, self.seq_len, self.score_batch)
+        return await self.engine.run(score_many, self.model, texts, self.seq_len, self.score_batch, self.codec)
 
     async def _score_one(self, text: bytes) -> tuple[float, int]:
         return (await self._score_texts([text]))[0]
@@ -217,6 +231,7 @@ class ModelServer:
             params.get("seed"),
             params.get("stop") or [],
             k,
+            self.codec,
         )
         async with aclosing(self.engine.stream(prompt, completion)) as events:
             async for event in events:
@@ -230,8 +245,10 @@ class ModelServer:
                     }
                     if params.get("echo") and k is not None:
                         head["prompt_logprobs"] = await self.engine.run(
-                            prompt_logprobs, self.model, prompt, self.seq_len, k
+                            prompt_logprobs, self.model, prompt, self.seq_len, k, self.codec
                         )
+                        if not isinstance(self.codec, ByteCodec):  # the router labels bytes itself
+                            head["prompt_tokens"] = [self.codec.label(i) for i in self.codec.encode(prompt)]
                     yield head
                     continue
                 if "finish_reason" in event:

@@ -20,13 +20,15 @@ from deployments.router_config import VERSION_HEADER, Job
 
 
 def prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
-    from deployments.generation import token_text
+    """The echoed prompt's logprobs: the replica's labels of its prompt tokens (a tokenizer's ids), else the
+    prompt's bytes."""
+    from deployments.codec import byte_label
 
     scored = head.get("prompt_logprobs")
     if scored is None:
         return None
     return {
-        "tokens": [token_text(b) for b in head["prompt"]],
+        "tokens": head.get("prompt_tokens") or [byte_label(b) for b in head["prompt"]],
         "token_logprobs": [lp for lp, _ in scored],
         "top_logprobs": [top for _, top in scored],
     }

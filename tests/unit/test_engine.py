@@ -9,8 +9,9 @@ from contextlib import aclosing
 import pytest
 import torch
 
+from deployments.codec import byte_label as token_text
 from deployments.engine import Engine, Recompute
-from deployments.generation import Completion, generate, merge_logprobs, token_text
+from deployments.generation import Completion, generate, merge_logprobs
 from deployments.kv_cache import CachedGPT
 from deployments.model_server import score_many
 from training.bpb import text_bits

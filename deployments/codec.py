@@ -1,0 +1,107 @@
+"""How a served model's ids meet text: bytes are their own ids (`BYTES`), a tokenizer's ids go through the
+tokenizer.json the model version carries (`TokenCodec`, training.servable.served_tokenizer).
+
+The engine and generation work on bytes: every id decodes to the bytes it stands for (`piece`), and those bytes go
+through one incremental UTF-8 decoder, so a character split across ids, and a stop string split across them, are
+held back exactly as they are for a byte model. Scoring counts the UTF-8 bytes the predicted ids cover
+(training.tokenizer.predicted), so bits per byte is one scale for every model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def byte_label(token: int) -> str:
+    """How a byte reads in `logprobs`: the character when it is one on its own, else `bytes:\\xNN`."""
+    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
+
+class ByteCodec:
+    """A byte-level model: its ids are the text's bytes."""
+
+    vocab = 256
+
+    def encode(self, text: bytes) -> list[int]:
+        return list(text)
+
+    def scored(self, text: bytes) -> tuple[list[int], int]:
+        """The ids of `text` and how many bytes a model predicts of them (all but the first)."""
+        return list(text), max(0, len(text) - 1)
+
+    def piece(self, token: int) -> bytes:
+        return bytes([token])
+
+    def label(self, token: int) -> str:
+        return byte_label(token)
+
+
+BYTES = ByteCodec()
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-character map reversed: a byte-level BPE writes byte b as the character this maps to b."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(visible), 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
+
+
+class TokenCodec:
+    """A model over a tokenizer's ids. Each id's bytes are read once: for a byte-level BPE exactly, from its token
+    string; for another tokenizer, from decoding the id alone. Added (special) tokens stand for no text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from tokenizers import decoders
+
+        self.tokenizer = tokenizer
+        self.vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        table = _byte_level_table() if byte_level else {}
+        self.pieces: list[bytes] = []
+        for i in range(self.vocab):
+            token = tokenizer.id_to_token(i)
+            if token is None or token in special:
+                self.pieces.append(b"")
+            elif byte_level and all(c in table for c in token):
+                self.pieces.append(bytes(table[c] for c in token))
+            else:
+                self.pieces.append(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+
+    def encode(self, text: bytes) -> list[int]:
+        return self.scored(text)[0]
+
+    def scored(self, text: bytes) -> tuple[list[int], int]:
+        """The ids of `text` and the UTF-8 bytes every id but the first covers.
+
+        Raises:
+            ValueError: the text is not UTF-8 (a tokenizer reads characters).
+        """
+        from training.tokenizer import predicted
+
+        try:
+            return predicted(self.tokenizer, text)
+        except UnicodeDecodeError as e:
+            why = f"the text is not UTF-8 (byte {e.start}): this model's tokenizer reads characters"
+            raise ValueError(why) from None
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token] if 0 <= token < len(self.pieces) else b""
+
+    def label(self, token: int) -> str:
+        """The id's text when its bytes are whole characters, else its bytes as `bytes:\\xNN...` (OpenAI's form)."""
+        raw = self.piece(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def codec_for(tokenizer: Any) -> ByteCodec | TokenCodec:
+    """The codec of a model version: its tokenizer's, or bytes when it carries none."""
+    return BYTES if tokenizer is None else TokenCodec(tokenizer)

@@ -1,0 +1,112 @@
+"""A model over a tokenizer's ids on the endpoint's code path: text in (prompt ids, scored bytes), text out (each
+id's bytes through the same UTF-8 and stop-string holdback as a byte model), the same numbers as training.bpb."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from contextlib import aclosing
+
+import pytest
+import torch
+
+from deployments.codec import BYTES, TokenCodec, codec_for
+from deployments.engine import Engine, Recompute
+from deployments.generation import Completion, generate, merge_logprobs
+from deployments.kv_cache import CachedGPT
+from deployments.model_server import score_many
+from training import tokenizer as tk
+from training.bpb import token_bits
+from training.model import GPT
+
+SEQ = 32
+TEXTS = [
+    "def main():\n    return 0\n",
+    "import os\nimport sys\n",
+    "café, naïve, déjà vu — ½ ✓\n",
+    "for i in range(10):\n    print(i)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def codec() -> TokenCodec:
+    tok = tk.train_bpe([t.encode() * 30 for t in TEXTS], 300)
+    return TokenCodec(tok)
+
+
+def _gpt(vocab: int) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(SEQ, n_layer=2, n_head=2, d_model=32, vocab=vocab).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # sharper logits: greedy choices are not near-ties
+    return model
+
+
+def test_every_id_decodes_to_its_bytes_and_the_pieces_rebuild_any_text(codec):
+    assert codec_for(None) is BYTES and codec.vocab == 300
+    for text in [*TEXTS, "ünïcødé ☃ outside the training texts 🙂\n"]:
+        ids, predicted = codec.scored(text.encode())
+        assert b"".join(codec.piece(i) for i in ids) == text.encode()
+        assert predicted == len(text.encode()) - len(codec.piece(ids[0]))  # every id but the first
+    # an id whose bytes end inside a character reads as raw bytes, as OpenAI's logprobs write them
+    partial = next(i for i in range(codec.vocab) if codec.piece(i) == "é".encode()[:1])
+    assert codec.label(partial) == "bytes:\\xc3"
+    with pytest.raises(ValueError, match=r"^the text is not UTF-8 \(byte 1\)"):
+        codec.scored(b"a\xff")
+
+
+def test_scores_and_prompt_bits_are_training_bpbs_on_the_tokenizers_ids(codec):
+    model = _gpt(codec.vocab)
+    texts = [t.encode() * 3 for t in TEXTS]  # longer than the window: several windows each
+    for (bits, n), text in zip(score_many(model, texts, SEQ, codec=codec), texts, strict=True):
+        ids, predicted = codec.scored(text)
+        want_bits, want_n = token_bits(model, ids, predicted, SEQ)
+        assert n == want_n == predicted and math.isclose(bits, want_bits, rel_tol=1e-5)
+
+    async def head(prompt: bytes) -> dict:
+        engine = Engine(CachedGPT(model, slots=1), codec)
+        async with aclosing(engine.stream(prompt, Completion(0))) as events:
+            return [e async for e in events][0]
+
+    for prompt in (TEXTS[2].encode(), TEXTS[0].encode() * 4):  # inside the window, and longer than it
+        ids, predicted = codec.scored(prompt)
+        got = asyncio.run(head(prompt))
+        assert got["bytes"] == predicted
+        assert math.isclose(got["bits"], token_bits(model, ids, predicted, SEQ)[0], rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cached", "recompute"])
+def test_completions_decode_the_ids_to_text_as_recomputing_does(codec, backend):
+    model = _gpt(codec.vocab)
+    made = CachedGPT(model, slots=2) if backend == "cached" else Recompute(model, SEQ, slots=2)
+
+    async def complete(prompt: bytes, n: int, stop: list[str] | None = None) -> tuple[str, list[str], str]:
+        completion = Completion(n, temperature=0.0, stop=stop, logprobs=1, codec=codec)
+        async with aclosing(Engine(made, codec).stream(prompt, completion)) as events:
+            out = [e async for e in events]
+        text = "".join(e["text"] for e in out if "text" in e)
+        return text, merge_logprobs([e["logprobs"] for e in out if "text" in e])["tokens"], out[-1]["finish_reason"]
+
+    prompt = "café = ".encode()
+    text, tokens, finish = asyncio.run(complete(prompt, 12))
+    events = list(generate(model, prompt, SEQ, 12, temperature=0.0, logprobs=1, codec=codec))
+    assert text == "".join(e["text"] for e in events if "text" in e) and finish == "length"
+    assert tokens == merge_logprobs([e["logprobs"] for e in events if "text" in e])["tokens"]
+    # the text is exactly the 12 ids' bytes, decoded as one UTF-8 stream (a broken character reads U+FFFD)
+    assert len(tokens) == 12 and text == b"".join(map(_label_bytes, tokens)).decode("utf-8", errors="replace")
+    # a stop string is found in the decoded text and never returned, whatever ids it was split across
+    if len(text) > 3:
+        stopped, _, why = asyncio.run(complete(prompt, 12, stop=[text[2:4]]))
+        assert why == "stop" and stopped == text[:2]
+
+
+def _label_bytes(label: str) -> bytes:
+    if label.startswith("bytes:"):
+        return bytes(int(h, 16) for h in label.removeprefix("bytes:").split("\\x")[1:])
+    return label.encode()
+
+
+def test_text_offsets_count_the_characters_a_token_starts():
+    pieces = [{"tokens": ["def", " main", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2\\x9c", "bytes:\\x93"]}]
+    pieces[0] |= {"token_logprobs": [0.0] * 6, "top_logprobs": [{}] * 6}
+    assert merge_logprobs(pieces, offset=10)["text_offset"] == [10, 13, 18, 19, 19, 20]
