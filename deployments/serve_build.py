@@ -30,6 +30,7 @@ _CODE_FILES = (
     "deployments/kv_cache.py",
     "deployments/kv_cache_hf.py",
     "deployments/generation.py",
+    "deployments/codec.py",
     "deployments/openai_api.py",
     "deployments/http_io.py",
     "deployments/evidence.py",
@@ -38,6 +39,7 @@ _CODE_FILES = (
     "training/model.py",
     "training/hf_model.py",
     "training/servable.py",
+    "training/tokenizer.py",
 )
 
 
