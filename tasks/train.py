@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import cast
 from uuid import UUID
@@ -142,8 +141,7 @@ def train_fsdp(
                     init.checkpoint_uri if init else "",
                     cluster.network_env,
                 )
-                while not future.done():
-                    time.sleep(POLL_S)
+                while not wait([future], timeout=POLL_S).done:  # returns as soon as fit() does
                     step = logged_step(lineage.tracking_uri, run_id)
                     update_progress_artifact(progress, min(100.0, 100.0 * step / cfg.steps))
                 result = future.result()
