@@ -1,5 +1,5 @@
 """`shardline up --backend postgresql://...`: MLflow's store and Prefect's database on one PostgreSQL server
-(separate databases, created), and three pipeline runs at once against it."""
+(separate databases, created), and two pipeline runs at once against it."""
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ def postgres():
     server.stop()
 
 
-def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
+def test_stack_on_postgresql_runs_two_pipelines_at_once(postgres, tmp_path):
     import psycopg2
 
     env = stack_env(tmp_path / "home")
     serve_port = free_port()
     # No endpoint, Prometheus or deployments: this test is about the backend (serving is the other stack tests'), and
-    # on 2 cores three releases into a live endpoint cost more than the three runs' database traffic proves.
+    # on 2 cores releases into a live endpoint cost more than the runs' database traffic proves.
     extra = ["--backend", postgres, "--set", "stack.deploy=false", "--set", "stack.endpoint=false"]
     up = shardline(up_args("stack-pg", [*extra, "--set", "stack.prometheus=false"], serve_port=serve_port), env)
     try:
@@ -43,8 +43,9 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
         assert report["prefect"]["database"].startswith("postgresql://shardline@127.0.0.1:")
         assert report["mlflow"]["backend"].endswith("/shardline_mlflow")
 
-        # Three `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases
-        # of one model serialising is the release lock's test; these register three models side by side.)
+        # Two `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases of
+        # one model serialising is the release lock's test; these register two models side by side.) Two writers
+        # are what makes SQLite answer "database is locked"; a third cost ~100 s on 2 cores and proved nothing more.
         cmd = [
             SHARDLINE,
             "run",
@@ -69,7 +70,7 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for i in range(3)
+            for i in range(2)
         ]
         outs = [p.communicate(timeout=900) for p in procs]
         for p, (_out, err) in zip(procs, outs, strict=False):
@@ -77,7 +78,7 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
             assert "database is locked" not in err
         summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
         assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == [
-            (f"stack-pg-{i}", "1", "first-champion") for i in range(3)
+            (f"stack-pg-{i}", "1", "first-champion") for i in range(2)
         ]
 
         # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
@@ -86,7 +87,7 @@ def test_stack_on_postgresql_runs_three_pipelines_at_once(postgres, tmp_path):
             cur.execute("SELECT value FROM tags WHERE key = 'shardline.prefect_flow_run_id'")
             mlflow_flow_runs = {row[0] for row in cur.fetchall()}
             cur.execute("SELECT name FROM model_versions WHERE name LIKE 'stack-pg-%' ORDER BY name")
-            assert [row[0] for row in cur.fetchall()] == ["stack-pg-0", "stack-pg-1", "stack-pg-2"]
+            assert [row[0] for row in cur.fetchall()] == ["stack-pg-0", "stack-pg-1"]
         with psycopg2.connect(dbname="shardline_prefect", **base) as conn, conn.cursor() as cur:
             cur.execute("SELECT id::text FROM flow_run WHERE state_type = 'COMPLETED'")
             prefect_flow_runs = {row[0] for row in cur.fetchall()}
