@@ -7,9 +7,18 @@ import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 from support.requires import missing
-from support.stack_support import REPO, assert_completed, deployment, prefect_api, runs_of, wait_for_run
+from support.stack_support import (
+    REPO,
+    assert_completed,
+    deployment,
+    mlflow_runs_of_flow_run,
+    prefect_api,
+    runs_of,
+    wait_for_run,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
@@ -86,4 +95,35 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
         filter_string=f"tags.`shardline.prefect_flow_run_id` = '{run_id}' and tags.`shardline.stage` = 'train_fsdp'",
     )[0]
     assert train_run.data.params["train.steps"] == str(STEPS)
+
+    # A manual run on the worker lands in the stack (this was a second, REST-created run of its own until a CI run
+    # timed out; the UI's Custom run is the same flow run on the same worker): the MLflow server holds the run tree of
+    # this flow run, the parent and one child per stage...
+    runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run_id)
+    assert {r.data.tags.get("shardline.stage") for r in runs} == {
+        "pipeline",
+        "shard_dataset",
+        "provision_cluster",
+        "train_fsdp",
+        "validate_checkpoint",
+        "promote_model",
+        "canary_deploy",
+    }
+    parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
+    # ...the code that ran is the deployed commit, from the run's clone...
+    assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]
+    # ...what it made is under the stack's $SHARDLINE_HOME, which outlives the run's temporary clone...
+    home = stack["home"]
+    assert any((home / "shards").rglob("manifest.json"))
+    assert any((home / "checkpoints").iterdir())
+    # ...and its version is the champion the stack's endpoint serves.
+    champion = client.get_model_version_by_alias("stack-ui", "champion")
+    assert champion.tags["shardline.prefect_flow_run_id"] == run_id
+    endpoint = stack["status"].get("endpoint")
+    if endpoint is not None:
+        served = httpx.post(
+            f"{endpoint['url']}/v1/score", json={"model": "stack-ui", "text": "def f(x):\n    return x\n"}, timeout=60
+        )
+        assert served.status_code == 200, served.text
+        assert served.json()["model_version"] == champion.version
     assert Path(ARTIFACTS / "prefect-ui-custom-run.png").stat().st_size > 10_000

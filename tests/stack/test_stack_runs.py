@@ -1,16 +1,15 @@
-"""Deployments that really run: the stack's worker executes runs started the ways users start them (REST/UI
-"Custom run", the schedule, a dataset event) and they write to the stack's MLflow server and $SHARDLINE_HOME."""
+"""Deployments that really run: the stack's worker executes runs started the ways users start them (the schedule, a
+dataset event; the UI's "Custom run" is tests/stack/test_stack_browser.py's, with what such a run leaves in the stack's
+MLflow server and $SHARDLINE_HOME) and they write to the stack's MLflow server."""
 
 from __future__ import annotations
 
 import datetime as dt
 import time
 
-import httpx
 import pytest
 from support.stack_support import (
     assert_completed,
-    create_run,
     deployment,
     mlflow_runs_of_flow_run,
     prefect_api,
@@ -21,48 +20,6 @@ from support.stack_support import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RUN_TIMEOUT_S = 420
-
-
-def test_manual_custom_run_completes_on_the_worker_and_lands_in_the_stack(stack):
-    api = stack["api"]
-    manual = deployment(api, "shardline/manual")
-    run = create_run(api, manual["id"], {"config": stack["config"]("stack-test")})
-    done = wait_for_run(api, run["id"], RUN_TIMEOUT_S, stack["log"])
-    assert_completed(done, stack["log"])
-    assert done["parameters"]["config"]["train"]["steps"] == 10
-
-    # The MLflow server holds the run tree of this flow run: the parent and one child per stage.
-    runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run["id"])
-    stages = {r.data.tags.get("shardline.stage") for r in runs}
-    assert stages == {
-        "pipeline",
-        "shard_dataset",
-        "provision_cluster",
-        "train_fsdp",
-        "validate_checkpoint",
-        "promote_model",
-        "canary_deploy",
-    }
-    parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
-    # ...and the code that ran is the deployed commit, from the run's clone.
-    assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]
-    # What it made is under the stack's $SHARDLINE_HOME, which outlives the run's temporary clone.
-    home = stack["home"]
-    assert any((home / "shards").rglob("manifest.json"))
-    assert any((home / "checkpoints").iterdir())
-    import mlflow
-
-    champion = mlflow.MlflowClient(
-        stack["tracking_uri"], registry_uri=stack["tracking_uri"]
-    ).get_model_version_by_alias("stack-test", "champion")
-    assert champion.tags["shardline.prefect_flow_run_id"] == run["id"]
-    endpoint = stack["status"].get("endpoint")
-    if endpoint is not None:  # the endpoint part (issue 7's serving app) serves the new champion
-        served = httpx.post(
-            f"{endpoint['url']}/v1/score", json={"model": "stack-test", "text": "def f(x):\n    return x\n"}, timeout=60
-        )
-        assert served.status_code == 200, served.text
-        assert served.json()["model_version"] == champion.version
 
 
 def test_nightly_schedule_creates_cron_runs_and_the_worker_runs_one_moved_near(stack):
