@@ -20,6 +20,8 @@ from support.stack_support import (
     wait_for_run,
 )
 
+from infra.tracking import STAGES
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
 # Debian's build, headless; no Playwright browser download, no calls home.
@@ -100,15 +102,7 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
     # timed out; the UI's Custom run is the same flow run on the same worker): the MLflow server holds the run tree of
     # this flow run, the parent and one child per stage...
     runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run_id)
-    assert {r.data.tags.get("shardline.stage") for r in runs} == {
-        "pipeline",
-        "shard_dataset",
-        "provision_cluster",
-        "train_fsdp",
-        "validate_checkpoint",
-        "promote_model",
-        "canary_deploy",
-    }
+    assert {r.data.tags.get("shardline.stage") for r in runs} == {"pipeline", *STAGES}
     parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
     # ...the code that ran is the deployed commit, from the run's clone...
     assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]

@@ -61,16 +61,17 @@ def test_stack_on_postgresql_runs_two_pipelines_at_once(postgres, tmp_path):
             "--set",
             "canary.enabled=false",
         ]
+        models = [f"stack-pg-{i}" for i in range(2)]
         procs = [
             subprocess.Popen(
-                [*cmd, "--set", f"registry.model_name=stack-pg-{i}"],
+                [*cmd, "--set", f"registry.model_name={model}"],
                 env=env,
                 cwd=REPO,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for i in range(2)
+            for model in models
         ]
         outs = [p.communicate(timeout=900) for p in procs]
         for p, (_out, err) in zip(procs, outs, strict=False):
@@ -78,7 +79,7 @@ def test_stack_on_postgresql_runs_two_pipelines_at_once(postgres, tmp_path):
             assert "database is locked" not in err
         summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
         assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == [
-            (f"stack-pg-{i}", "1", "first-champion") for i in range(2)
+            (model, "1", "first-champion") for model in models
         ]
 
         # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
@@ -87,7 +88,7 @@ def test_stack_on_postgresql_runs_two_pipelines_at_once(postgres, tmp_path):
             cur.execute("SELECT value FROM tags WHERE key = 'shardline.prefect_flow_run_id'")
             mlflow_flow_runs = {row[0] for row in cur.fetchall()}
             cur.execute("SELECT name FROM model_versions WHERE name LIKE 'stack-pg-%' ORDER BY name")
-            assert [row[0] for row in cur.fetchall()] == ["stack-pg-0", "stack-pg-1"]
+            assert [row[0] for row in cur.fetchall()] == models
         with psycopg2.connect(dbname="shardline_prefect", **base) as conn, conn.cursor() as cur:
             cur.execute("SELECT id::text FROM flow_run WHERE state_type = 'COMPLETED'")
             prefect_flow_runs = {row[0] for row in cur.fetchall()}
