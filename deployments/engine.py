@@ -103,7 +103,8 @@ class Engine:
         return await future
 
     async def stream(self, prompt: bytes, completion: Completion) -> AsyncGenerator[dict[str, Any], None]:
-        """{"bits", "bytes"} of the prompt's own text first, then `completion`'s events as they are decoded.
+        """{"bits", "bytes", "prompt_ids"} of the prompt's own text first, then `completion`'s events as they are
+        decoded.
 
         The prompt's bits come from the prefill's logits when the prompt fits the window (training.bpb's windows
         are then the generation context); a longer prompt is scored separately, as training.bpb scores it.
@@ -229,7 +230,7 @@ class Engine:
 
             bits, n = token_bits(self.backend.model, ids, predicted, self.backend.seq_len)
             head = {"bits": bits, "bytes": n}
-        return head, logits[-1]
+        return head | {"prompt_ids": len(ids)}, logits[-1]  # usage.prompt_tokens: the model's ids, not bytes
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:

@@ -213,9 +213,10 @@ class ModelServer:
         }
 
     async def complete_stream(self, prompt: bytes, params: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """Events of one completion: {"version", "bits", "bytes", "bpb", "prompt_logprobs"} first (the prompt
-        scored with its own bytes as labels), then generation's pieces {"text", "logprobs"}, then
-        {"finish_reason", "tokens", "latency_ms"}. Closing the stream (a client went away) frees its slot at once.
+        """Events of one completion: {"version", "bits", "bytes", "bpb", "prompt_ids", "prompt_logprobs"} first (the
+        prompt scored with its own bytes as labels; prompt_ids counts its ids), then generation's pieces {"text",
+        "logprobs"}, then {"finish_reason", "tokens", "latency_ms"}. Closing the stream (a client went away) frees
+        its slot at once.
 
         params: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, echo (OpenAI's meanings).
         """
@@ -242,6 +243,7 @@ class ModelServer:
                         "bits": bits,
                         "bytes": n,
                         "bpb": bits / n if n else None,
+                        "prompt_ids": int(event["prompt_ids"]),  # the prompt's length in the model's ids
                     }
                     if params.get("echo") and k is not None:
                         head["prompt_logprobs"] = await self.engine.run(

@@ -106,7 +106,8 @@ class RouterStreams:
             finished = True
             yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield oai.sse(oai.usage_chunk(cid, model, version, len(prompt), int(served.get("tokens", 0))))
+                used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
+                yield oai.sse(oai.usage_chunk(cid, model, version, *used))
         finally:
             if not finished:  # the client went away (or the replica failed): stop generating now
                 stream.cancel()

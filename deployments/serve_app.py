@@ -326,7 +326,7 @@ class Router(EvidenceRecorder, RouterStreams):
             served["version"],
             prompt + served["text"],
             served["finish_reason"],
-            len(job.text),
+            int(served.get("prompt_ids", len(job.text))),  # a replica of older code counted no ids
             int(served["tokens"]),
             logprobs,
             served["bpb"],

@@ -71,7 +71,7 @@ def test_scores_and_prompt_bits_are_training_bpbs_on_the_tokenizers_ids(codec):
     for prompt in (TEXTS[2].encode(), TEXTS[0].encode() * 4):  # inside the window, and longer than it
         ids, predicted = codec.scored(prompt)
         got = asyncio.run(head(prompt))
-        assert got["bytes"] == predicted
+        assert got["bytes"] == predicted and got["prompt_ids"] == len(ids)  # usage.prompt_tokens counts the ids
         assert math.isclose(got["bits"], token_bits(model, ids, predicted, SEQ)[0], rel_tol=1e-4)
 
 

@@ -53,6 +53,7 @@ def test_cached_greedy_equals_recompute_greedy_within_the_window():
     assert end == {"finish_reason": "length", "tokens": SEQ - len(prompt) + 1}
     bits, n = text_bits(model, prompt, SEQ)  # the head's bits come from the prefill, same windows as bpb
     assert head["bytes"] == n == len(prompt) - 1 and math.isclose(head["bits"], bits, rel_tol=1e-5)
+    assert head["prompt_ids"] == len(prompt)  # a byte model's ids are the prompt's bytes
 
 
 @pytest.mark.parametrize("backend", ["cached", "recompute"])
