@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from infra.names import TAG_TOKENIZER_SHA256
 from infra.tracking import (
     TAG_CHECKPOINT_URI,
     TAG_DATA_RUN_ID,
@@ -53,6 +54,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "status": "rejected" if "rejected" in tags else "ok",
         "dataset_digest": tags.get(TAG_DATASET_DIGEST, ""),
         "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
+        "tokenizer_sha256": tags.get(TAG_TOKENIZER_SHA256, ""),  # "" for bytes: what turned the texts into ids
         "data_run_id": data_run_id,
         "train_run_id": mv.run_id or "",
         "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),

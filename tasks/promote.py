@@ -18,6 +18,7 @@ from deployments.registry import (
     register_version,
     version_tags,
 )
+from infra.names import TAG_TOKENIZER_SHA256
 from infra.tracking import (
     TAG_DATASET_DIGEST,
     TAG_MODEL_URI,
@@ -67,7 +68,10 @@ def promote_model(
             model_uri=validated.model_uri,
             data_run_id=shards.data_run_id,
             manifest_uri=shards.manifest_uri,
-            extra={"shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}"},
+            extra={
+                "shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}",
+                TAG_TOKENIZER_SHA256: shards.tokenizer_sha256,  # "" (bytes) is left out; the model carries the file
+            },
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)
         decision = decide_promotion(cfg.model_name, version, read_aliases(client, cfg.model_name))

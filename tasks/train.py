@@ -90,7 +90,7 @@ def train_fsdp(
         # the fabric the workers were told to use: a slow or hung run is often a network profile mismatch
         mlflow.set_tag(TAG_NETWORK, cluster.network)
         mlflow.log_params({f"network.{k}": v for k, v in cluster.network_env.items()})
-        init = resume.resolve_init_from(cfg.init_from, model_name, lineage.tracking_uri)
+        init = resume.resolve_init_from(cfg.init_from, model_name, lineage.tracking_uri, shards.tokenizer_sha256)
         if init is not None:  # against the model as the workers will build it, sized for the set's ids
             resume.check_init_checkpoint(init, fit_vocabulary(cfg, shards))
             mlflow.set_tags(

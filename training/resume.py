@@ -22,6 +22,7 @@ from infra.names import (  # noqa: F401 - TAG_* re-exported for the stages that 
     TAG_PARENT,
     TAG_RESUMED_FROM_STEP,
     TAG_REUSED_FROM,
+    TAG_TOKENIZER_SHA256,
     TAG_TRAIN_KEY,
     TAG_TRAIN_REQUEST,
 )
@@ -71,11 +72,18 @@ def training_key(request: str, init: InitSource | None) -> str:
     return _digest({"request": request, "init": init.checkpoint_uri if init else ""})
 
 
-def resolve_init_from(spec: str, model_name: str, tracking_uri: str) -> InitSource | None:
+def resolve_init_from(spec: str, model_name: str, tracking_uri: str, tokenizer_sha256: str = "") -> InitSource | None:
     """The checkpoint train.init_from names; None for '' and for 'champion' while the model has no champion.
 
+    `tokenizer_sha256`: the fingerprint of the tokenizer this run's shard set was made with ("" for bytes). A
+    registered version's weights embed the ids of the tokenizer it was tagged with (bytes when untagged), so
+    continuing them on another tokenizer's ids would train on ids that mean something else: refused, also for
+    'champion' (a run that changes its tokenizer starts from scratch, `train.init_from = ''`). A bare checkpoint
+    URI records no tokenizer; only its shapes are checked (check_init_checkpoint).
+
     Raises:
-        CheckpointError: a registry reference that does not exist or whose version records no checkpoint.
+        CheckpointError: a registry reference that does not exist, whose version records no checkpoint, or
+            whose tokenizer is not this run's.
     """
     from training.checkpoint import CheckpointError
 
@@ -103,9 +111,20 @@ def resolve_init_from(spec: str, model_name: str, tracking_uri: str) -> InitSour
     checkpoint = (mv.tags or {}).get(TAG_CHECKPOINT_URI, "")
     if not checkpoint:
         raise CheckpointError(f"train.init_from={spec!r}: {name} version {mv.version} records no {TAG_CHECKPOINT_URI}")
+    theirs = (mv.tags or {}).get(TAG_TOKENIZER_SHA256, "")
+    if theirs != tokenizer_sha256:
+        raise CheckpointError(
+            f"train.init_from={spec!r}: {name} version {mv.version} was trained on "
+            f"{_ids(theirs)}, this run's shard set on {_ids(tokenizer_sha256)}; its weights embed other ids, so "
+            "set train.init_from = '' to start from scratch (or shard with the version's tokenizer)"
+        )
     return InitSource(
         checkpoint_uri=checkpoint, model_version=f"{name}/{mv.version}", label=f"{name} v{mv.version} ({spec})"
     )
+
+
+def _ids(tokenizer_sha256: str) -> str:
+    return f"the ids of tokenizer {tokenizer_sha256[:12]}" if tokenizer_sha256 else "bytes"
 
 
 def _split_models_uri(spec: str) -> tuple[str, str]:

@@ -137,3 +137,40 @@ def test_decisions_and_user_errors_are_not_retried():
     assert should_retry(None, None, Failed(data=CanaryDecided("decided"))) is False
     assert should_retry(None, None, Failed(data=AliasChanged("moved"))) is False
     assert should_retry(None, None, Failed(data=ConnectionError("flaky"))) is True
+
+
+def test_a_version_carries_its_tokenizer_and_only_a_run_on_the_same_ids_continues_its_weights(lineage):
+    """The version's tokenizer fingerprint is a lineage tag, and train.init_from reads it: weights trained on one
+    tokenizer's ids (or on bytes) are never continued on another's, 'champion' included."""
+    import pytest
+    from prefect.logging import disable_run_logger
+
+    from infra.names import TAG_TOKENIZER_SHA256
+    from tasks.promote import promote_model
+    from training.checkpoint import CheckpointError
+    from training.resume import resolve_init_from
+
+    bpe = "ab" * 32
+    validated, trained, shards = _products(lineage, 1)
+    with disable_run_logger():
+        promote_model.fn(
+            RegistryConfig(model_name="m"),
+            validated,
+            trained,
+            shards.model_copy(update={"tokenizer_sha256": bpe}),
+            lineage,
+        )
+    assert client_for(lineage.tracking_uri).get_model_version("m", "1").tags[TAG_TOKENIZER_SHA256] == bpe
+
+    init = resolve_init_from("champion", "m", lineage.tracking_uri, bpe)
+    assert init is not None and (init.checkpoint_uri, init.model_version) == ("/ck/1", "m/1")
+    with pytest.raises(CheckpointError) as e:
+        resolve_init_from("champion", "m", lineage.tracking_uri, "")
+    assert str(e.value) == (
+        "train.init_from='champion': m version 1 was trained on the ids of tokenizer abababababab, this run's shard "
+        "set on bytes; its weights embed other ids, so set train.init_from = '' to start from scratch (or shard "
+        "with the version's tokenizer)"
+    )
+    with pytest.raises(CheckpointError, match=r"^train.init_from='models:/m/1': m version 1 was trained on the ids "):
+        resolve_init_from("models:/m/1", "m", lineage.tracking_uri, "cd" * 32)
+    assert resolve_init_from("", "m", lineage.tracking_uri, "") is None  # from scratch asks nothing of the registry
