@@ -143,11 +143,9 @@ class _StackTable(BaseModel):
 
 
 def load_stack_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, *, shard_only: bool = False
+    path: str | Path | None = None, overrides: list[str] | None = None
 ) -> tuple[StackConfig, PipelineConfig]:
     """The `[stack]` table of a config file (settings of `shardline up`) and the pipeline sections beside it.
-
-    `shard_only`: the config drives the data stage alone (`shardline shard`), so a tokenizer is allowed.
 
     Raises:
         ConfigError: as for load_config, with keys of the stack table named `stack.KEY`.
@@ -161,21 +159,7 @@ def load_stack_config(
     check_no_credentials(config, origin)
     check_remote_storage(config, origin)
     check_serving(config, origin)
-    if not shard_only:
-        check_trains_bytes(config, origin)
     return stack, config
-
-
-def check_trains_bytes(config: PipelineConfig, origin: str = "config") -> None:
-    """ConfigError when a pipeline run is given a tokenizer: the data stage can shard token ids (`shardline
-    shard`), but training, validation, the registry and the endpoint still read and serve bytes, so a run with a
-    tokenizer would train on something other than what its config says. Refused before anything runs."""
-    if config.tokenizer.kind != "bytes":
-        raise ConfigError(
-            f"{origin}: tokenizer.kind={config.tokenizer.kind!r} is for `shardline shard` (a shard set of token "
-            "ids); pipeline runs still train, validate and serve byte-level models, so leave tokenizer.kind = "
-            "'bytes' (the default) for them"
-        )
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:
@@ -215,15 +199,12 @@ def check_remote_storage(config: PipelineConfig, origin: str = "config", trackin
         raise ConfigError(f"{origin}: {e}") from None
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, *, shard_only: bool = False
-) -> PipelineConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
 
     A `[stack]` table is `shardline up`'s; it is checked and set aside, so one file can serve both commands.
-    `shard_only`: for `shardline shard`, which alone may use a tokenizer (check_trains_bytes).
 
     Raises:
         ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
     """
-    return load_stack_config(path, overrides, shard_only=shard_only)[1]
+    return load_stack_config(path, overrides)[1]

@@ -51,9 +51,9 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     with shardline_run(config, "shardline") as run:
         if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
             run.cluster = provision_cluster(config.cluster, run.lineage)
-            shards = shard_dataset(config.data, run.lineage, run.cluster)
+            shards = shard_dataset(config.data, run.lineage, run.cluster, config.tokenizer)
         else:  # independent: the corpus is sharded while Ray starts (on this thread, where Ray wants its driver)
-            sharding = shard_dataset.submit(config.data, run.lineage)
+            sharding = shard_dataset.submit(config.data, run.lineage, tokenizer=config.tokenizer)
             try:
                 run.cluster = provision_cluster(config.cluster, run.lineage)
             finally:

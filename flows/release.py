@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from deployments.release_lock import release_lock
 from flows.config import ConfigError, PipelineConfig
 from flows.run_context import shardline_run
+from infra.names import TAG_TOKENIZER_SHA256
 from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, stage_run
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
@@ -42,28 +43,21 @@ def shard_set_prefix(uri: str) -> str:
     timeout_seconds=OPEN_TIMEOUT_S,
 )
 def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
-    """Open and verify a published shard set; its digest and manifest are tagged on the data child run.
-
-    A set of token ids (`shardline shard` with a [tokenizer]) is refused in one line: validation and the endpoint
-    still score and serve bytes (flows.config.check_trains_bytes says the same of a pipeline run's config).
-    """
+    """Open and verify a published shard set; its digest and manifest (and a set of token ids' tokenizer
+    fingerprint) are tagged on the data child run."""
     import mlflow
 
     from training.data.publish import load_shard_set
 
     with stage_run(lineage, "shard_dataset") as run_id:
         shards = load_shard_set(shard_set_prefix(uri))
-        if shards.tokenizer_sha256:
-            raise ConfigError(
-                f"shard_set {shards.uri}: its records carry token ids (tokenizer {shards.tokenizer_sha256[:12]}); "
-                "releases still validate and serve byte-level models, so give a set built without a tokenizer"
-            )
         mlflow.set_tags(
             {
                 TAG_DATASET_DIGEST: shards.dataset_digest,
                 TAG_MANIFEST_URI: shards.manifest_uri,
                 "shardline.reused_shard_set": "true",
             }
+            | ({TAG_TOKENIZER_SHA256: shards.tokenizer_sha256} if shards.tokenizer_sha256 else {})
         )
     return shards.model_copy(update={"data_run_id": run_id})
 
@@ -74,7 +68,8 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
 
     Args:
         shard_set: prefix ({data.output}/{digest}) or manifest URI of a published shard set.
-        config: the pipeline config; its `data` section is not used.
+        config: the pipeline config; its `data` and `tokenizer` sections are not used (the set's ids are what
+            they are: its own tokenizer travels with it).
     """
     with shardline_run(config, "shardline-release", shard_set=shard_set) as run:
         shards = open_shard_set(shard_set, run.lineage)

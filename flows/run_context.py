@@ -20,7 +20,6 @@ from flows.config import (
     check_no_credentials,
     check_remote_storage,
     check_serving,
-    check_trains_bytes,
 )
 from infra import orphans
 from infra.tracking import TAG_STAGE, Lineage, close_run, open_parent_run, resolve_tracking_uri
@@ -109,8 +108,6 @@ def shardline_run(
         tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
         check_remote_storage(config, origin, tracking_uri)  # before anything is submitted to a remote cluster
         check_serving(config, origin)
-        if name != "shard":
-            check_trains_bytes(config, origin)
         key, run_name, stage = _parent_key(name)
         parent = open_parent_run(tracking_uri, config.registry.experiment, key, run_name)
         if stage != "pipeline":

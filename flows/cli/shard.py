@@ -40,7 +40,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from training.data.build import check_locations
 
     try:
-        config = load_config(args.config, args.set, shard_only=True)
+        config = load_config(args.config, args.set)
         check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
     except (ConfigError, DataError) as e:
         print(f"shardline: {e}", file=sys.stderr)

@@ -316,3 +316,62 @@ def test_two_runs_at_once_release_one_at_a_time(prefect_server, home, s3_server)
             champion = version
     assert str(client.get_model_version_by_alias(name, "champion").version) == champion
     assert httpx.get(f"http://127.0.0.1:{SERVE_PORT}/healthz", timeout=30).json()["champion"] == champion
+
+
+def test_a_run_that_trains_a_bpe_is_judged_against_the_byte_champion_on_live_traffic(prefect_server, home, s3_server):
+    """tokenizer.kind = 'train' in a pipeline run: the data stage learns a 300-id byte-level BPE from the training
+    split and shards its ids; training and validation read them; the version carries the tokenizer; the endpoint
+    serves it and the canary pairs it with the byte-level champion on the same live requests, in bits per byte.
+    From scratch (the champion's weights embed bytes: train.init_from = 'champion' is refused for another
+    tokenizer), with the quality gates opened: this checks the path, not that 30 steps of BPE beat a champion
+    continued several times."""
+    from support.load import Load
+
+    from deployments.lineage import describe_lineage
+    from infra.names import TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
+    from training import tokenizer as tk
+
+    url = f"http://127.0.0.1:{SERVE_PORT}"
+    champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
+    texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]
+    sets = (
+        "tokenizer.kind=train",
+        "tokenizer.vocab_size=300",
+        "train.init_from=",
+        "validation.max_regression_vs_champion=100.0",
+        "canary.max_bpb_regression=4.0",
+    )
+    with Load(url, texts, rps=4.0, max_seconds=900) as load:
+        out, err = _cli_run(prefect_server, home, *sets).communicate(timeout=900)
+        time.sleep(1.0)
+    assert load.answers and not load.failed, load.failed[:5]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["decision"] == "promoted", (summary["reason"], err[-2000:])
+    version = str(summary["model_version"])
+    served = [a.version for a in load.answers]
+    assert served[0] == champion and served[-1] == version and set(served) == {champion, version}
+
+    client = _client(home)
+    children = _children(client, summary["parent_run_id"])
+    data_tags = children["shard_dataset"].data.tags
+    fingerprint = data_tags[TAG_TOKENIZER_SHA256]
+    assert data_tags[TAG_TOKENIZER_TRAINED_ON]  # the text set whose training split it learned from
+    assert children["validate_checkpoint"].data.tags[TAG_TOKENIZER_SHA256] == fingerprint
+    assert client.get_model_version(summary["model_name"], version).tags[TAG_TOKENIZER_SHA256] == fingerprint
+    chain = describe_lineage(summary["model_name"], version, f"sqlite:///{home / 'mlflow.db'}")
+    assert chain["tokenizer_sha256"] == fingerprint and chain["consistent"] is True
+    logged = client.download_artifacts(children["shard_dataset"].info.run_id, "tokenizer/tokenizer.json", str(home))
+    tokenizer = tk.load(logged)
+    assert tk.fingerprint(tokenizer) == fingerprint and tokenizer.get_vocab_size() == 300
+    assert client.get_run(summary["train_run_id"]).data.tags.get("shardline.init_from_version") is None
+
+    # both sides of every pair scored in bits per byte of the same requests: one scale, two vocabularies
+    canary = children["canary_deploy"].data.metrics
+    for pct in (10, 50, 100):
+        assert canary[f"step{pct}.paired"] >= 5
+        assert 0.5 < canary[f"step{pct}.challenger.bpb"] < 9 and 0.5 < canary[f"step{pct}.champion.bpb"] < 9
+    # the endpoint encodes with the version's tokenizer: fewer ids than bytes for indented code
+    prompt = "        return self\n        return self\n"
+    body = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60).json()
+    assert body["model_version"] == version
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt).ids) < len(prompt.encode())

@@ -150,36 +150,13 @@ def test_a_canary_without_the_live_endpoint_is_refused_in_one_line():
     assert not load_config(None, ["serve.enabled=false", "canary.enabled=false"]).serve.enabled
 
 
-def test_a_tokenizer_is_for_the_data_stage_alone_until_training_reads_ids():
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["tokenizer.kind=train"])
-    assert str(e.value) == (
-        "config (with --set): tokenizer.kind='train' is for `shardline shard` (a shard set of token ids); pipeline "
-        "runs still train, validate and serve byte-level models, so leave tokenizer.kind = 'bytes' (the default) "
-        "for them"
-    )
-    cfg = load_config(None, ["tokenizer.kind=train", "tokenizer.vocab_size=512"], shard_only=True)
+def test_a_tokenizer_is_a_pipeline_setting():
+    cfg = load_config(None, ["tokenizer.kind=train", "tokenizer.vocab_size=512"])
     assert (cfg.tokenizer.kind, cfg.tokenizer.vocab_size) == ("train", 512)
     assert load_config(None).tokenizer.kind == "bytes"
 
 
 def test_a_tokenizer_path_with_a_credential_is_refused_masked():
     with pytest.raises(ConfigError) as e:
-        load_config(
-            None, ["tokenizer.kind=file", "tokenizer.path=s3://AKIAEXAMPLE:hunter2@bucket/tok.json"], shard_only=True
-        )
+        load_config(None, ["tokenizer.kind=file", "tokenizer.path=s3://AKIAEXAMPLE:hunter2@bucket/tok.json"])
     assert "tokenizer.path" in str(e.value) and "hunter2" not in str(e.value) and "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize("flow_name", ["shardline", "shardline-release", "shardline-canary"])
-def test_every_flow_refuses_a_tokenizer_before_anything_starts(flow_name, tmp_path, monkeypatch):
-    from flows.run_context import shardline_run
-
-    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path))
-    config = PipelineConfig.model_validate(
-        {"tokenizer": {"kind": "train"}, "canary": {"enabled": False}, "serve": {"enabled": False}}
-    )
-    with pytest.raises(ConfigError, match=r"^flow parameter: tokenizer.kind='train' is for `shardline shard`"):
-        with shardline_run(config, flow_name):
-            pytest.fail("the run started")
-    assert not (tmp_path / "mlflow.db").exists()  # no parent run was opened

@@ -24,20 +24,30 @@ def test_challenge_compares_against_todays_champion():
         challenge("m", "3", {"champion": "3"})
 
 
-def test_a_release_opens_a_text_set_and_refuses_a_set_of_token_ids(tmp_path, lineage, lineage_for, monkeypatch):
+def test_a_release_opens_a_text_set_or_a_set_of_token_ids_and_tags_its_tokenizer(
+    tmp_path, lineage, lineage_for, monkeypatch
+):
+    import mlflow
     from support.data_helpers import config, make_corpus
 
-    from flows.config import ConfigError
     from flows.release import open_shard_set
+    from infra.names import TAG_TOKENIZER_SHA256
     from training import tokenizer as tk
     from training.data import build_shards
 
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
     corpus = make_corpus(tmp_path / "c")
     text = build_shards(config(corpus, tmp_path / "out"))
-    assert open_shard_set.fn(text.manifest_uri, lineage).dataset_digest == text.dataset_digest
+    opened = open_shard_set.fn(text.manifest_uri, lineage)
+    assert opened.dataset_digest == text.dataset_digest and not opened.tokenizer_sha256
+    client = mlflow.MlflowClient(lineage.tracking_uri)
+    assert TAG_TOKENIZER_SHA256 not in client.get_run(opened.data_run_id).data.tags
     tokens = build_shards(
         config(corpus, tmp_path / "out"), tk.train_bpe([corpus.joinpath("a", "doc001.txt").read_bytes()], 300)
     )
-    with pytest.raises(ConfigError, match=r"^shard_set .*: its records carry token ids \(tokenizer [0-9a-f]{12}\)"):
-        open_shard_set.fn(tokens.uri, lineage_for("flow-run-2"))
+    later = lineage_for("flow-run-2")
+    opened = open_shard_set.fn(tokens.uri, later)
+    assert (opened.dataset_digest, opened.vocab_size) == (tokens.dataset_digest, tokens.vocab_size)
+    assert opened.tokenizer_uri and opened.tokenizer_sha256 == tokens.tokenizer_sha256
+    tags = mlflow.MlflowClient(later.tracking_uri).get_run(opened.data_run_id).data.tags
+    assert tags[TAG_TOKENIZER_SHA256] == tokens.tokenizer_sha256
