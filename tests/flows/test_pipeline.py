@@ -27,6 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 SERVE_PORT = free_port()
 SERVE = [f"serve.port={SERVE_PORT}"]
+LLAMA = (  # a debug-sized transformers Llama whose embedding holds a 300-id BPE (TOML inline table for --set)
+    '{model_type = "llama", vocab_size = 300, hidden_size = 64, intermediate_size = 128, num_hidden_layers = 2, '
+    "num_attention_heads = 2, num_key_value_heads = 1, max_position_embeddings = 128, tie_word_embeddings = false}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -318,12 +322,15 @@ def test_two_runs_at_once_release_one_at_a_time(prefect_server, home, s3_server)
     assert httpx.get(f"http://127.0.0.1:{SERVE_PORT}/healthz", timeout=30).json()["champion"] == champion
 
 
-def test_a_run_that_trains_a_bpe_is_judged_against_the_byte_champion_on_live_traffic(prefect_server, home, s3_server):
-    """tokenizer.kind = 'train' in a pipeline run: the data stage learns a 300-id byte-level BPE from the training
-    split and shards its ids; training and validation read them; the version carries the tokenizer; the endpoint
-    serves it and the canary pairs it with the byte-level champion on the same live requests, in bits per byte.
-    From scratch (the champion's weights embed bytes: train.init_from = 'champion' is refused for another
-    tokenizer), with the quality gates opened: this checks the path, not that 30 steps of BPE beat a champion
+def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champion_on_live_traffic(
+    prefect_server, home, s3_server
+):
+    """A team's model and tokenizer in one pipeline run: a transformers Llama (train.hf_config, built from its
+    config) over tokenizer.kind = 'train'. The data stage learns a 300-id byte-level BPE from the training split and
+    shards its ids; training and validation read them; the version carries the tokenizer; the endpoint serves it
+    with transformers' KV cache and the canary pairs it with the byte-level GPT champion on the same live requests,
+    in bits per byte. From scratch (the champion's weights embed bytes: train.init_from = 'champion' is refused for
+    another tokenizer), with the quality gates opened: this checks the path, not that 30 steps beat a champion
     continued several times."""
     from support.load import Load
 
@@ -338,6 +345,7 @@ def test_a_run_that_trains_a_bpe_is_judged_against_the_byte_champion_on_live_tra
         "tokenizer.kind=train",
         "tokenizer.vocab_size=300",
         "train.init_from=",
+        f"train.hf_config={LLAMA}",
         "validation.max_regression_vs_champion=100.0",
         "canary.max_bpb_regression=4.0",
     )
@@ -363,7 +371,9 @@ def test_a_run_that_trains_a_bpe_is_judged_against_the_byte_champion_on_live_tra
     logged = client.download_artifacts(children["shard_dataset"].info.run_id, "tokenizer/tokenizer.json", str(home))
     tokenizer = tk.load(logged)
     assert tk.fingerprint(tokenizer) == fingerprint and tokenizer.get_vocab_size() == 300
-    assert client.get_run(summary["train_run_id"]).data.tags.get("shardline.init_from_version") is None
+    train_run = client.get_run(summary["train_run_id"])
+    assert train_run.data.tags.get("shardline.init_from_version") is None
+    assert "'model_type': 'llama'" in train_run.data.params["train.hf_config"]
 
     # both sides of every pair scored in bits per byte of the same requests: one scale, two vocabularies
     canary = children["canary_deploy"].data.metrics

@@ -61,7 +61,7 @@ def test_two_models_answer_by_model_behind_one_route(world):
     # the official client, streaming included
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     done = client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0)
-    assert done.model == MODELS[0] and done.usage.completion_tokens == 6
+    assert done.model == MODELS[0] and (done.usage.prompt_tokens, done.usage.completion_tokens) == (9, 6)  # bytes
     assert done.choices[0].finish_reason == "length"
     pieces = list(
         client.completions.create(
@@ -74,7 +74,7 @@ def test_two_models_answer_by_model_behind_one_route(world):
         )
     )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
-    assert pieces[-1].usage.completion_tokens == 6 and not pieces[-1].choices
+    assert (pieces[-1].usage.prompt_tokens, pieces[-1].usage.completion_tokens) == (9, 6) and not pieces[-1].choices
     # and with `curl -N` (no buffering), as the README shows it: server-sent events, one chunk per token, then [DONE]
     body = {"model": MODELS[0], "prompt": "import os", "max_tokens": 6, "temperature": 0, "stream": True}
     curl = subprocess.run(
