@@ -335,7 +335,7 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     from support.load import Load
 
     from deployments.lineage import describe_lineage
-    from infra.names import TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
+    from infra.names import TAG_INIT_VERSION, TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
     from training import tokenizer as tk
 
     url = f"http://127.0.0.1:{SERVE_PORT}"
@@ -372,7 +372,7 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     tokenizer = tk.load(logged)
     assert tk.fingerprint(tokenizer) == fingerprint and tokenizer.get_vocab_size() == 300
     train_run = client.get_run(summary["train_run_id"])
-    assert train_run.data.tags.get("shardline.init_from_version") is None
+    assert TAG_INIT_VERSION not in train_run.data.tags
     assert "'model_type': 'llama'" in train_run.data.params["train.hf_config"]
 
     # both sides of every pair scored in bits per byte of the same requests: one scale, two vocabularies

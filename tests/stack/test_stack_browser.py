@@ -20,7 +20,7 @@ from support.stack_support import (
     wait_for_run,
 )
 
-from infra.tracking import STAGES
+from infra.tracking import STAGES, TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_STAGE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"
@@ -102,17 +102,17 @@ def test_custom_run_from_the_ui_form_runs_with_the_edited_steps(stack):
     # timed out; the UI's Custom run is the same flow run on the same worker): the MLflow server holds the run tree of
     # this flow run, the parent and one child per stage...
     runs = mlflow_runs_of_flow_run(stack["tracking_uri"], run_id)
-    assert {r.data.tags.get("shardline.stage") for r in runs} == {"pipeline", *STAGES}
-    parent = next(r for r in runs if r.data.tags["shardline.stage"] == "pipeline")
+    assert {r.data.tags.get(TAG_STAGE) for r in runs} == {"pipeline", *STAGES}
+    parent = next(r for r in runs if r.data.tags[TAG_STAGE] == "pipeline")
     # ...the code that ran is the deployed commit, from the run's clone...
-    assert parent.data.tags["shardline.git_commit"] == stack["status"]["prefect"]["deployed_commit"]
+    assert parent.data.tags[TAG_GIT_COMMIT] == stack["status"]["prefect"]["deployed_commit"]
     # ...what it made is under the stack's $SHARDLINE_HOME, which outlives the run's temporary clone...
     home = stack["home"]
     assert any((home / "shards").rglob("manifest.json"))
     assert any((home / "checkpoints").iterdir())
     # ...and its version is the champion the stack's endpoint serves.
     champion = client.get_model_version_by_alias("stack-ui", "champion")
-    assert champion.tags["shardline.prefect_flow_run_id"] == run_id
+    assert champion.tags[TAG_FLOW_RUN_ID] == run_id
     endpoint = stack["status"].get("endpoint")
     if endpoint is not None:
         served = httpx.post(
