@@ -58,7 +58,7 @@ def main() -> None:
     from infra.tracking import setup_tracking
     from training.bpb import text_bits
     from training.config import load_object
-    from training.servable import log_servable_model
+    from training.servable import load_served_model, log_servable_model
 
     # serve.batch only reads the replica's max_ongoing_requests to warn; there is no replica in this process
     batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None
@@ -71,7 +71,7 @@ def main() -> None:
         train_config = cfg.model_dump(mode="json")
         model_uri = log_servable_model(gpt, cfg.seq_len, factory=cfg.model_factory, train_config=train_config)
     version = register_version(client_for(uri), "bench-generate", model_uri, run.info.run_id)
-    program = mlflow.pytorch.load_model(model_uri, map_location="cpu")  # what served before: pt2, recomputed
+    program = load_served_model(model_uri)  # what served before: the pt2 program, recomputed
     batched = ModelServer("bench-generate", version, uri, threads=args.threads)
     single = ModelServer("bench-generate", version, uri, threads=args.threads, score_batch=1)
     assert batched.kv_cache, f"{type(gpt).__name__} should serve with a KV cache"

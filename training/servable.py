@@ -1,23 +1,25 @@
 """The served form of a trained model: logged to MLflow the way the endpoint loads it, and proven at serving shapes.
 
-Two forms, chosen per model by what works, never by configuration:
-- **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic. Loading it
-  unpickles nothing and needs none of the model's code.
+Every form is registered as one MLflow pyfunc from code (training/text_pyfunc.py: nothing pickled, nothing of
+shardline's imported for a captured model), so `mlflow.pyfunc.load_model(uri).predict(texts)` generates text from
+any Python process, with the model's tokenizer (metadata["tokenizer"]) as an artifact. What it carries is chosen
+per model by what works, never by configuration:
+- **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic, an
+  `mlflow.pytorch` model in the artifact named by metadata["program"]. Loading it unpickles nothing and needs none
+  of the model's code.
 - **eager** (the fallback): when export fails, or its program does not answer at every serving shape (export
   specialised a dimension, as it does for an `nn.GRU`'s sequence length), the model is logged as its weights (plain
   tensors, read back with `weights_only=True`) and the TrainConfig its `train.model_factory` rebuilds it from. The
   factory's code reaches the Serve replicas the way the rest of the code does (the runtime env's PYTHONPATH or
-  working_dir), so this form needs the model's own code wherever it loads. It is an MLflow pyfunc model
-  (models-from-code, training/eager_pyfunc.py: nothing pickled), so `mlflow.pyfunc.load_model` also works.
+  working_dir); a plain process gets it, with shardline's `training` and `infra`, from the model's code_paths.
 
-Either way validation loads the logged form back exactly as serving will (`load_served_model`) and runs it at every
-serving shape against the trained model before anything is registered; a model neither form can serve is
-`NotServable`, and nothing it logged is left behind.
+What each form holds is training/served_forms.py. Either way validation loads the logged form back exactly as
+serving will (`load_served_model`) and runs it at every serving shape against the trained model before anything is
+registered; a model neither form can serve is `NotServable`, and nothing it logged is left behind.
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +28,7 @@ from torch import nn
 
 from infra.redact import first_line
 from training.evaluate import NotServable
-
-# metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
-EAGER_FACTORY = "eager_factory"
-# metadata[TOKENIZER] of a model over a tokenizer's ids: {"file": its tokenizer.json in the model, "sha256"}
-TOKENIZER = "tokenizer"
-TOKENIZER_FILE = "tokenizer.json"
-EAGER_STATE_FILE = "state_dict.pt"
-EAGER_CODE = Path(__file__).with_name("eager_pyfunc.py")
-# TrainConfig keys an eager form leaves out: where the first weights came from does not rebuild the model
-NOT_FOR_REBUILD = ("hf_weights", "init_from")
+from training.served_forms import EAGER_FACTORY, PROGRAM, TOKENIZER, example_ids, log_eager, log_pt2
 
 
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
@@ -43,124 +36,11 @@ def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
     return sorted({(1, 1), (1, 2), (1, max(1, seq_len // 2) + 1), (1, seq_len), (3, 2), (8, seq_len)})
 
 
-def example_ids(seq_len: int) -> torch.Tensor:
-    """The input example a logged model carries: [2, T] ids of real text, B and T > 1 so that torch.export keeps
-    both dimensions dynamic."""
-    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
-    return torch.tensor(list(text), dtype=torch.long).reshape(2, -1)
-
-
 def vocab_of(model: nn.Module, seq_len: int) -> int:
     """The token ids `model` scores: the width of its logits on the example input (256 bytes, or a tokenizer's
     ids). Served inputs are ids below it, and the served form must answer with as many logits."""
     with torch.no_grad():
         return int(model(example_ids(seq_len)).shape[-1])
-
-
-def _signature(vocab: int) -> Any:
-    import numpy as np
-    from mlflow.models import ModelSignature
-    from mlflow.types import Schema, TensorSpec
-
-    return ModelSignature(
-        inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1))]),
-        outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, vocab))]),
-    )
-
-
-def _requirements() -> list[str]:
-    import mlflow
-
-    return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy"]
-
-
-def _tokenizer_file(tmp: str, tokenizer_json: str) -> str:
-    """The tokenizer written where a logged model's files are gathered; '' without one."""
-    if not tokenizer_json:
-        return ""
-    path = Path(tmp) / TOKENIZER_FILE
-    path.write_text(tokenizer_json, encoding="utf-8")
-    return str(path)
-
-
-def _tokenizer_metadata(tokenizer_json: str, folder: str) -> dict:
-    from training.tokenizer import fingerprint_json
-
-    return {TOKENIZER: {"file": f"{folder}/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}}
-
-
-def _log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
-    """The model as a pt2 program (batch and time dynamic). The built-in GPT also gets its weights as an extra file
-    and metadata[EAGER_METADATA] = {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot
-    carry a KV cache, so serving rebuilds the eager model from them and decodes incrementally."""
-    import mlflow
-
-    from training.hf_model import EAGER_HF, EAGER_HF_FILE, CausalLM
-    from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
-
-    metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
-    with tempfile.TemporaryDirectory() as tmp:
-        extra_files = [f] if (f := _tokenizer_file(tmp, tokenizer_json)) else []
-        if f:
-            metadata |= _tokenizer_metadata(tokenizer_json, "extra_files")
-        if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
-            save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
-            extra_files.append(str(Path(tmp) / EAGER_WEIGHTS_FILE))
-            # mlflow copies extra files to extra_files/<name> inside the logged model
-            metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"extra_files/{EAGER_WEIGHTS_FILE}"}
-        elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
-            save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
-            extra_files.append(str(Path(tmp) / EAGER_HF_FILE))
-            metadata[EAGER_HF] = {"config": model.spec, "weights": f"extra_files/{EAGER_HF_FILE}", "vocab": model.vocab}
-        info = mlflow.pytorch.log_model(
-            model.eval(),
-            name=name,
-            serialization_format="pt2",
-            signature=_signature(vocab),
-            input_example=example_ids(seq_len).numpy(),
-            metadata=metadata,
-            extra_files=extra_files or None,
-            pip_requirements=_requirements(),
-        )
-    return info.model_uri
-
-
-def _log_eager(
-    model: nn.Module,
-    seq_len: int,
-    name: str,
-    factory: str,
-    train_config: dict,
-    why: str,
-    vocab: int,
-    tokenizer_json: str = "",
-) -> str:
-    """The model as its weights plus what rebuilds it (factory and TrainConfig), as a models-from-code pyfunc."""
-    import mlflow
-
-    train_config = {k: v for k, v in train_config.items() if k not in NOT_FOR_REBUILD}
-    spec = {"factory": factory, "train_config": train_config, "weights": f"artifacts/{EAGER_STATE_FILE}", "why": why}
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = Path(tmp) / EAGER_STATE_FILE
-        torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, weights)
-        info = mlflow.pyfunc.log_model(
-            name=name,
-            python_model=str(EAGER_CODE),
-            artifacts={
-                "weights": str(weights),
-                **({"tokenizer": tok} if (tok := _tokenizer_file(tmp, tokenizer_json)) else {}),
-            },
-            model_config={"factory": factory, "train_config": train_config},
-            signature=_signature(vocab),
-            metadata={
-                "seq_len": seq_len,
-                "vocab_size": vocab,
-                EAGER_FACTORY: spec,
-                **(_tokenizer_metadata(tokenizer_json, "artifacts") if tokenizer_json else {}),
-            },
-            pip_requirements=_requirements(),
-        )
-    return info.model_uri
 
 
 def _discard(model_uri: str) -> None:
@@ -208,7 +88,7 @@ def log_servable_model(
         if ids > vocab:
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
     try:
-        uri = _log_pt2(model, seq_len, name, vocab, tokenizer_json)
+        uri = log_pt2(model, seq_len, name, vocab, tokenizer_json)
     except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
         why = f"torch.export failed: {first_line(e)}"
     else:
@@ -220,7 +100,7 @@ def log_servable_model(
             why = str(e).removeprefix(who)
     if not factory or train_config is None:
         raise NotServable(f"{who}{why}")
-    uri = _log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json)
+    uri = log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json)
     try:
         check_servable(uri, model, seq_len, factory)
     except NotServable:
@@ -286,10 +166,12 @@ def load_served_model(model_uri: str) -> Any:
     pyfunc is never run here: a store that could rewrite it could make MLflow unpickle instead)."""
     import mlflow
 
-    spec = eager_spec(model_uri)
-    if spec is None:
-        return mlflow.pytorch.load_model(model_uri, map_location="cpu")
-    return build_eager(spec, model_file(model_uri, spec["weights"]))
+    metadata = mlflow.models.get_model_info(model_uri).metadata or {}
+    if spec := metadata.get(EAGER_FACTORY):
+        return build_eager(spec, model_file(model_uri, spec["weights"]))
+    if program := metadata.get(PROGRAM):
+        return mlflow.pytorch.load_model(model_file(model_uri, program), map_location="cpu")
+    return mlflow.pytorch.load_model(model_uri, map_location="cpu")  # registered before the text form
 
 
 def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:

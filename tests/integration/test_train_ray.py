@@ -135,7 +135,7 @@ def test_logged_model_is_pt2_with_dynamic_length(tmp_path):
     import mlflow
 
     from training.model import build_gpt
-    from training.servable import log_servable_model
+    from training.servable import load_served_model, log_servable_model
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'm.db'}")
     exp = mlflow.create_experiment("m", artifact_location=(tmp_path / "art").as_uri())
@@ -147,9 +147,9 @@ def test_logged_model_is_pt2_with_dynamic_length(tmp_path):
     # the built-in GPT also carries its config and weights (tensors only) for the replicas' KV-cached decoding
     assert metadata["eager_gpt"]["config"]["seq_len"] == 32
     local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
-    assert (local / "data" / "model.pt2").is_file()  # torch.export archive, not a pickle
+    assert (local / "artifacts" / "program" / "data" / "model.pt2").is_file()  # torch.export archive, not a pickle
     assert not list(local.rglob("*.pth"))
-    served = mlflow.pytorch.load_model(model_uri)
+    served = load_served_model(model_uri)
     for t in (1, 9, 32):
         x = torch.randint(0, 256, (3, t))
         with torch.no_grad():

@@ -1,0 +1,189 @@
+"""What a registered version holds (training/servable.py decides which form, and proves it): the MLflow pyfunc from
+code of training/text_pyfunc.py over either the model's pt2 program (an `mlflow.pytorch` model in the artifact
+metadata["program"] names) or its eager weights with the code that rebuilds it, plus its tokenizer.json; the
+metadata every consumer reads (seq_len, vocab_size, tokenizer, the eager specs) and the paths it names."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
+EAGER_FACTORY = "eager_factory"
+# metadata[TOKENIZER] of a model over a tokenizer's ids: {"file": its tokenizer.json in the model, "sha256"}
+TOKENIZER = "tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
+EAGER_STATE_FILE = "state_dict.pt"
+TEXT_CODE = Path(__file__).with_name("text_pyfunc.py")
+# metadata[PROGRAM] of a model export captured: the `mlflow.pytorch` pt2 model inside it
+PROGRAM = "program"
+PROGRAM_DIR = "program"
+# TrainConfig keys an eager form leaves out: where the first weights came from does not rebuild the model
+NOT_FOR_REBUILD = ("hf_weights", "init_from")
+
+
+def example_ids(seq_len: int) -> torch.Tensor:
+    """The input example a logged model carries: [2, T] ids of real text, B and T > 1 so that torch.export keeps
+    both dimensions dynamic."""
+    text = b"def main():\n    return 0\n"[: min(16, seq_len)] * 2
+    return torch.tensor(list(text), dtype=torch.long).reshape(2, -1)
+
+
+def _signature(vocab: int) -> Any:
+    """The pt2 program's signature: int64 ids [B, T] in, float32 logits [B, T, vocab] out."""
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    return ModelSignature(
+        inputs=Schema([TensorSpec(np.dtype("int64"), (-1, -1))]),
+        outputs=Schema([TensorSpec(np.dtype("float32"), (-1, -1, vocab))]),
+    )
+
+
+def _text_signature() -> Any:
+    """The registered model's signature (training/text_pyfunc.py): prompts in, completions out, generation params."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),
+        outputs=Schema([ColSpec("string")]),
+        params=ParamSchema(
+            [
+                ParamSpec("max_tokens", "long", 16),
+                ParamSpec("temperature", "double", 0.0),
+                ParamSpec("seed", "long", 0),
+            ]
+        ),
+    )
+
+
+def _requirements(tokenizer_json: str = "") -> list[str]:
+    import mlflow
+
+    pins = [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy", "pandas"]
+    if tokenizer_json:
+        import tokenizers
+
+        pins.append(f"tokenizers=={tokenizers.__version__}")
+    return pins
+
+
+def _tokenizer_file(tmp: str, tokenizer_json: str) -> dict[str, str]:
+    """{"tokenizer": the tokenizer written where a logged model's files are gathered}, or {} without one."""
+    if not tokenizer_json:
+        return {}
+    path = Path(tmp) / TOKENIZER_FILE
+    path.write_text(tokenizer_json, encoding="utf-8")
+    return {"tokenizer": str(path)}
+
+
+def _tokenizer_metadata(tokenizer_json: str) -> dict:
+    from training.tokenizer import fingerprint_json
+
+    if not tokenizer_json:
+        return {}
+    return {TOKENIZER: {"file": f"artifacts/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}}
+
+
+def _log_text_pyfunc(name: str, artifacts: dict[str, str], metadata: dict, config: dict, **kwargs: Any) -> str:
+    """Log the registered form: training/text_pyfunc.py over `artifacts` (pyfunc artifacts land in artifacts/<file
+    name>, which is what `metadata`'s paths name)."""
+    import mlflow
+
+    info = mlflow.pyfunc.log_model(
+        name=name,
+        python_model=str(TEXT_CODE),
+        artifacts=artifacts,
+        model_config=config,
+        signature=_text_signature(),
+        input_example=["def main():"],
+        metadata=metadata,
+        **kwargs,
+    )
+    return info.model_uri
+
+
+def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
+    """The model as a pt2 program (batch and time dynamic), an `mlflow.pytorch` model in the artifact `program`
+    (metadata["program"]). The built-in GPT also gets its weights as an extra file and metadata[EAGER_METADATA] =
+    {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot carry a KV cache, so serving
+    rebuilds the eager model from them and decodes incrementally."""
+    import mlflow
+
+    from training.hf_model import EAGER_HF, EAGER_HF_FILE, CausalLM
+    from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
+
+    metadata: dict = {"seq_len": seq_len, "vocab_size": vocab, PROGRAM: f"artifacts/{PROGRAM_DIR}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        program = str(Path(tmp) / PROGRAM_DIR)
+        mlflow.pytorch.save_model(
+            model.eval(),
+            program,
+            serialization_format="pt2",
+            signature=_signature(vocab),
+            input_example=example_ids(seq_len).numpy(),
+            pip_requirements=_requirements(),
+        )
+        artifacts = {PROGRAM_DIR: program, **_tokenizer_file(tmp, tokenizer_json)}
+        metadata |= _tokenizer_metadata(tokenizer_json)
+        if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
+            save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
+            artifacts["eager_weights"] = str(Path(tmp) / EAGER_WEIGHTS_FILE)
+            metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"artifacts/{EAGER_WEIGHTS_FILE}"}
+        elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
+            save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
+            artifacts["eager_weights"] = str(Path(tmp) / EAGER_HF_FILE)
+            metadata[EAGER_HF] = {"config": model.spec, "weights": f"artifacts/{EAGER_HF_FILE}", "vocab": model.vocab}
+        return _log_text_pyfunc(
+            name, artifacts, metadata, {"seq_len": seq_len}, pip_requirements=_requirements(tokenizer_json)
+        )
+
+
+def _code_paths(factory: str) -> list[str]:
+    """What rebuilds an eager model outside the checkout: shardline's `training` and `infra` packages and the
+    factory's top-level package or module (when it is neither)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent
+    paths = [str(root), str(root.parent / "infra")]
+    top = factory.split(":", 1)[0].split(".", 1)[0]
+    if top not in ("training", "infra"):
+        spec = importlib.util.find_spec(top)
+        if spec is not None and spec.submodule_search_locations:
+            paths.append(str(list(spec.submodule_search_locations)[0]))
+        elif spec is not None and spec.origin:
+            paths.append(spec.origin)
+    return paths
+
+
+def log_eager(
+    model: nn.Module,
+    seq_len: int,
+    name: str,
+    factory: str,
+    train_config: dict,
+    why: str,
+    vocab: int,
+    tokenizer_json: str = "",
+) -> str:
+    """The model as its weights plus what rebuilds it (factory and TrainConfig), with the code that does so."""
+    train_config = {k: v for k, v in train_config.items() if k not in NOT_FOR_REBUILD}
+    spec = {"factory": factory, "train_config": train_config, "weights": f"artifacts/{EAGER_STATE_FILE}", "why": why}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / EAGER_STATE_FILE
+        torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, weights)
+        metadata = {"seq_len": seq_len, "vocab_size": vocab, EAGER_FACTORY: spec, **_tokenizer_metadata(tokenizer_json)}
+        return _log_text_pyfunc(
+            name,
+            {"weights": str(weights), **_tokenizer_file(tmp, tokenizer_json)},
+            metadata,
+            {"seq_len": seq_len, "eager": spec},
+            pip_requirements=[*_requirements(tokenizer_json), "pydantic"],
+            code_paths=_code_paths(factory),
+        )
