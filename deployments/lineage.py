@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.names import TAG_TOKENIZER_SHA256
-from infra.tracking import (
+from infra.names import (
     TAG_CHECKPOINT_URI,
     TAG_DATA_RUN_ID,
     TAG_DATASET_DIGEST,
@@ -13,9 +12,10 @@ from infra.tracking import (
     TAG_GIT_COMMIT,
     TAG_MANIFEST_URI,
     TAG_PARENT,
+    TAG_TOKENIZER_SHA256,
     TAG_VALIDATION_RUN_ID,
-    resolve_tracking_uri,
 )
+from infra.tracking import resolve_tracking_uri
 
 
 class LineageError(LookupError):

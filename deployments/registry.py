@@ -103,7 +103,7 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
         mlflow.set_tracking_uri(client.tracking_uri)
     ensure_registered_model(client, name)
     tags = {k: str(v)[:_MAX_TAG_VALUE] for k, v in (tags or {}).items() if v not in (None, "")}
-    from infra.tracking import TAG_CHECKPOINT_URI
+    from infra.names import TAG_CHECKPOINT_URI
 
     checkpoint = tags.get(TAG_CHECKPOINT_URI)
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
@@ -127,18 +127,19 @@ def version_tags(
     manifest_uri: str = "",
     extra: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """The lineage tags of a model version: what it was made from, under infra.tracking's tag names."""
+    """The lineage tags of a model version: what it was made from, under infra.names' tag names."""
+    from infra import names as n
     from infra import tracking as t
 
     tags = {
-        t.TAG_DATASET_DIGEST: dataset_digest,
-        t.TAG_FLOW_RUN_ID: flow_run_id,
-        t.TAG_TRAIN_RUN_ID: train_run_id,
-        t.TAG_CHECKPOINT_URI: checkpoint_uri,
-        t.TAG_VALIDATION_RUN_ID: validation_run_id,
-        t.TAG_MODEL_URI: model_uri,
-        t.TAG_DATA_RUN_ID: data_run_id,
-        t.TAG_MANIFEST_URI: manifest_uri,
+        n.TAG_DATASET_DIGEST: dataset_digest,
+        n.TAG_FLOW_RUN_ID: flow_run_id,
+        n.TAG_TRAIN_RUN_ID: train_run_id,
+        n.TAG_CHECKPOINT_URI: checkpoint_uri,
+        n.TAG_VALIDATION_RUN_ID: validation_run_id,
+        n.TAG_MODEL_URI: model_uri,
+        n.TAG_DATA_RUN_ID: data_run_id,
+        n.TAG_MANIFEST_URI: manifest_uri,
         **t.git_tags(),
         **(extra or {}),
     }
@@ -298,17 +299,17 @@ def clear_challenger(client: Any, name: str, version: str) -> bool:
 def version_description(tags: dict[str, str], run_id: str, outcome: str) -> str:
     """A model version's description: what it was trained on (dataset digest, manifest, train and validation runs,
     from its lineage tags) and `outcome`, how it was decided (verdict, reason, numbers)."""
-    from infra import tracking as t
+    from infra import names as n
 
-    made = [f"dataset {tags[t.TAG_DATASET_DIGEST]}" if tags.get(t.TAG_DATASET_DIGEST) else "dataset unknown"]
+    made = [f"dataset {tags[n.TAG_DATASET_DIGEST]}" if tags.get(n.TAG_DATASET_DIGEST) else "dataset unknown"]
     for label, key in (
-        ("manifest", t.TAG_MANIFEST_URI),
-        ("validation run", t.TAG_VALIDATION_RUN_ID),
-        ("commit", t.TAG_GIT_COMMIT),
+        ("manifest", n.TAG_MANIFEST_URI),
+        ("validation run", n.TAG_VALIDATION_RUN_ID),
+        ("commit", n.TAG_GIT_COMMIT),
     ):
         if tags.get(key):
             made.append(f"{label} {tags[key]}")
-    train = tags.get(t.TAG_TRAIN_RUN_ID) or run_id or "unknown"
+    train = tags.get(n.TAG_TRAIN_RUN_ID) or run_id or "unknown"
     return f"Trained on {', '.join(made)} by train run {train}.\n{outcome}"[:_MAX_TAG_VALUE]
 
 

@@ -9,7 +9,7 @@ from deployments.release_lock import release_lock
 from flows.config import PipelineConfig
 from flows.release import FLOW_TIMEOUT_S, open_shard_set
 from flows.run_context import shardline_run
-from infra.tracking import TAG_MANIFEST_URI
+from infra.names import TAG_MANIFEST_URI
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 

@@ -11,8 +11,8 @@ from prefect.cache_policies import NO_CACHE
 from deployments.release_lock import release_lock
 from flows.config import ConfigError, PipelineConfig
 from flows.run_context import shardline_run
-from infra.names import TAG_TOKENIZER_SHA256
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, Lineage, stage_run
+from infra.names import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, TAG_TOKENIZER_SHA256
+from infra.tracking import Lineage, stage_run
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.promote import promote_model

@@ -22,7 +22,8 @@ from flows.config import (
     check_serving,
 )
 from infra import orphans
-from infra.tracking import TAG_STAGE, Lineage, close_run, open_parent_run, resolve_tracking_uri
+from infra.names import TAG_STAGE
+from infra.tracking import Lineage, close_run, open_parent_run, resolve_tracking_uri
 
 if TYPE_CHECKING:
     from infra.cluster import ClusterInfo

@@ -149,7 +149,7 @@ def recorded_job_ids(tracking_uri: str, experiment: str, train_key: str, address
     """Job ids that training runs of `train_key` on the cluster at `address` recorded, newest first."""
     from mlflow import MlflowClient
 
-    from infra.tracking import TAG_CLUSTER_ADDRESS
+    from infra.names import TAG_CLUSTER_ADDRESS
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)

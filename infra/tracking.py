@@ -10,21 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from infra.names import (  # noqa: F401 - the lineage tags, re-exported for the stages that log them
-    TAG_CHECKPOINT_URI,
-    TAG_CLUSTER_ADDRESS,
-    TAG_DATA_RUN_ID,
-    TAG_DATASET_DIGEST,
-    TAG_FLOW_RUN_ID,
-    TAG_GIT_COMMIT,
-    TAG_MANIFEST_URI,
-    TAG_MODEL_URI,
-    TAG_MODEL_VERSION,
-    TAG_PARENT,
-    TAG_STAGE,
-    TAG_TRAIN_RUN_ID,
-    TAG_VALIDATION_RUN_ID,
-)
+from infra.names import TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_PARENT, TAG_STAGE
 from infra.paths import quiet_telemetry, shardline_home
 from infra.redact import redact
 from infra.run_owner import TAG_OWNER, current_owner, end_orphaned_runs

@@ -18,15 +18,8 @@ from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client
 from deployments.rollout import CanaryDecided, describe_skipped, log_decision, run_rollout, skip_reason
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
-from infra.tracking import (
-    TAG_CLUSTER_ADDRESS,
-    TAG_DATASET_DIGEST,
-    TAG_MODEL_VERSION,
-    TAG_TRAIN_RUN_ID,
-    Lineage,
-    flat_params,
-    stage_run,
-)
+from infra.names import TAG_CLUSTER_ADDRESS, TAG_DATASET_DIGEST, TAG_MODEL_VERSION, TAG_TRAIN_RUN_ID
+from infra.tracking import Lineage, flat_params, stage_run
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import ShardSet
 from training.data.loader import iter_texts

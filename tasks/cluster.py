@@ -9,8 +9,9 @@ from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo, provision, teardown
 from infra.config import ClusterConfig
+from infra.names import TAG_CLUSTER_ADDRESS
 from infra.network import network_env
-from infra.tracking import TAG_CLUSTER_ADDRESS, Lineage, flat_params, safe_tags, stage_run
+from infra.tracking import Lineage, flat_params, safe_tags, stage_run
 from tasks.retry import TIMEOUT_S
 
 

@@ -12,16 +12,14 @@ from prefect.tasks import exponential_backoff
 
 from infra import storage
 from infra.cluster import ClusterInfo
-from infra.names import TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
-from infra.tracking import (
+from infra.names import (
     TAG_CLUSTER_ADDRESS,
     TAG_DATASET_DIGEST,
     TAG_MANIFEST_URI,
-    Lineage,
-    flat_params,
-    safe_tags,
-    stage_run,
+    TAG_TOKENIZER_SHA256,
+    TAG_TOKENIZER_TRAINED_ON,
 )
+from infra.tracking import Lineage, flat_params, safe_tags, stage_run
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import DataError, ShardSet, build_shards
 from training.data.config import DataConfig

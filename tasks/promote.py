@@ -18,17 +18,15 @@ from deployments.registry import (
     register_version,
     version_tags,
 )
-from infra.names import TAG_TOKENIZER_SHA256
-from infra.tracking import (
+from infra.names import (
     TAG_DATASET_DIGEST,
     TAG_MODEL_URI,
     TAG_MODEL_VERSION,
+    TAG_TOKENIZER_SHA256,
     TAG_TRAIN_RUN_ID,
     TAG_VALIDATION_RUN_ID,
-    Lineage,
-    flat_params,
-    stage_run,
 )
+from infra.tracking import Lineage, flat_params, stage_run
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.data import ShardSet
 from training.evaluate import ValidationResult

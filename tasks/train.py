@@ -16,18 +16,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from infra.cluster import ClusterInfo
-from infra.names import TAG_NETWORK
-from infra.tracking import (
+from infra.names import (
     TAG_CHECKPOINT_URI,
     TAG_CLUSTER_ADDRESS,
     TAG_DATA_RUN_ID,
     TAG_DATASET_DIGEST,
     TAG_MANIFEST_URI,
-    Lineage,
-    flat_params,
-    safe_tags,
-    stage_run,
+    TAG_NETWORK,
 )
+from infra.tracking import Lineage, flat_params, safe_tags, stage_run
 from tasks.retry import TIMEOUT_S, retry_unless
 from tasks.train_job import train_as_job
 from training import resume

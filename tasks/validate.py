@@ -15,8 +15,8 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.model_server import check_backend
-from infra.names import TAG_TOKENIZER_SHA256
-from infra.tracking import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TRAIN_RUN_ID, Lineage, flat_params, stage_run
+from infra.names import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TOKENIZER_SHA256, TAG_TRAIN_RUN_ID
+from infra.tracking import Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.checkpoint import CheckpointError

@@ -18,7 +18,8 @@ def test_a_lightning_module_goes_through_the_train_and_validate_tasks(
     from prefect import flow
 
     import tasks.train
-    from infra.tracking import TAG_CHECKPOINT_URI, TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID, Lineage, open_parent_run
+    from infra.names import TAG_CHECKPOINT_URI, TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+    from infra.tracking import Lineage, open_parent_run
     from tasks.train import train_fsdp
     from tasks.validate import validate_checkpoint
     from training.config import LIGHTNING_FACTORY, TrainConfig, ValidationConfig

@@ -14,14 +14,8 @@ import pytest
 
 from flows.config import load_config
 from infra.cluster import free_port
-from infra.tracking import (
-    STAGES,
-    TAG_DATA_RUN_ID,
-    TAG_DATASET_DIGEST,
-    TAG_FLOW_RUN_ID,
-    TAG_PARENT,
-    TAG_STAGE,
-)
+from infra.names import TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TAG_PARENT, TAG_STAGE
+from infra.tracking import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -32,16 +32,15 @@ def test_plugin_model_through_train_and_validate_tasks(prefect_server, ray_clust
     from prefect import flow
 
     import tasks.train
-    from infra.tracking import (
+    from infra.names import (
         TAG_CHECKPOINT_URI,
         TAG_DATA_RUN_ID,
         TAG_DATASET_DIGEST,
         TAG_MANIFEST_URI,
         TAG_MODEL_URI,
         TAG_TRAIN_RUN_ID,
-        Lineage,
-        open_parent_run,
     )
+    from infra.tracking import Lineage, open_parent_run
     from tasks.train import train_fsdp
     from tasks.validate import validate_checkpoint
     from training.config import TrainConfig, ValidationConfig

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 from support.data_helpers import config, make_corpus
 
-from infra.tracking import TAG_DATASET_DIGEST
+from infra.names import TAG_DATASET_DIGEST
 from tasks.data import shard_dataset
 
 SECRET = "sEcReT-shardline-4242"

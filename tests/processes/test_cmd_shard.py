@@ -11,7 +11,7 @@ from pathlib import Path
 import mlflow
 from support.data_helpers import make_corpus
 
-from infra.tracking import TAG_DATASET_DIGEST, TAG_PARENT, TAG_STAGE
+from infra.names import TAG_DATASET_DIGEST, TAG_PARENT, TAG_STAGE
 
 REPO = Path(__file__).resolve().parents[2]
 

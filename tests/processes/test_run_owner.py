@@ -11,8 +11,9 @@ from pathlib import Path
 
 import mlflow
 
+from infra.names import TAG_PARENT, TAG_STAGE
 from infra.run_owner import TAG_ENDED_BY, TAG_OWNER, current_owner, owner_alive
-from infra.tracking import TAG_PARENT, TAG_STAGE, open_parent_run
+from infra.tracking import open_parent_run
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,8 @@ from support.stack_support import (
     wait_for_run,
 )
 
-from infra.tracking import STAGES, TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_STAGE
+from infra.names import TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_STAGE
+from infra.tracking import STAGES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CHROMIUM = "/usr/bin/chromium"

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from deployments.registry import apply_promotion, decide_promotion, read_aliases, register_version
-from infra.tracking import TAG_TRAIN_RUN_ID
+from infra.names import TAG_TRAIN_RUN_ID
 
 NAME = "tiny-bytes"
 SEQ_LEN = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from deployments.canary_control import status_of
 from deployments.registry import version_description
-from infra.tracking import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+from infra.names import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
 
 NOW = 1_000_000.0
 ALIASES = {"champion": "1", "challenger": "2"}

@@ -6,7 +6,7 @@ import mlflow
 import pytest
 from support.data_helpers import config, make_corpus
 
-from infra.tracking import TAG_DATASET_DIGEST, TAG_MANIFEST_URI
+from infra.names import TAG_DATASET_DIGEST, TAG_MANIFEST_URI
 from tasks.data import shard_dataset
 from training.data import DataError
 

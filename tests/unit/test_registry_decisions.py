@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deployments.registry import decide_promotion, model_id_of, version_tags
-from infra.tracking import TAG_CHECKPOINT_URI, TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+from infra.names import TAG_CHECKPOINT_URI, TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
 
 
 def test_no_champion_makes_the_first_champion():

@@ -19,7 +19,7 @@ from deployments.registry import (
     tag_rejected,
 )
 from deployments.rollout import skip_reason
-from infra.tracking import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+from infra.names import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
 
 NAME = "tiny"
 

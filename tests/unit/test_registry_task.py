@@ -5,7 +5,7 @@ from __future__ import annotations
 from deployments.config import CanaryConfig, RegistryConfig
 from deployments.registry import AliasChanged, client_for, read_aliases
 from deployments.rollout import skip_reason
-from infra.tracking import (
+from infra.names import (
     TAG_CHECKPOINT_URI,
     TAG_DATA_RUN_ID,
     TAG_DATASET_DIGEST,
@@ -16,8 +16,8 @@ from infra.tracking import (
     TAG_STAGE,
     TAG_TRAIN_RUN_ID,
     TAG_VALIDATION_RUN_ID,
-    Lineage,
 )
+from infra.tracking import Lineage
 
 
 def _products(lineage: Lineage, n: int):
