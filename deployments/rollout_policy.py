@@ -66,22 +66,29 @@ def errors_already_fail(observations: Iterable[dict[str, Any]], cfg: CanaryConfi
     live traffic until canary.step_timeout_s only to reach the same verdict: the step ends here and is judged
     (Argo Rollouts' failureLimit, Flagger's failed checks). The rate is the one summarize_step judges: every call of
     either version so far."""
-    ch_calls = ch_errors = base_calls = base_errors = 0
+    ch_calls, base_calls = _calls_by_side(observations)
+    if len(ch_calls) < cfg.min_requests:
+        return ""
+    ch_rate = _error_rate(ch_calls)
+    if ch_rate - _error_rate(base_calls) <= cfg.max_error_rate_increase:
+        return ""
+    return f"error rate {ch_rate:.3f} on {len(ch_calls)} challenger requests already fails the gate"
+
+
+def _calls_by_side(observations: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every call of the challenger, and every call of the baseline (the champion serving, or its shadow copy of a
+    challenger request), in order: what both the early error check and the step's gates count."""
+    ch_calls: list[dict[str, Any]] = []
+    base_calls: list[dict[str, Any]] = []
     for ob in observations:
-        ch = ob.get("challenger")
-        if ch is not None:
-            ch_calls += 1
-            ch_errors += not ch.get("ok")
-        for call in (ob.get("champion"), ob.get("shadow")):
-            if call is not None:
-                base_calls += 1
-                base_errors += not call.get("ok")
-    if ch_calls < cfg.min_requests:
-        return ""
-    increase = ch_errors / ch_calls - (base_errors / base_calls if base_calls else 0.0)
-    if increase <= cfg.max_error_rate_increase:
-        return ""
-    return f"error rate {ch_errors / ch_calls:.3f} on {ch_calls} challenger requests already fails the gate"
+        if (ch := ob.get("challenger")) is not None:
+            ch_calls.append(ch)
+        base_calls.extend(c for c in (ob.get("champion"), ob.get("shadow")) if c is not None)
+    return ch_calls, base_calls
+
+
+def _error_rate(calls: list[dict[str, Any]]) -> float:
+    return sum(1 for c in calls if not c.get("ok")) / len(calls) if calls else 0.0
 
 
 def summarize_step(
@@ -96,18 +103,12 @@ def summarize_step(
     seed: int = 0,
 ) -> StepMetrics:
     """Per-version errors, latency and paired bits per byte of one step, then its gates."""
-    ch_calls: list[dict[str, Any]] = []
-    base_calls: list[dict[str, Any]] = []
+    ch_calls, base_calls = _calls_by_side(observations)
     deltas: list[list[float]] = []
     ch_ms: list[float] = []
     base_ms: list[float] = []
     for ob in observations:
-        ch, served, shadow = ob.get("challenger"), ob.get("champion"), ob.get("shadow")
-        if ch is not None:
-            ch_calls.append(ch)
-        for call in (served, shadow):
-            if call is not None:
-                base_calls.append(call)
+        ch, shadow = ob.get("challenger"), ob.get("shadow")
         if ch and shadow and is_paired(ob):  # ch and shadow first: mypy narrows on them
             deltas.append([float(ch["bits"]), float(shadow["bits"]), float(ch["bytes"])])
             if ob.get("op") == "score":
@@ -122,7 +123,7 @@ def summarize_step(
             version=version,
             n=len(calls),
             errors=errors,
-            error_rate=errors / len(calls) if calls else 0.0,
+            error_rate=_error_rate(calls),
             p95_ms=p95([c["latency_ms"] for c in calls if c.get("ok")]),
             bpb=bpb,
         )
