@@ -11,10 +11,24 @@ from __future__ import annotations
 
 from typing import Any
 
+RAW_LABEL = "bytes:"  # a logprobs label of bytes that are not whole characters: `bytes:\\xNN...` (OpenAI's form)
+
+
+def raw_label(raw: bytes) -> str:
+    """The `bytes:\\xNN...` label of `raw`."""
+    return RAW_LABEL + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def label_bytes(label: str) -> bytes | None:
+    """The bytes a `bytes:\\xNN...` label stands for; None for a label that is text."""
+    if not label.startswith(RAW_LABEL):
+        return None
+    return bytes(int(h, 16) for h in label.removeprefix(RAW_LABEL).split("\\x")[1:])
+
 
 def byte_label(token: int) -> str:
     """How a byte reads in `logprobs`: the character when it is one on its own, else `bytes:\\xNN`."""
-    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+    return chr(token) if token < 128 else raw_label(bytes([token]))
 
 
 class ByteCodec:
@@ -99,7 +113,7 @@ class TokenCodec:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            return raw_label(raw)
 
 
 def codec_for(tokenizer: Any) -> ByteCodec | TokenCodec:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deployments.codec import BYTES, ByteCodec, TokenCodec
+from deployments.codec import BYTES, ByteCodec, TokenCodec, label_bytes
 
 Codec = ByteCodec | TokenCodec
 
@@ -225,7 +225,7 @@ def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0) -> dict
 def _characters_started(label: str) -> int:
     """Characters a token's label starts in the text: its length, or for raw bytes (`bytes:\\xNN...`) the ASCII
     and UTF-8 lead bytes among them (continuation bytes start none)."""
-    if not label.startswith("bytes:"):
+    raw = label_bytes(label)
+    if raw is None:
         return len(label)
-    raw = bytes(int(h, 16) for h in label.removeprefix("bytes:").split("\\x")[1:])
     return sum(1 for b in raw if b < 0x80 or b >= 0xC0)

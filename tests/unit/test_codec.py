@@ -10,7 +10,7 @@ from contextlib import aclosing
 import pytest
 import torch
 
-from deployments.codec import BYTES, TokenCodec, codec_for
+from deployments.codec import BYTES, TokenCodec, codec_for, label_bytes
 from deployments.engine import Engine, Recompute
 from deployments.generation import Completion, generate, merge_logprobs
 from deployments.kv_cache import CachedGPT
@@ -101,9 +101,8 @@ def test_completions_decode_the_ids_to_text_as_recomputing_does(codec, backend):
 
 
 def _label_bytes(label: str) -> bytes:
-    if label.startswith("bytes:"):
-        return bytes(int(h, 16) for h in label.removeprefix("bytes:").split("\\x")[1:])
-    return label.encode()
+    raw = label_bytes(label)
+    return label.encode() if raw is None else raw
 
 
 def test_text_offsets_count_the_characters_a_token_starts():
