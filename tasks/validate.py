@@ -102,8 +102,11 @@ def validate_checkpoint(
         champion = champion_model(lineage.tracking_uri, registry.model_name) if registry else None
         if champion is not None and registry is not None:
             champion_version, champion_model_obj = champion
-            champion_tok = served_tokenizer(f"models:/{registry.model_name}/{champion_version}")
-            if champion_tok is None and vocab_of(champion_model_obj, train_cfg.seq_len) != 256:
+            champion_uri = f"models:/{registry.model_name}/{champion_version}"
+            champion_tok = served_tokenizer(champion_uri)
+            # the width of its logits, as logged (a forward pass for a version logged before vocab_size was)
+            width = (mlflow.models.get_model_info(champion_uri).metadata or {}).get("vocab_size")
+            if champion_tok is None and (width or vocab_of(champion_model_obj, train_cfg.seq_len)) != 256:
                 raise GateFailed(
                     f"champion v{champion_version} predicts token ids but carries no tokenizer: it cannot be "
                     "scored on the held-out texts"
