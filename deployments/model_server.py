@@ -51,7 +51,9 @@ def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
         from training.hf_model import load_causal_lm
 
         spec = metadata[EAGER_HF]
-        weights = model_file(model_uri, spec["weights"])
+        if "weights_dir" in spec:  # the transformers flavor's save_pretrained files
+            return CachedCausalLM(load_served_model(model_uri), slots)
+        weights = model_file(model_uri, spec["weights"])  # a version logged with a pt2 program and a state dict
         return CachedCausalLM(load_causal_lm(spec["config"], seq_len, weights, spec.get("vocab", 256)), slots)
     if not eager:
         return Recompute(load_served_model(model_uri), seq_len, slots)

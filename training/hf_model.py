@@ -25,10 +25,11 @@ from infra.redact import first_line
 
 VOCAB = 256  # byte tokens (training.model.VOCAB; not imported: training.config imports this module)
 HF_FACTORY = "training.hf_model:build_hf_model"
-# The logged model's metadata key naming a transformers model's config and weights beside its pt2 program: serving
-# rebuilds it from them to decode with transformers' KV cache (deployments.kv_cache_hf).
+# The logged model's metadata key naming a transformers model's config and weights: {"config", "weights_dir" (the
+# transformers flavor's save_pretrained files), "vocab"}, or {"config", "weights" (a state dict file), "vocab"} in a
+# version logged as a pt2 program before the flavor. Serving rebuilds the model from them to decode with
+# transformers' KV cache (deployments.kv_cache_hf).
 EAGER_HF = "eager_hf"
-EAGER_HF_FILE = "hf_state_dict.pt"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # save_pretrained's index when it splits the weights
 

@@ -1,9 +1,13 @@
 """The served form of a trained model: logged to MLflow the way the endpoint loads it, and proven at serving shapes.
 
-Every form is registered as one MLflow pyfunc from code (training/text_pyfunc.py: nothing pickled, nothing of
-shardline's imported for a captured model), so `mlflow.pyfunc.load_model(uri).predict(texts)` generates text from
-any Python process, with the model's tokenizer (metadata["tokenizer"]) as an artifact. What it carries is chosen
-per model by what works, never by configuration:
+Every version predicts text from any Python process, `mlflow.pyfunc.load_model(uri).predict(texts)`, with the
+model's tokenizer (metadata["tokenizer"]) inside it. What it carries is chosen per model by what works, never by
+configuration:
+- **transformers** (a `train.hf_config` model): MLflow's transformers flavor, a text-generation pipeline of the
+  model's save_pretrained files and its tokenizer (training/transformers_form.py); loading it needs mlflow and
+  transformers, nothing of shardline's. The endpoint rebuilds the model from its safetensors.
+- every other model is one MLflow pyfunc from code (training/text_pyfunc.py: nothing pickled, nothing of
+  shardline's imported for a captured model) over one of:
 - **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic, an
   `mlflow.pytorch` model in the artifact named by metadata["program"]. Loading it unpickles nothing and needs none
   of the model's code.
@@ -28,7 +32,9 @@ from torch import nn
 
 from infra.redact import first_line
 from training.evaluate import NotServable
-from training.served_forms import EAGER_FACTORY, PROGRAM, TOKENIZER, example_ids, log_eager, log_pt2
+from training.hf_model import EAGER_HF, CausalLM
+from training.served_forms import EAGER_FACTORY, PROGRAM, TOKENIZER, example_ids, log_eager, log_hf, log_pt2
+from training.transformers_form import load_causal_lm_form
 
 
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
@@ -87,10 +93,12 @@ def log_servable_model(
         ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
         if ids > vocab:
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
+    first = log_hf if type(model) is CausalLM else log_pt2
     try:
-        uri = log_pt2(model, seq_len, name, vocab, tokenizer_json)
-    except Exception as e:  # noqa: BLE001 - any export failure: the eager form is tried next
-        why = f"torch.export failed: {first_line(e)}"
+        uri = first(model, seq_len, name, vocab, tokenizer_json)
+    except Exception as e:  # noqa: BLE001 - any failure of the first form: the eager form is tried next
+        what = "torch.export" if first is log_pt2 else "the transformers flavor"
+        why = f"{what} failed: {first_line(e)}"
     else:
         try:
             check_servable(uri, model, seq_len, factory)
@@ -161,14 +169,17 @@ def served_tokenizer(model_uri: str) -> Any:
 
 
 def load_served_model(model_uri: str) -> Any:
-    """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, vocab]: the pt2 program,
-    or the eager model rebuilt by the installed factory from its weights file alone (the code logged with the
-    pyfunc is never run here: a store that could rewrite it could make MLflow unpickle instead)."""
+    """The logged model as the endpoint runs it, a callable int64 [B, T] -> logits [B, T, vocab]: a transformers
+    model from its flavor's safetensors, the pt2 program, or the eager model rebuilt by the installed factory from its
+    weights file alone (the code logged with the pyfunc is never run here: a store that could rewrite it could make
+    MLflow unpickle instead)."""
     import mlflow
 
     metadata = mlflow.models.get_model_info(model_uri).metadata or {}
     if spec := metadata.get(EAGER_FACTORY):
         return build_eager(spec, model_file(model_uri, spec["weights"]))
+    if (hf := metadata.get(EAGER_HF)) and "weights_dir" in hf:  # the transformers flavor
+        return load_causal_lm_form(hf, int(metadata["seq_len"]), model_file(model_uri, hf["weights_dir"]))
     if program := metadata.get(PROGRAM):
         return mlflow.pytorch.load_model(model_file(model_uri, program), map_location="cpu")
     return mlflow.pytorch.load_model(model_uri, map_location="cpu")  # registered before the text form
@@ -180,7 +191,11 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
     Raises:
         NotServable: naming the model factory, the form, the shape and the cause (a failed guard, other logits).
     """
-    form = "the exported model" if eager_spec(model_uri) is None else "the eagerly served model"
+    import mlflow
+
+    metadata = mlflow.models.get_model_info(model_uri).metadata or {}
+    forms = {EAGER_FACTORY: "the eagerly served model", EAGER_HF: "the transformers model"}
+    form = next((forms[k] for k in forms if k in metadata), "the exported model")
     who = f"train.model_factory={factory!r}: " if factory else ""
     try:
         loaded = load_served_model(model_uri)

@@ -1,6 +1,7 @@
-"""What a registered version holds (training/servable.py decides which form, and proves it): the MLflow pyfunc from
-code of training/text_pyfunc.py over either the model's pt2 program (an `mlflow.pytorch` model in the artifact
-metadata["program"] names) or its eager weights with the code that rebuilds it, plus its tokenizer.json; the
+"""What a registered version holds (training/servable.py decides which form, and proves it): for a transformers
+model, MLflow's transformers flavor (training/transformers_form.py); for any other, the MLflow pyfunc from code of
+training/text_pyfunc.py over either the model's pt2 program (an `mlflow.pytorch` model in the artifact
+metadata["program"] names) or its eager weights with the code that rebuilds it; each with its tokenizer.json and the
 metadata every consumer reads (seq_len, vocab_size, tokenizer, the eager specs) and the paths it names."""
 
 from __future__ import annotations
@@ -112,11 +113,10 @@ def _log_text_pyfunc(name: str, artifacts: dict[str, str], metadata: dict, confi
 def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
     """The model as a pt2 program (batch and time dynamic), an `mlflow.pytorch` model in the artifact `program`
     (metadata["program"]). The built-in GPT also gets its weights as an extra file and metadata[EAGER_METADATA] =
-    {"config", "weights"}, a transformers model metadata[EAGER_HF]: a program cannot carry a KV cache, so serving
-    rebuilds the eager model from them and decodes incrementally."""
+    {"config", "weights"}: a program cannot carry a KV cache, so serving rebuilds the eager model from them and
+    decodes incrementally."""
     import mlflow
 
-    from training.hf_model import EAGER_HF, EAGER_HF_FILE, CausalLM
     from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
 
     metadata: dict = {"seq_len": seq_len, "vocab_size": vocab, PROGRAM: f"artifacts/{PROGRAM_DIR}"}
@@ -136,13 +136,21 @@ def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_jso
             save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
             artifacts["eager_weights"] = str(Path(tmp) / EAGER_WEIGHTS_FILE)
             metadata[EAGER_METADATA] = {"config": model.config(), "weights": f"artifacts/{EAGER_WEIGHTS_FILE}"}
-        elif type(model) is CausalLM:  # a transformers model: served with transformers' own KV cache
-            save_weights(model, str(Path(tmp) / EAGER_HF_FILE))
-            artifacts["eager_weights"] = str(Path(tmp) / EAGER_HF_FILE)
-            metadata[EAGER_HF] = {"config": model.spec, "weights": f"artifacts/{EAGER_HF_FILE}", "vocab": model.vocab}
         return _log_text_pyfunc(
             name, artifacts, metadata, {"seq_len": seq_len}, pip_requirements=_requirements(tokenizer_json)
         )
+
+
+def log_hf(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
+    """A transformers model (training.hf_model.CausalLM) as MLflow's transformers flavor
+    (training/transformers_form.py), its tokenizer.json logged as it was trained for the endpoint and lineage."""
+    from training.tokenizer import fingerprint_json
+    from training.transformers_form import TOKENIZER_PATH, log_transformers
+
+    metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
+    if tokenizer_json:
+        metadata[TOKENIZER] = {"file": TOKENIZER_PATH, "sha256": fingerprint_json(tokenizer_json)}
+    return log_transformers(model, seq_len, name, metadata, tokenizer_json)
 
 
 def _code_paths(factory: str) -> list[str]:

@@ -326,11 +326,13 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     in bits per byte. From scratch (the champion's weights embed bytes: train.init_from = 'champion' is refused for
     another tokenizer), with the quality gates opened: this checks the path, not that 30 steps beat a champion
     continued several times."""
+    import mlflow
     from support.load import Load
 
     from deployments.lineage import describe_lineage
     from infra.names import TAG_INIT_VERSION, TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
     from training import tokenizer as tk
+    from training.servable import served_tokenizer
 
     url = f"http://127.0.0.1:{SERVE_PORT}"
     champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
@@ -368,6 +370,18 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     train_run = client.get_run(summary["train_run_id"])
     assert TAG_INIT_VERSION not in train_run.data.tags
     assert "'model_type': 'llama'" in train_run.data.params["train.hf_config"]
+    # registered with MLflow's transformers flavor, the tokenizer the run trained inside it byte for byte
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(store := f"sqlite:///{home / 'mlflow.db'}")
+    mlflow.set_registry_uri(store)
+    try:
+        registered = mlflow.models.get_model_info(f"models:/{summary['model_name']}/{version}")
+        carried = served_tokenizer(f"models:/{summary['model_name']}/{version}")
+    finally:
+        mlflow.set_tracking_uri(previous[0])
+        mlflow.set_registry_uri(previous[1])
+    assert registered.flavors["python_function"]["loader_module"] == "mlflow.transformers"
+    assert carried.to_str() == tokenizer.to_str()
 
     # both sides of every pair scored in bits per byte of the same requests: one scale, two vocabularies
     canary = children["canary_deploy"].data.metrics

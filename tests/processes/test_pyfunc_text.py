@@ -1,7 +1,8 @@
 """A registered version is text in, text out for anyone with MLflow: `mlflow.pyfunc.load_model("models:/NAME@champion")`
 in a plain Python process outside the checkout, where shardline cannot be imported, generates the completion the
-trained model's own greedy decoding gives. One model of each kind: the built-in GPT over a BPE trained here, a
-transformers Llama over bytes (both pt2 programs), and a GRU export cannot capture (rebuilt from its code_paths)."""
+trained model's own greedy decoding gives. One model of each kind: the built-in GPT over a BPE trained here (a pt2
+program), a transformers Llama over bytes and one over the BPE (MLflow's transformers flavor: a text-generation
+pipeline, transformers' own params), and a GRU export cannot capture (rebuilt from its code_paths)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ CHILD = textwrap.dedent(
     sys.path = [p for p in sys.path if p not in ("", ".", sys.argv[1])]
     import mlflow
     model = mlflow.pyfunc.load_model(sys.argv[2])
-    texts = model.predict(["def main():", "import os"], params={"max_tokens": 6})
+    texts = model.predict(["def main():", "import os"], params=json.loads(sys.argv[3]))
     ours = {m: getattr(sys.modules[m], "__file__", None) for m in ("training", "infra", "deployments", "flows", "tasks")
             if m in sys.modules}
     print(json.dumps({"texts": texts, "ours": ours}))
@@ -52,12 +53,20 @@ def _models():
     gpt = load_object(gpt_cfg.model_factory, "train.model_factory")(gpt_cfg)
     llama_cfg = TrainConfig(seq_len=32, hf_config=TINY_LLAMA)
     llama = load_object(llama_cfg.model_factory, "train.model_factory")(llama_cfg)
+    # an embedding padded past the tokenizer's 300 ids: the pipeline must never pick one of the 20 extra rows
+    bpe_cfg = TrainConfig(seq_len=32, hf_config={**TINY_LLAMA, "vocab_size": 320}, vocab_size=tok.get_vocab_size())
+    llama_bpe = load_object(bpe_cfg.model_factory, "train.model_factory")(bpe_cfg)
     gru_cfg = TrainConfig(seq_len=32, d_model=16, model_factory="support.train_support:build_byte_gru")
     gru = build_byte_gru(gru_cfg)
-    return [("gpt-bpe", gpt, gpt_cfg, tok), ("llama", llama, llama_cfg, None), ("gru", gru, gru_cfg, None)]
+    return [
+        ("gpt-bpe", gpt, gpt_cfg, tok),
+        ("llama", llama, llama_cfg, None),
+        ("llama-bpe", llama_bpe, bpe_cfg, tok),
+        ("gru", gru, gru_cfg, None),
+    ]
 
 
-@pytest.mark.parametrize("kind", ["gpt-bpe", "llama", "gru"])
+@pytest.mark.parametrize("kind", ["gpt-bpe", "llama", "llama-bpe", "gru"])
 def test_a_registered_version_predicts_text_from_a_process_that_cannot_import_shardline(kind, mlflow_store, tmp_path):
     import mlflow
 
@@ -69,6 +78,9 @@ def test_a_registered_version_predicts_text_from_a_process_that_cannot_import_sh
             tokenizer_json=tok.to_str() if tok else "",
         )  # fmt: skip
     assert (eager_spec(uri) is not None) == (kind == "gru")
+    flavors = mlflow.models.get_model_info(uri).flavors
+    assert ("transformers" in flavors) == kind.startswith("llama")  # a transformers model is the transformers flavor
+    params = {"max_new_tokens": 6} if kind.startswith("llama") else {"max_tokens": 6}
     version = mlflow.register_model(uri, f"text-{kind}").version
     mlflow.MlflowClient().set_registered_model_alias(f"text-{kind}", "champion", version)
 
@@ -76,7 +88,7 @@ def test_a_registered_version_predicts_text_from_a_process_that_cannot_import_sh
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MLFLOW_TRACKING_URI": mlflow_store[0]}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, CHECKOUT, f"models:/text-{kind}@champion"],
+        [sys.executable, "-c", CHILD, CHECKOUT, f"models:/text-{kind}@champion", json.dumps(params)],
         cwd=outside, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -91,8 +103,8 @@ def test_a_registered_version_predicts_text_from_a_process_that_cannot_import_sh
             want.append(tok.decode(new[:stop]))
         else:
             want.append(bytes(new).decode("utf-8", errors="replace"))
-    assert got["texts"] == want
+    assert got["texts"] == want and all(want)  # six ids each, none of them an end of text
     if kind == "gru":  # rebuilt by its factory from the code the model carries, not from the checkout
         assert got["ours"] and all(not f.startswith(CHECKOUT) for f in got["ours"].values())
-    else:  # a pt2 program: nothing of shardline's was imported at all
+    else:  # a pt2 program or the transformers flavor: nothing of shardline's was imported at all
         assert got["ours"] == {}

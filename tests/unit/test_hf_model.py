@@ -140,8 +140,9 @@ def test_a_weights_directory_missing_files_is_one_line_at_config_load(tmp_path):
 
 
 def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_store):
-    """Validation logs a transformers model's weights beside its pt2 program; the endpoint's backend is then the
-    KV-cached model. Greedy completions through the engine equal recomputing the window while they fit in it."""
+    """Validation logs a transformers model as MLflow's transformers flavor; the endpoint's backend is the KV-cached
+    model rebuilt from its safetensors. Greedy completions through the engine equal recomputing the window while they
+    fit in it."""
     import asyncio
     from contextlib import aclosing
 
@@ -159,6 +160,8 @@ def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_
         model.lm.lm_head.weight.mul_(30.0)  # sharper logits: greedy choices are not near-ties
     with mlflow.start_run(experiment_id=mlflow_store[1]):
         uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+    info = mlflow.models.get_model_info(uri)
+    assert "transformers" in info.flavors and info.flavors["python_function"]["loader_module"] == "mlflow.transformers"
     version = mlflow.register_model(uri, "tiny-llama").version
     backend = load_backend(f"models:/tiny-llama/{version}", slots=2)
     assert isinstance(backend, CachedCausalLM)

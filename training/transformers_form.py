@@ -1,0 +1,132 @@
+"""The registered form of a transformers model (`train.hf_config`): MLflow's transformers flavor.
+
+A version is a `text-generation` pipeline of the trained `PreTrainedModel` (its `save_pretrained` files: config.json,
+safetensors weights, generation_config.json, in the model's `model/` directory) and a fast tokenizer, so
+`mlflow.pyfunc.load_model("models:/NAME@champion").predict(["def main():"], params={"max_new_tokens": 32})` needs
+mlflow and transformers, and no code of shardline's. Its params are transformers' own generation settings
+(`max_new_tokens`, `do_sample`, `temperature`; greedy by default) and it returns the completion alone
+(`return_full_text=False`).
+
+The pipeline's tokenizer is the version's `tokenizer.json` wrapped as a `PreTrainedTokenizerFast` (its special token,
+a trained BPE's `<|endoftext|>`, is the end of a completion), or, for a byte model, a byte-level tokenizer whose
+ids are the bytes themselves: GPT-2's byte-to-character table as a 256-entry vocabulary with no merges. Ids the
+embedding has past the tokenizer's are suppressed in generation (`generation_config.suppress_tokens`), as serving
+never samples them.
+
+The endpoint serves the same files: `load_causal_lm_form` rebuilds the CausalLM from the safetensors (tensors only,
+no pickle) and decodes with transformers' KV cache. The tokenizer.json the endpoint and lineage use is also logged
+byte for byte as `shardline/tokenizer.json` (the wrapped copy gains a post-processor, so its fingerprint differs).
+MLflow's model card lookup runs on the model's empty hub name and stops at huggingface_hub's name check: nothing
+is fetched.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+WEIGHTS_DIR = "model"  # where the transformers flavor writes save_pretrained's files
+TOKENIZER_PATH = "shardline/tokenizer.json"  # the version's tokenizer.json as trained, logged beside the flavor
+TASK = "text-generation"
+
+
+def byte_vocabulary() -> dict[str, int]:
+    """GPT-2's byte-level table as a vocabulary: the printable character standing for each byte, id = the byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {chars[b]: b for b in range(256)}
+
+
+def pipeline_tokenizer(tokenizer_json: str) -> Any:
+    """The `PreTrainedTokenizerFast` of a version: its tokenizer.json, or bytes when there is none ('')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if tokenizer_json:
+        tok = Tokenizer.from_str(tokenizer_json)
+    else:
+        tok = Tokenizer(models.BPE(vocab=byte_vocabulary(), merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+    special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=special[0] if special else None,
+        pad_token=special[0] if special else None,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _set_generation(lm: Any, tokenizer: Any) -> None:
+    """What the pipeline generates with: stop at the tokenizer's special token (none for bytes: a config's default
+    eos id, Llama's 2, would be a byte), pad with it (or byte 0), and never pick an id the tokenizer lacks."""
+    ids = len(tokenizer)
+    rows = int(lm.get_input_embeddings().weight.shape[0])
+    gen = lm.generation_config
+    gen.bos_token_id = None
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    gen.suppress_tokens = list(range(ids, rows)) or None
+
+
+def _signature() -> Any:
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),
+        outputs=Schema([ColSpec("string")]),
+        params=ParamSchema(
+            [
+                ParamSpec("max_new_tokens", "long", 16),
+                ParamSpec("do_sample", "boolean", False),
+                ParamSpec("temperature", "double", 1.0),
+            ]
+        ),
+    )
+
+
+def log_transformers(model: Any, seq_len: int, name: str, metadata: dict, tokenizer_json: str = "") -> str:
+    """Log a CausalLM (training.hf_model) as the transformers flavor with `metadata` (the caller's seq_len,
+    vocab_size and tokenizer entries; metadata[EAGER_HF] is added here) and return its models:/ URI."""
+    import mlflow
+    import tokenizers
+    import torch
+    import transformers
+
+    from training.hf_model import EAGER_HF
+
+    tokenizer = pipeline_tokenizer(tokenizer_json)
+    _set_generation(model.lm, tokenizer)
+    spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
+    info = mlflow.transformers.log_model(
+        {"model": model.lm, "tokenizer": tokenizer},
+        name=name,
+        task=TASK,
+        model_config={"return_full_text": False, "max_new_tokens": 16, "do_sample": False},
+        signature=_signature(),
+        metadata={**metadata, EAGER_HF: spec, "seq_len": seq_len},
+        pip_requirements=[
+            f"torch=={torch.__version__.split('+')[0]}",
+            f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}",
+            f"mlflow=={mlflow.__version__}",
+        ],
+    )
+    if tokenizer_json:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(TOKENIZER_PATH).name
+            path.write_text(tokenizer_json, encoding="utf-8")
+            mlflow.MlflowClient().log_model_artifact(info.model_id, str(path), str(Path(TOKENIZER_PATH).parent))
+    return str(info.model_uri)
+
+
+def load_causal_lm_form(spec: dict, seq_len: int, weights_dir: str) -> Any:
+    """The CausalLM of metadata[EAGER_HF] from the flavor's save_pretrained directory (safetensors), in eval mode."""
+    from training.hf_model import VOCAB, CausalLM, load_pretrained
+
+    model = CausalLM(spec["config"], seq_len, spec.get("vocab", VOCAB))
+    load_pretrained(model, weights_dir)
+    return model.eval()
