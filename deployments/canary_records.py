@@ -1,7 +1,8 @@
 """What a canary records: each ramp step's numbers, the operator's commands, the decision and the stage's result.
 
-These are the objects the policy (deployments/rollout_policy) computes and the driver logs: the decision is an
-MLflow JSON artifact and tags, the steps a Prefect table, the result what the canary stage returns to the flow.
+These are the objects the policy (deployments/rollout_gates, deployments/rollout_policy) computes and the driver logs:
+the decision is an MLflow JSON artifact and tags, the steps a Prefect table, the result what the canary stage returns
+to the flow.
 Plain data, no behaviour beyond presenting it.
 """
 

@@ -1,4 +1,4 @@
-"""The statistics the canary policy judges with (deployments/rollout_policy): nearest-rank percentiles and the paired
+"""The statistics the canary policy judges with (deployments/rollout_gates): nearest-rank percentiles and the paired
 bootstrap bound on a bits-per-byte difference. Pure functions of numbers, seeded, so a verdict can be replayed."""
 
 from __future__ import annotations

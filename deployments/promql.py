@@ -11,7 +11,7 @@ from typing import Any
 
 from deployments.canary_records import GateReading
 from deployments.config import CanaryConfig, PromQLGate
-from deployments.rollout_policy import judge_promql
+from deployments.rollout_gates import judge_promql
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Per step (deployments/rollout_ramp): a lightweight router update sets the weight and renews the canary's lease;
 the step bakes on the live requests (topped up by labelled probe traffic when asked) until it has `min_requests`
-challenger requests and `bake_seconds` passed, or fails at `step_timeout_s`; rollout_policy judges it. The
+challenger requests and `bake_seconds` passed, or fails at `step_timeout_s`; rollout_gates judges it. The
 registry is the desired state: a promotion moves `champion` first (compare-and-set) and then reconciles the
 application to it; a rollback puts all traffic on the champion at once, tags the version (rejected,
 inconclusive or aborted) and removes it. Either way the `challenger` alias goes and the version's description says
@@ -44,7 +44,8 @@ from deployments.registry import (
     read_aliases,
     tag_rejected,
 )
-from deployments.rollout_policy import apply_promql, decide_canary, hold_percent, next_move, ramp_steps, summarize_step
+from deployments.rollout_gates import apply_promql, summarize_step
+from deployments.rollout_policy import decide_canary, hold_percent, next_move, ramp_steps
 from deployments.rollout_ramp import Prober, Ramp
 
 log = logging.getLogger(__name__)

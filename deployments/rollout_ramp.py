@@ -23,7 +23,7 @@ from deployments import canary_control
 from deployments.canary_records import OperatorCommand
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.endpoint import apply, router_handle
-from deployments.rollout_policy import errors_already_fail, missing_evidence
+from deployments.rollout_gates import errors_already_fail, missing_evidence
 from deployments.router_config import PROBE_HEADER
 from deployments.serve_build import AppSpec, app_name_for, router_config
 

@@ -16,7 +16,8 @@ from support.requires import missing
 from deployments.canary_records import StepMetrics, VersionStats
 from deployments.config import CanaryConfig, PromQLGate
 from deployments.promql import read_gates
-from deployments.rollout_policy import apply_promql, decide_canary
+from deployments.rollout_gates import apply_promql
+from deployments.rollout_policy import decide_canary
 from infra.cluster import free_port
 
 pytestmark = pytest.mark.slow

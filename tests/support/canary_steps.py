@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deployments.config import CanaryConfig
-from deployments.rollout_policy import summarize_step
+from deployments.rollout_gates import summarize_step
 
 CFG = CanaryConfig(
     min_paired=4,

@@ -8,13 +8,8 @@ from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_chal
 
 from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
 from deployments.canary_stats import p95, paired_upper_bound
-from deployments.rollout_policy import (
-    MIN_SAMPLES_P99,
-    decide_canary,
-    errors_already_fail,
-    gate_step,
-    missing_evidence,
-)
+from deployments.rollout_gates import MIN_SAMPLES_P99, errors_already_fail, gate_step, missing_evidence
+from deployments.rollout_policy import decide_canary
 
 
 def test_p95_is_nearest_rank():

@@ -9,15 +9,8 @@ from support.canary_steps import CFG, noisy, step_of
 from deployments.canary_records import OperatorCommand, result_of, steps_table
 from deployments.config import CanaryConfig, PromQLGate
 from deployments.promql import PromQLError, render, value_of
-from deployments.rollout_policy import (
-    apply_promql,
-    command_error,
-    decide_canary,
-    hold_percent,
-    judge_promql,
-    next_move,
-    ramp_steps,
-)
+from deployments.rollout_gates import apply_promql, judge_promql
+from deployments.rollout_policy import command_error, decide_canary, hold_percent, next_move, ramp_steps
 
 EXTEND = CFG.model_copy(update={"on_inconclusive": "extend", "max_extensions": 2})
 
