@@ -53,18 +53,6 @@ class ByteCodec:
 BYTES = ByteCodec()
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-to-character map reversed: a byte-level BPE writes byte b as the character this maps to b."""
-    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(visible), 0
-    for b in range(256):
-        if b not in visible:
-            visible.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
-
-
 class TokenCodec:
     """A model over a tokenizer's ids. Each id's bytes are read once: for a byte-level BPE exactly, from its token
     string; for another tokenizer, from decoding the id alone. Added (special) tokens stand for no text."""
@@ -72,11 +60,13 @@ class TokenCodec:
     def __init__(self, tokenizer: Any) -> None:
         from tokenizers import decoders
 
+        from training.tokenizer import byte_level_table
+
         self.tokenizer = tokenizer
         self.vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
-        table = _byte_level_table() if byte_level else {}
+        table = byte_level_table() if byte_level else {}
         self.pieces: list[bytes] = []
         for i in range(self.vocab):
             token = tokenizer.id_to_token(i)

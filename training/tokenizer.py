@@ -34,6 +34,18 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be used: the message is one line and names the file or setting."""
 
 
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-character map reversed: a byte-level BPE writes byte b as the character this maps to b."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(visible), 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(visible, chars, strict=True)}
+
+
 def train_bpe(texts: Iterable[bytes], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     """A byte-level BPE learned from `texts` (UTF-8 records), in their order: the same texts give the same
     tokenizer, byte for byte of its JSON. Its first 256 non-special ids cover every byte, so no text is unknown."""

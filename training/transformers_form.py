@@ -31,43 +31,46 @@ TOKENIZER_PATH = "shardline/tokenizer.json"  # the version's tokenizer.json as t
 TASK = "text-generation"
 
 
-def byte_vocabulary() -> dict[str, int]:
-    """GPT-2's byte-level table as a vocabulary: the printable character standing for each byte, id = the byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    chars = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
-    return {chars[b]: b for b in range(256)}
-
-
 def pipeline_tokenizer(tokenizer_json: str) -> Any:
     """The `PreTrainedTokenizerFast` of a version: its tokenizer.json, or bytes when there is none ('')."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    from training.tokenizer import byte_level_table
+
     if tokenizer_json:
         tok = Tokenizer.from_str(tokenizer_json)
     else:
-        tok = Tokenizer(models.BPE(vocab=byte_vocabulary(), merges=[]))
+        tok = Tokenizer(models.BPE(vocab=byte_level_table(), merges=[]))  # character of byte b -> id b
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
     special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=special[0] if special else None,
+        eos_token=_end_token(special),
         pad_token=special[0] if special else None,
         clean_up_tokenization_spaces=False,
     )
 
 
+def _end_token(special: list[str]) -> str | None:
+    """The special token that names the end of a text: one spelled like an end (</s>, <|endoftext|>, <eos>), else
+    the first. Generation stops at every special token anyway (`_set_generation`)."""
+    ends = [t for t in special if "end" in t.lower() or "eos" in t.lower() or t.startswith("</")]
+    return (ends or special or [None])[0]
+
+
 def _set_generation(lm: Any, tokenizer: Any) -> None:
-    """What the pipeline generates with: stop at the tokenizer's special token (none for bytes: a config's default
-    eos id, Llama's 2, would be a byte), pad with it (or byte 0), and never pick an id the tokenizer lacks."""
+    """What the pipeline generates with, as the endpoint and the pyfunc do: stop at any of the tokenizer's special
+    tokens (none for bytes: a config's default eos id, Llama's 2, would be a byte), pad with one (or byte 0), and
+    never pick an id the tokenizer lacks."""
     ids = len(tokenizer)
     rows = int(lm.get_input_embeddings().weight.shape[0])
+    stops = sorted(tokenizer.all_special_ids)
     gen = lm.generation_config
     gen.bos_token_id = None
-    gen.eos_token_id = tokenizer.eos_token_id
-    gen.pad_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    gen.eos_token_id = stops or None
+    gen.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     gen.suppress_tokens = list(range(ids, rows)) or None
 
 

@@ -212,3 +212,33 @@ def test_a_transformers_model_on_a_tokenizers_ids_trains_and_serves_every_id(mlf
     assert isinstance(backend, CachedCausalLM)
     check_backend(f"models:/tiny-llama-bpe/{version}", model, 32)  # cached decoding of ids up to 299 = forward
     assert backend.prefill(0, [299, 257, 3]).shape == (3, 300) and backend.decode([0], [298]).shape == (1, 300)
+
+
+def test_the_flavors_tokenizer_reads_the_ids_the_model_was_trained_on():
+    """The transformers flavor's pipeline tokenizer: for a byte model every byte is its own id and decodes back; for
+    a tokenizer.json the same ids as `tokenizers` itself, its special token the end of a text; and generation never
+    picks an embedding row past the tokenizer's ids, nor stops at a config's default eos id (Llama's 2 is a byte)."""
+    from training import tokenizer as tk
+    from training.transformers_form import _set_generation, pipeline_tokenizer
+
+    text = "héllo\n\t\x00\x02 wörld ✓"
+    bytes_tok = pipeline_tokenizer("")
+    ids = bytes_tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8")) and len(bytes_tok) == 256
+    assert bytes_tok.decode(ids) == text and bytes_tok.decode(list(range(256))).encode("utf-8", "replace")
+
+    bpe = tk.train_bpe([b"def main():\n    return 0\n" * 30, b"import os\nimport sys\n" * 30], 300)
+    wrapped = pipeline_tokenizer(bpe.to_str())
+    code = "def main():\n    import os\n"
+    assert wrapped(code, add_special_tokens=False)["input_ids"] == bpe.encode(code, add_special_tokens=False).ids
+    assert wrapped.eos_token == tk.END_OF_TEXT and wrapped.eos_token_id == bpe.token_to_id(tk.END_OF_TEXT) == 0
+
+    _, model = _model({**TINY_LLAMA, "vocab_size": 320})
+    _set_generation(model.lm, wrapped)
+    gen = model.lm.generation_config
+    ids = bpe.get_vocab_size()  # under 300 when the texts have fewer merges to learn
+    assert gen.eos_token_id == [0] and gen.pad_token_id == 0 and gen.suppress_tokens == list(range(ids, 320))
+    _, byte_model = _model()
+    _set_generation(byte_model.lm, bytes_tok)
+    assert byte_model.lm.generation_config.eos_token_id is None
+    assert byte_model.lm.generation_config.suppress_tokens is None
