@@ -57,7 +57,7 @@ def _end_token(special: list[str]) -> str | None:
     """The special token that names the end of a text: one spelled like an end (</s>, <|endoftext|>, <eos>), else
     the first. Generation stops at every special token anyway (`_set_generation`)."""
     ends = [t for t in special if "end" in t.lower() or "eos" in t.lower() or t.startswith("</")]
-    return (ends or special or [None])[0]
+    return (ends or special)[0] if special else None
 
 
 def _set_generation(lm: Any, tokenizer: Any) -> None:
