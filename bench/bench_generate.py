@@ -71,7 +71,9 @@ def main() -> None:
         train_config = cfg.model_dump(mode="json")
         model_uri = log_servable_model(gpt, cfg.seq_len, factory=cfg.model_factory, train_config=train_config)
     version = register_version(client_for(uri), "bench-generate", model_uri, run.info.run_id)
-    program = load_served_model(model_uri)  # what served before: the pt2 program, recomputed
+    # the recompute baseline: the served model rerun over the window (the GPT's pt2 program; a transformers model
+    # rebuilt from its flavor's safetensors, called without its cache)
+    program = load_served_model(model_uri)
     batched = ModelServer("bench-generate", version, uri, threads=args.threads)
     single = ModelServer("bench-generate", version, uri, threads=args.threads, score_batch=1)
     assert batched.kv_cache, f"{type(gpt).__name__} should serve with a KV cache"

@@ -3,8 +3,9 @@
 A plain class (serve_build.build_app wraps it with `serve.deployment`), loaded from the MLflow registry. `score` is
 bits per byte of a text, concurrent calls batched into one forward (`serve.batch`); `complete_stream` yields one
 completion's events after a first event with the prompt's own bits, which the canary uses as evidence; `complete`
-gathers them into one answer. Completions run on deployments.engine (continuous batching): the built-in GPT with
-a KV cache when validation logged its eager weights, any other model by recomputing its window (load_backend).
+gathers them into one answer. Completions run on deployments.engine (continuous batching): the built-in GPT and a
+transformers model with a KV cache (validation logs the GPT's eager weights beside its program, a transformers model
+as MLflow's transformers flavor), any other model by recomputing its window (load_backend).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ def _finite(scored: tuple[float, int], version: str) -> tuple[float, int]:
 
 
 def load_backend(model_uri: str, slots: int = SLOTS) -> Any:
-    """The engine backend of a logged model: a KV-cached GPT, or transformers model, when its metadata names its
-    eager weights (training.servable.log_servable_model does so for both), else the served model (the pt2 program,
-    or a model export could not capture, rebuilt by its factory), recomputed."""
+    """The engine backend of a logged model: a KV-cached GPT when its metadata names its eager weights, a KV-cached
+    transformers model from its flavor's safetensors (or, logged before the flavor, its state dict), else the served
+    model (the pt2 program, or a model export could not capture, rebuilt by its factory), recomputed."""
     import mlflow
 
     from deployments.engine import Recompute

@@ -248,8 +248,8 @@ def seq_len_of(model_uri: str) -> int:
 
 
 def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
-    """(version, loaded model) of `name`'s champion as it is served (training.servable: the pt2 program or the
-    eager model); None when there is no champion."""
+    """(version, loaded model) of `name`'s champion as it is served (training.servable: a transformers model from
+    its flavor's safetensors, the pt2 program or the eager model); None when there is no champion."""
     import mlflow
 
     from infra.redact import first_line

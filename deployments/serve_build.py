@@ -39,6 +39,8 @@ _CODE_FILES = (
     "training/model.py",
     "training/hf_model.py",
     "training/servable.py",
+    "training/served_forms.py",
+    "training/transformers_form.py",
     "training/tokenizer.py",
 )
 

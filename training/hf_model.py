@@ -48,7 +48,10 @@ def _transformers_config(spec: dict[str, Any]) -> Any:
         raise ValueError("needs model_type (e.g. 'llama'), the architecture transformers builds")
     # parameters stay fp32 (train.mixed_precision decides the compute dtype): a save_pretrained config's dtype is
     # what its weights were stored in, and from_config would otherwise build the model in it
-    settings = {k: v for k, v in spec.items() if k not in ("model_type", "dtype", "torch_dtype")}
+    # and a config.json's `_name_or_path` (a hub id it was once saved from) is dropped: MLflow's transformers flavor
+    # looks a non-empty model name up on the hub when it logs the model
+    dropped = ("model_type", "dtype", "torch_dtype", "_name_or_path", "name_or_path")
+    settings = {k: v for k, v in spec.items() if k not in dropped}
     try:
         config = AutoConfig.for_model(kind, **settings)
     except ValueError as e:

@@ -7,15 +7,17 @@ configuration:
   model's save_pretrained files and its tokenizer (training/transformers_form.py); loading it needs mlflow and
   transformers, nothing of shardline's. The endpoint rebuilds the model from its safetensors.
 - every other model is one MLflow pyfunc from code (training/text_pyfunc.py: nothing pickled, nothing of
-  shardline's imported for a captured model) over one of:
-- **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic, an
-  `mlflow.pytorch` model in the artifact named by metadata["program"]. Loading it unpickles nothing and needs none
-  of the model's code.
-- **eager** (the fallback): when export fails, or its program does not answer at every serving shape (export
-  specialised a dimension, as it does for an `nn.GRU`'s sequence length), the model is logged as its weights (plain
-  tensors, read back with `weights_only=True`) and the TrainConfig its `train.model_factory` rebuilds it from. The
-  factory's code reaches the Serve replicas the way the rest of the code does (the runtime env's PYTHONPATH or
-  working_dir); a plain process gets it, with shardline's `training` and `infra`, from the model's code_paths.
+  shardline's imported for a captured model) over one of
+
+  - **pt2** (the first choice): the model as a `torch.export` program with batch and time dynamic, an
+    `mlflow.pytorch` model in the artifact named by metadata["program"]. Loading it unpickles nothing and needs
+    none of the model's code.
+  - **eager** (the fallback, for a transformers model too): when export fails, or its program does not answer at
+    every serving shape (export specialised a dimension, as it does for an `nn.GRU`'s sequence length), the model
+    is logged as its weights (plain tensors, read back with `weights_only=True`) and the TrainConfig its
+    `train.model_factory` rebuilds it from. The factory's code reaches the Serve replicas the way the rest of the
+    code does (the runtime env's PYTHONPATH or working_dir); a plain process gets it, with shardline's `training`
+    and `infra`, from the model's code_paths.
 
 What each form holds is training/served_forms.py. Either way validation loads the logged form back exactly as
 serving will (`load_served_model`) and runs it at every serving shape against the trained model before anything is
@@ -67,13 +69,14 @@ def log_servable_model(
     tokenizer_json: str = "",
 ) -> str:
     """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
-    every serving shape, and return its models:/ URI: the pt2 program when it serves, else the eager form
-    (module docstring). Input int64 [B, T] token ids (bytes, or a tokenizer's) with T <= seq_len, output float32
-    logits [B, T, vocab]; metadata["seq_len"] and metadata["vocab_size"] record both.
+    every serving shape, and return its models:/ URI: the transformers flavor for a transformers model, else the pt2
+    program when it serves; failing those, the eager form (module docstring). Input int64 [B, T] token ids (bytes,
+    or a tokenizer's) with T <= seq_len, output float32 logits [B, T, vocab]; metadata["seq_len"] and
+    metadata["vocab_size"] record both.
 
     Args:
         factory, train_config: `train.model_factory` and the TrainConfig (as JSON) that rebuild the model; without
-            them only the pt2 form is tried.
+            them only the first form (the transformers flavor or pt2) is tried.
         tokenizer_json: the tokenizer whose ids the model predicts ('' for bytes): logged inside the model, with
             metadata["tokenizer"] naming the file and its fingerprint, so a version carries what decodes it
             (`served_tokenizer`).
@@ -194,8 +197,13 @@ def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str 
     import mlflow
 
     metadata = mlflow.models.get_model_info(model_uri).metadata or {}
-    forms = {EAGER_FACTORY: "the eagerly served model", EAGER_HF: "the transformers model"}
-    form = next((forms[k] for k in forms if k in metadata), "the exported model")
+    form = (
+        "the eagerly served model"
+        if EAGER_FACTORY in metadata
+        else "the transformers model"
+        if "weights_dir" in (metadata.get(EAGER_HF) or {})
+        else "the exported model"
+    )
     who = f"train.model_factory={factory!r}: " if factory else ""
     try:
         loaded = load_served_model(model_uri)

@@ -5,7 +5,8 @@ safetensors weights, generation_config.json, in the model's `model/` directory) 
 `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["def main():"], params={"max_new_tokens": 32})` needs
 mlflow and transformers, and no code of shardline's. Its params are transformers' own generation settings
 (`max_new_tokens`, `do_sample`, `temperature`; greedy by default) and it returns the completion alone
-(`return_full_text=False`).
+(`return_full_text=False`). Unlike the endpoint and shardline's pyfunc, which keep the last `seq_len` ids, the
+pipeline does not slide a window: prompt and completion together must fit the model's positions.
 
 The pipeline's tokenizer is the version's `tokenizer.json` wrapped as a `PreTrainedTokenizerFast` (its special token,
 a trained BPE's `<|endoftext|>`, is the end of a completion), or, for a byte model, a byte-level tokenizer whose
@@ -16,8 +17,9 @@ never samples them.
 The endpoint serves the same files: `load_causal_lm_form` rebuilds the CausalLM from the safetensors (tensors only,
 no pickle) and decodes with transformers' KV cache. The tokenizer.json the endpoint and lineage use is also logged
 byte for byte as `shardline/tokenizer.json` (the wrapped copy gains a post-processor, so its fingerprint differs).
-MLflow's model card lookup runs on the model's empty hub name and stops at huggingface_hub's name check: nothing
-is fetched.
+MLflow's model card and license lookups run on the model's hub name, which is kept empty (training.hf_model drops a
+config.json's `_name_or_path`, and it is checked here), so huggingface_hub's name check stops them: nothing is
+fetched.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def _set_generation(lm: Any, tokenizer: Any) -> None:
     never pick an id the tokenizer lacks."""
     ids = len(tokenizer)
     rows = int(lm.get_input_embeddings().weight.shape[0])
-    stops = sorted(tokenizer.all_special_ids)
+    added = tokenizer.backend_tokenizer.get_added_tokens_decoder().items()
+    stops = sorted(i for i, t in added if t.special)  # every special token, not only the ones named eos and pad
     gen = lm.generation_config
     gen.bos_token_id = None
     gen.eos_token_id = stops or None
@@ -101,6 +104,8 @@ def log_transformers(model: Any, seq_len: int, name: str, metadata: dict, tokeni
 
     from training.hf_model import EAGER_HF
 
+    if model.lm.name_or_path:  # MLflow would look it up on the hub
+        raise ValueError(f"the model names a hub id ({model.lm.name_or_path!r}); a logged model must name none")
     tokenizer = pipeline_tokenizer(tokenizer_json)
     _set_generation(model.lm, tokenizer)
     spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
@@ -119,10 +124,15 @@ def log_transformers(model: Any, seq_len: int, name: str, metadata: dict, tokeni
         ],
     )
     if tokenizer_json:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / Path(TOKENIZER_PATH).name
-            path.write_text(tokenizer_json, encoding="utf-8")
-            mlflow.MlflowClient().log_model_artifact(info.model_id, str(path), str(Path(TOKENIZER_PATH).parent))
+        client = mlflow.MlflowClient()
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / Path(TOKENIZER_PATH).name
+                path.write_text(tokenizer_json, encoding="utf-8")
+                client.log_model_artifact(info.model_id, str(path), str(Path(TOKENIZER_PATH).parent))
+        except Exception:
+            client.delete_logged_model(info.model_id)  # nothing half-logged stays in the run
+            raise
     return str(info.model_uri)
 
 

@@ -238,6 +238,16 @@ def test_the_flavors_tokenizer_reads_the_ids_the_model_was_trained_on():
     gen = model.lm.generation_config
     ids = bpe.get_vocab_size()  # under 300 when the texts have fewer merges to learn
     assert gen.eos_token_id == [0] and gen.pad_token_id == 0 and gen.suppress_tokens == list(range(ids, 320))
+    # a user's tokenizer with more special tokens: every one of them ends a completion, not only the named eos
+    extra = tk.Tokenizer.from_str(bpe.to_str())
+    extra.add_special_tokens(["<|im_start|>"])
+    wrapped = pipeline_tokenizer(extra.to_str())
+    _set_generation(model.lm, wrapped)
+    assert wrapped.eos_token == tk.END_OF_TEXT
+    assert model.lm.generation_config.eos_token_id == [0, extra.token_to_id("<|im_start|>")]
+    # a config.json saved from a hub model names it: dropped, or MLflow would look it up on the hub when logging
+    _, named = _model({**TINY_LLAMA, "_name_or_path": "meta-llama/Llama-3.2-1B"})
+    assert named.lm.name_or_path == ""
     _, byte_model = _model()
     _set_generation(byte_model.lm, bytes_tok)
     assert byte_model.lm.generation_config.eos_token_id is None
