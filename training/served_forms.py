@@ -46,32 +46,32 @@ def _signature(vocab: int) -> Any:
     )
 
 
-def _text_signature() -> Any:
-    """The registered model's signature (training/text_pyfunc.py): prompts in, completions out, generation params."""
+# the generation params each registered form takes: training/text_pyfunc.py's, and the transformers pipeline's
+TEXT_PARAMS = (("max_tokens", "long", 16), ("temperature", "double", 0.0), ("seed", "long", 0))
+PIPELINE_PARAMS = (("max_new_tokens", "long", 16), ("do_sample", "boolean", False), ("temperature", "double", 1.0))
+
+
+def _text_signature(params: tuple[tuple[str, str, Any], ...] = TEXT_PARAMS) -> Any:
+    """A registered model's signature: prompts in, completions out, and its generation params (name, type, default)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),
         outputs=Schema([ColSpec("string")]),
-        params=ParamSchema(
-            [
-                ParamSpec("max_tokens", "long", 16),
-                ParamSpec("temperature", "double", 0.0),
-                ParamSpec("seed", "long", 0),
-            ]
-        ),
+        params=ParamSchema([ParamSpec(name, kind, default) for name, kind, default in params]),
     )
 
 
-def _requirements(tokenizer_json: str = "") -> list[str]:
+def _requirements(tokenizer_json: str = "", *modules: str) -> list[str]:
+    """pip pins of a registered form: torch and mlflow, tokenizers with a tokenizer, and `modules` as installed."""
+    import importlib
+
     import mlflow
 
     pins = [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "numpy", "pandas"]
-    if tokenizer_json:
-        import tokenizers
-
-        pins.append(f"tokenizers=={tokenizers.__version__}")
+    for module in (*(("tokenizers",) if tokenizer_json else ()), *modules):
+        pins.append(f"{module}=={importlib.import_module(module).__version__}")
     return pins
 
 
@@ -150,7 +150,8 @@ def log_hf(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json
     metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
     if tokenizer_json:
         metadata[TOKENIZER] = {"file": TOKENIZER_PATH, "sha256": fingerprint_json(tokenizer_json)}
-    return log_transformers(model, seq_len, name, metadata, tokenizer_json)
+    pins = _requirements("", "tokenizers", "transformers")  # the pipeline's fast tokenizer, bytes included
+    return log_transformers(model, name, metadata, _text_signature(PIPELINE_PARAMS), pins, tokenizer_json)
 
 
 def _code_paths(factory: str) -> list[str]:

@@ -77,30 +77,13 @@ def _set_generation(lm: Any, tokenizer: Any) -> None:
     gen.suppress_tokens = list(range(ids, rows)) or None
 
 
-def _signature() -> Any:
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
-
-    return ModelSignature(
-        inputs=Schema([ColSpec("string")]),
-        outputs=Schema([ColSpec("string")]),
-        params=ParamSchema(
-            [
-                ParamSpec("max_new_tokens", "long", 16),
-                ParamSpec("do_sample", "boolean", False),
-                ParamSpec("temperature", "double", 1.0),
-            ]
-        ),
-    )
-
-
-def log_transformers(model: Any, seq_len: int, name: str, metadata: dict, tokenizer_json: str = "") -> str:
+def log_transformers(
+    model: Any, name: str, metadata: dict, signature: Any, requirements: list[str], tokenizer_json: str = ""
+) -> str:
     """Log a CausalLM (training.hf_model) as the transformers flavor with `metadata` (the caller's seq_len,
-    vocab_size and tokenizer entries; metadata[EAGER_HF] is added here) and return its models:/ URI."""
+    vocab_size and tokenizer entries; metadata[EAGER_HF] is added here), the pipeline's `signature` and pip
+    `requirements` (training/served_forms.py decides both), and return its models:/ URI."""
     import mlflow
-    import tokenizers
-    import torch
-    import transformers
 
     from training.hf_model import EAGER_HF
 
@@ -114,14 +97,9 @@ def log_transformers(model: Any, seq_len: int, name: str, metadata: dict, tokeni
         name=name,
         task=TASK,
         model_config={"return_full_text": False, "max_new_tokens": 16, "do_sample": False},
-        signature=_signature(),
-        metadata={**metadata, EAGER_HF: spec, "seq_len": seq_len},
-        pip_requirements=[
-            f"torch=={torch.__version__.split('+')[0]}",
-            f"transformers=={transformers.__version__}",
-            f"tokenizers=={tokenizers.__version__}",
-            f"mlflow=={mlflow.__version__}",
-        ],
+        signature=signature,
+        metadata={**metadata, EAGER_HF: spec},
+        pip_requirements=requirements,
     )
     if tokenizer_json:
         client = mlflow.MlflowClient()
