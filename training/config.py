@@ -35,8 +35,9 @@ class TrainConfig(BaseModel):
     loop: Literal["builtin", "lightning"] = Field(
         "builtin",
         description="builtin: shardline's FSDP2/DDP loop over train.model_factory's model. lightning: the "
-        "LightningModule train.lightning_module names, under Ray Train's Lightning integration (RayDDPStrategy; "
-        "train.parallelism='ddp'); its `model` attribute is what is validated and served (training/lightning_loop.py).",
+        "LightningModule train.lightning_module names, under Ray Train's Lightning integration (RayDDPStrategy, "
+        "or Lightning's FSDP2 strategy with train.parallelism='fsdp'); its `model` attribute is what is validated "
+        "and served (training/lightning_loop.py).",
     )
     lightning_module: str = Field(
         "",
@@ -181,18 +182,18 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"train.lightning_module and train.model_factory={self.model_factory!r} both name the model; set one"
             )
-        if self.parallelism != "ddp":
+        cls = lightning_class(self.lightning_module)
+        if self.parallelism == "fsdp" and not _shards_itself(cls):
             raise ValueError(
-                "train.loop='lightning' trains with Ray's RayDDPStrategy; set train.parallelism='ddp' "
-                f"(got {self.parallelism!r}: Ray's RayFSDPStrategy wraps FSDP1, which torch runs on GPUs only, and "
-                "is not wired)"
+                f"train.parallelism='fsdp' with train.lightning_module={self.lightning_module!r}: the module must "
+                "shard its model in configure_model() (call training.lightning_loop.shard_model(self, cfg) there), "
+                "or set train.parallelism='ddp'"
             )
         if self.activation_checkpointing or self.powersgd_rank:
             raise ValueError(
                 "train.activation_checkpointing and train.powersgd_rank are the built-in loop's; with "
                 "train.loop='lightning' the module decides (set them false and 0)"
             )
-        lightning_class(self.lightning_module)
         self.model_factory = LIGHTNING_FACTORY
 
 
@@ -248,6 +249,13 @@ def lightning_class(spec: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         raise ValueError(f"train.lightning_module={spec!r}: {cls!r} is not a lightning.pytorch.LightningModule class")
     return cls
+
+
+def _shards_itself(cls: type) -> bool:
+    """Whether a LightningModule class overrides `configure_model`, where FSDP2 modules shard their model."""
+    import lightning.pytorch as pl
+
+    return getattr(cls, "configure_model", None) is not pl.LightningModule.configure_model
 
 
 class TokenizerConfig(BaseModel):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import TrainConfig
+from training.lightning_loop import shard_model
 from training.loop import build_optimizer, lr_at
 from training.model import build_gpt
 
@@ -24,6 +25,9 @@ class ByteGPTModule(pl.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = build_gpt(cfg)  # never cfg.model_factory: for a Lightning run that is this module's `.model`
+
+    def configure_model(self) -> None:
+        shard_model(self, self.cfg)  # FSDP2 per block with train.parallelism = "fsdp"; nothing under DDP
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -7,8 +7,14 @@ The contract of `train.lightning_module` ('module:Class'):
 - `training_step((x, y), batch_idx)` returns the loss; `configure_optimizers()` returns one optimizer (the module
   owns its learning rate; `training.lightning_example` follows `[train]`'s warmup and cosine schedule).
 
-Each worker runs a `lightning.Trainer` with Ray's `RayDDPStrategy` and `RayLightningEnvironment`, checked by
-`prepare_trainer`. The data are the run's WebDataset shards, read per rank exactly as the built-in loop reads them
+Each worker runs a `lightning.Trainer` with `RayLightningEnvironment` and, by `train.parallelism`:
+- `ddp`: Ray's `RayDDPStrategy`, checked by `prepare_trainer`;
+- `fsdp`: `RayFSDP2Strategy`, Lightning's FSDP2 strategy (`ModelParallelStrategy`) on Ray Train's device. The module
+  shards its model in `configure_model()` on the strategy's device mesh; `shard_model(self, cfg)` does it per block
+  with the run's mixed precision, as the built-in loop does (training.lightning_example calls it). Ray's own
+  `RayFSDPStrategy` wraps FSDP1, which torch runs on GPUs only and whose checkpoints are not DCP's FSDP2 layout.
+
+The data are the run's WebDataset shards, read per rank exactly as the built-in loop reads them
 (`loop.data_stream`); Lightning accumulates `train.grad_accum` micro batches per optimizer step and clips at
 `train.grad_clip`. `ShardlineCheckpoints` is the report callback: every `train.checkpoint_every` optimizer steps
 (and at the last) it saves the model and optimizer with torch.distributed.checkpoint, in the same layout as the
@@ -27,14 +33,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from training import placement, prom_metrics
 from training.checkpointer import Checkpointer, RayHooks
 from training.config import TrainConfig, lightning_class
 from training.loop import check_global_batch, data_stream, init_weights
 from training.model import flops_per_token
-from training.parallelize import compute_dtype
+from training.parallelize import apply_fsdp, compute_dtype
 from training.train_metrics import CPU_PEAK_TFLOPS, GPU_PEAK_TFLOPS, MetricsWindow, MlflowLogger
 
 
@@ -72,6 +80,33 @@ def served_model(module: pl.LightningModule, cfg: TrainConfig) -> nn.Module:
 def lightning_model(cfg: TrainConfig) -> nn.Module:
     """`train.model_factory` of a Lightning run: the module's `.model`, which validation and serving rebuild."""
     return served_model(build_module(cfg), cfg)
+
+
+class RayFSDP2Strategy(ModelParallelStrategy):
+    """Lightning's FSDP2 strategy placed the way Ray's strategies place theirs: on Ray Train's device for this
+    worker, every worker one data-parallel rank (no tensor parallelism). `prepare_trainer` accepts Ray's own
+    classes only, so train_func checks the environment itself."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(data_parallel_size=world, tensor_parallel_size=1)
+
+    @property
+    def root_device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+
+def shard_model(module: pl.LightningModule, cfg: TrainConfig) -> None:
+    """FSDP2 over `module.model` per block, then the root, on the strategy's data-parallel mesh, computing in the
+    run's precision (`train.mixed_precision`) and reducing in fp32. Call it from `configure_model()`; under DDP
+    (`train.parallelism = "ddp"`) it does nothing."""
+    if cfg.parallelism != "fsdp":
+        return
+    if module.device_mesh is None:
+        raise RuntimeError("shard_model runs in configure_model() under RayFSDP2Strategy, which sets the mesh")
+    mesh = module.device_mesh["data_parallel"]
+    apply_fsdp(served_model(module, cfg), cfg, torch.device(mesh.device_type), mesh.size(), mesh=mesh)
 
 
 def check_module(trainer: Any, pl_module: Any, cfg: TrainConfig) -> None:
@@ -154,8 +189,9 @@ class ShardlineCheckpoints(pl.Callback):
         self.window.start()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        grads = [p.grad.detach().norm() for p in pl_module.model.parameters() if p.grad is not None]
-        self.grad_norm = torch.stack(grads).norm() if grads else torch.zeros(())
+        grads = [p.grad.detach() for p in pl_module.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        self.grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # FSDP2: every shard's norm
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs  # already divided by grad_accum
@@ -207,11 +243,14 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
         init_weights(model, config["init_checkpoint"])
     stream = _Stream(config["train_shards"], rank, world, cfg, config.get("token_dtype", ""))
     callback = ShardlineCheckpoints(cfg, stream, config, rank, world)
+    fsdp = cfg.parallelism == "fsdp"
+    bf16 = compute_dtype(cfg, device) == torch.bfloat16
     trainer = pl.Trainer(
         accelerator="gpu" if cfg.use_gpu else "cpu",
-        precision="bf16-mixed" if compute_dtype(cfg, device) == torch.bfloat16 else "32-true",
+        # FSDP2 computes in bf16 through its own mixed-precision policy (shard_model); DDP through autocast
+        precision="bf16-mixed" if bf16 and not fsdp else "32-true",
         devices="auto",
-        strategy=RayDDPStrategy(),
+        strategy=RayFSDP2Strategy(world) if fsdp else RayDDPStrategy(),
         plugins=[RayLightningEnvironment()],
         callbacks=[callback],
         max_steps=cfg.steps,
@@ -224,7 +263,8 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
         logger=False,
         num_sanity_val_steps=0,
     )
-    trainer = prepare_trainer(trainer)
+    if not fsdp:  # it accepts Ray's strategy classes only; the environment it checks is the one given above
+        trainer = prepare_trainer(trainer)
     torch.manual_seed(cfg.seed + 1 + rank)
     # its own generator: a DataLoader draws a base seed from the global RNG at iter(), which here comes after the
     # checkpoint's RNG state was restored; that draw must not move the restored state (dropout would differ)

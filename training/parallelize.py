@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList | None:
@@ -54,8 +59,10 @@ def apply_ac(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int) -> nn.Module:
-    """FSDP2: shard every block, then the root (embeddings, final norm, head).
+def apply_fsdp(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, world_size: int, mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """FSDP2: shard every block, then the root (embeddings, final norm, head), over `mesh` (default: every rank).
 
     Blocks first so each block is its own all-gather / reduce-scatter group: only one block's full
     parameters are materialised at a time, and block i+1's all-gather overlaps block i's compute.
@@ -63,7 +70,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, device: torch.device, world_s
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
     dtype = compute_dtype(cfg, device)
     # Reduce in fp32 even when computing in bf16: summing W bf16 gradients loses low-order bits.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

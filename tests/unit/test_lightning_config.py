@@ -25,6 +25,11 @@ def test_the_module_model_is_what_validation_and_serving_build(tmp_path):
     assert isinstance(model, GPT) and model(torch.randint(0, 256, (2, 32))).shape == (2, 32, 256)
 
 
+def test_fsdp_is_the_default_for_a_module_that_shards_itself(tmp_path):
+    cfg = _load(tmp_path, LIGHTNING.replace('parallelism = "ddp"\n', ""))
+    assert (cfg.parallelism, cfg.model_factory) == ("fsdp", LIGHTNING_FACTORY)
+
+
 @pytest.mark.parametrize(
     ("train", "message"),
     [
@@ -42,8 +47,10 @@ def test_the_module_model_is_what_validation_and_serving_build(tmp_path):
             "needs train.loop='lightning'",
         ),
         (
-            LIGHTNING.replace('parallelism = "ddp"\n', ""),
-            "set train.parallelism='ddp' (got 'fsdp': Ray's RayFSDPStrategy wraps FSDP1, which torch runs on GPUs only",
+            LIGHTNING.replace('parallelism = "ddp"\n', "").replace(
+                "training.lightning_example:ByteGPTModule", "support.lightning_support:UnshardedByteGPT"
+            ),
+            "the module must shard its model in configure_model() (call training.lightning_loop.shard_model",
         ),
         (LIGHTNING + 'model_factory = "training.model:build_gpt2"\n', "both name the model; set one"),
         (LIGHTNING + '[train.hf_config]\nmodel_type = "llama"\n', "train.hf_config and train.lightning_module"),
