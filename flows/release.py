@@ -34,6 +34,23 @@ def shard_set_prefix(uri: str) -> str:
     return uri.removesuffix("/manifest.json")
 
 
+def unused_tokenizer(config: PipelineConfig, shards: ShardSet) -> str:
+    """One warning line when the config's `[tokenizer]` section is not the default and the shard set's ids (which a
+    release trains on regardless) may not be what it asks for; "" for the default, or bytes asked of a text set."""
+    wanted = config.tokenizer
+    if wanted == type(wanted)() or (wanted.kind == "bytes" and not shards.tokenizer_sha256):
+        return ""
+    held = (
+        f"token ids of tokenizer {shards.tokenizer_sha256[:12]} ({shards.vocab_size} ids)"
+        if shards.tokenizer_sha256
+        else "bytes"
+    )
+    return (
+        f"tokenizer: kind={wanted.kind!r} is not used: shard set {shards.dataset_digest[:12]} holds {held}, which "
+        "this release trains on (build a set with that tokenizer with `shardline shard` to train on its ids)"
+    )
+
+
 @task(
     name="open_shard_set",
     retries=2,
@@ -69,10 +86,13 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
     Args:
         shard_set: prefix ({data.output}/{digest}) or manifest URI of a published shard set.
         config: the pipeline config; its `data` and `tokenizer` sections are not used (the set's ids are what
-            they are: its own tokenizer travels with it).
+            they are: its own tokenizer travels with it); a `tokenizer` section that asks for other ids is logged
+            as a warning.
     """
     with shardline_run(config, "shardline-release", shard_set=shard_set) as run:
         shards = open_shard_set(shard_set, run.lineage)
+        if warning := unused_tokenizer(config, shards):
+            run.logger.warning(warning)
         run.cluster = provision_cluster(config.cluster, run.lineage)
         trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
         validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from flows.canary_version import challenge
-from flows.release import shard_set_prefix
+from flows.config import PipelineConfig
+from flows.release import shard_set_prefix, unused_tokenizer
+from training.config import TokenizerConfig
+from training.data import ShardSet
 
 
 def test_shard_set_prefix_accepts_prefix_or_manifest():
@@ -13,6 +16,24 @@ def test_shard_set_prefix_accepts_prefix_or_manifest():
     assert shard_set_prefix("/data/shards/abc/") == "/data/shards/abc"
     with pytest.raises(ValueError, match="shard_set is empty"):
         shard_set_prefix(" ")
+
+
+def test_a_tokenizer_section_a_release_cannot_honour_is_named_in_one_line():
+    base = {"uri": "u", "manifest_uri": "m", "train_shards": [], "val_shards": [], "num_train": 0, "num_val": 0}
+    text = ShardSet(dataset_digest="a" * 32, total_bytes=0, cache_hit=False, **base)
+    ids = text.model_copy(update={"tokenizer_sha256": "f" * 64, "vocab_size": 4096, "token_dtype": "<u2"})
+    bpe = PipelineConfig(tokenizer=TokenizerConfig(kind="train", vocab_size=4096))
+    explicit_bytes = PipelineConfig(tokenizer=TokenizerConfig(kind="bytes"))
+    assert unused_tokenizer(PipelineConfig(), text) == unused_tokenizer(PipelineConfig(), ids) == ""
+    assert unused_tokenizer(explicit_bytes, text) == ""
+    assert unused_tokenizer(bpe, text) == (
+        "tokenizer: kind='train' is not used: shard set aaaaaaaaaaaa holds bytes, which this release trains on "
+        "(build a set with that tokenizer with `shardline shard` to train on its ids)"
+    )
+    # a set of ids: any section but the default is named (a trained BPE's settings are not compared with the set's)
+    assert "kind='train' is not used: shard set aaaaaaaaaaaa holds token ids of tokenizer ffffffffffff (4096 ids)," in (
+        unused_tokenizer(bpe, ids)
+    )
 
 
 def test_challenge_compares_against_todays_champion():
