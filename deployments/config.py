@@ -95,6 +95,11 @@ class ServeConfig(BaseModel):
     )
     max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
     max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
+    chat_template: str = Field(
+        "",
+        description="Jinja chat template (Hugging Face's dialect: messages, add_generation_prompt, raise_exception) "
+        "that turns /v1/chat/completions messages into this model's prompt; '' = no chat API (a 400 that says so).",
+    )
     replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per model replica.")
     router_cpus: float = Field(
         0.05,
@@ -136,6 +141,15 @@ class ServeConfig(BaseModel):
                 f"applications), got {name!r}"
             )
         return name
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_parses(cls, source: str) -> str:
+        if source:
+            from deployments.openai_chat import compile_template
+
+            compile_template(source)  # a syntax error is one line at config load, not a 400 on every chat request
+        return source
 
     @field_validator("route_prefix")
     @classmethod

@@ -1,4 +1,5 @@
-"""The OpenAI completions protocol as the live endpoint speaks it: request models, response and error objects.
+"""The OpenAI completions protocol as the live endpoint speaks it: request models, response and error objects
+(the chat API, which runs as a completion, is deployments.openai_chat).
 
 Pure pydantic and dicts, no Ray and no torch, so the router, the gateway and the tests share one definition of the
 wire format. The shapes follow OpenAI's `/v1/completions` and `/v1/models` (and vLLM's extensions `top_k`); what
@@ -109,10 +110,27 @@ def parse_json(body: bytes) -> Any:
         raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
 
 
+def model_or_error(model: type[BaseModel], data: Any) -> BaseModel:
+    """`model` validated from a request body, or ApiError(400) naming the first field that is wrong or unknown."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") from None
+        raise ApiError(400, f"{where}: {first['msg']}", param=None if where == "body" else where) from None
+
+
 def validate(
-    endpoint: Literal["completions", "score"], data: Any, max_prompt_bytes: int, max_tokens_cap: int
+    endpoint: Literal["completions", "score"],
+    data: Any,
+    max_prompt_bytes: int,
+    max_tokens_cap: int,
+    prompt_param: str = "prompt",
 ) -> CompletionRequest | ScoreRequest:
-    """A request object, or ApiError(400) naming the first parameter that is wrong or not supported."""
+    """A request object, or ApiError(400) naming the first parameter that is wrong or not supported.
+    `prompt_param` names the prompt in a size error (a chat request's is its rendered `messages`)."""
     model = CompletionRequest if endpoint == "completions" else ScoreRequest
     if endpoint == "completions" and isinstance(data, dict) and isinstance(data.get("prompt"), list):
         prompts = data["prompt"]
@@ -125,14 +143,8 @@ def validate(
                 param="prompt",
                 code="unsupported_parameter",
             )
-    try:
-        req = model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") from None
-        raise ApiError(400, f"{where}: {first['msg']}", param=None if where == "body" else where) from None
+    req = model_or_error(model, data)
+    assert isinstance(req, CompletionRequest | ScoreRequest)
     if isinstance(req, CompletionRequest):
         for name, neutral in _NEUTRAL.items():
             value = getattr(req, name)
@@ -153,9 +165,10 @@ def validate(
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
     text = req.prompt if isinstance(req, CompletionRequest) else req.text
     size = len(text.encode("utf-8"))
-    field = "prompt" if isinstance(req, CompletionRequest) else "text"
+    field = prompt_param if isinstance(req, CompletionRequest) else "text"
     if size > max_prompt_bytes:
-        raise ApiError(400, f"{field}: {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}", param=field)
+        what = f"{field}: {size} bytes" if field != "messages" else f"messages: the rendered prompt has {size} bytes"
+        raise ApiError(400, f"{what} > serve.max_prompt_bytes={max_prompt_bytes}", param=field)
     if isinstance(req, ScoreRequest) and size < 2:
         raise ApiError(400, "text: needs at least 2 bytes (the first byte is never predicted)", param="text")
     return req

@@ -37,6 +37,7 @@ class RouterConfig(BaseModel):
     max_request_bytes: int = 65536
     max_prompt_bytes: int = 4096
     max_tokens_cap: int = 256
+    chat_template: str = ""  # serve.chat_template: '' = /v1/chat/completions is a 400
     token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
     gateway: str = ""  # the gateway application (one per route prefix) that serves this model
     settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with

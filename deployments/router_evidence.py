@@ -69,7 +69,7 @@ class EvidenceRecorder:
             "endpoint": endpoint,
             "probe": probe,
             "router_replica": self.replica_id,
-            "op": "complete" if endpoint == "completions" else "score",
+            "op": "complete" if endpoint in ("completions", "chat") else "score",
             "role": "challenger" if to_challenger else "champion",
             "challenger": slim(challenger_call),
             "champion": slim(champion_call),

@@ -1,4 +1,4 @@
-"""The router's streamed completions: OpenAI's server-sent events from a replica's token stream.
+"""The router's streamed completions and chat completions: OpenAI's server-sent events from a replica's token stream.
 
 A mixin of deployments.serve_app.Router, which owns the routing (`_choose`), the replica calls (`_call`,
 `_handle`, `inflight`), the metrics and the evidence (`_record`, from router_evidence): a stream goes to the version
@@ -16,6 +16,7 @@ from typing import Any
 from deployments import openai_api as oai
 from deployments.http_io import EVENT_STREAM, error_reply
 from deployments.openai_api import ApiError, CompletionRequest
+from deployments.openai_chat import chat_chunk, chat_id, chat_usage_chunk
 from deployments.router_config import VERSION_HEADER, Job
 
 
@@ -79,12 +80,21 @@ class RouterStreams:
             "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
             "media_type": EVENT_STREAM,
         }
-        cid, model, req = oai.completion_id(), cfg.model_name, job.req
+        model, req, chat = cfg.model_name, job.req, job.endpoint == "chat"
         assert isinstance(req, CompletionRequest)
+        cid = chat_id() if chat else oai.completion_id()
+
+        def piece(text: str, finish_reason: str | None, lp: dict[str, Any] | None = None) -> bytes:
+            if chat:  # the new text in `delta.content` (the last chunk's delta is empty); never logprobs
+                return oai.sse(chat_chunk(cid, model, version, {"content": text} if text else {}, finish_reason))
+            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp))
+
         served: dict[str, Any] = {**head, "ok": True}
+        if chat:  # OpenAI's first chat chunk carries the role
+            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None))
         if req.echo:
-            piece = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
-            yield oai.sse(oai.chunk(cid, model, version, req.prompt, None, merge_logprobs([piece]) if piece else None))
+            head_lp = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
+            yield piece(req.prompt, None, merge_logprobs([head_lp]) if head_lp else None)
         offset = len(req.prompt) if req.echo else 0
         finished = False
         try:
@@ -92,7 +102,7 @@ class RouterStreams:
                 if "text" in event:
                     lp = merge_logprobs([event["logprobs"]], offset) if req.logprobs is not None else None
                     offset += len(event["text"])
-                    yield oai.sse(oai.chunk(cid, model, version, event["text"], None, lp))
+                    yield piece(event["text"], None, lp)
                 else:
                     served |= event
         except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
@@ -104,10 +114,11 @@ class RouterStreams:
             )
         else:
             finished = True
-            yield oai.sse(oai.chunk(cid, model, version, "", served.get("finish_reason", "length")))
+            yield piece("", served.get("finish_reason", "length"))
             if req.stream_options is not None and req.stream_options.include_usage:
                 used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
-                yield oai.sse(oai.usage_chunk(cid, model, version, *used))
+                usage = chat_usage_chunk if chat else oai.usage_chunk
+                yield oai.sse(usage(cid, model, version, *used))
         finally:
             if not finished:  # the client went away (or the replica failed): stop generating now
                 stream.cancel()

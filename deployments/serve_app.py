@@ -30,6 +30,7 @@ from deployments.http_io import (
     to_streaming_response,
 )
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
+from deployments.openai_chat import chat_completion, chat_id, validate_chat
 from deployments.router_config import PROBE_HEADER, VARIANT_HEADER, VERSION_HEADER, Job, RouterConfig
 from deployments.router_evidence import EvidenceRecorder
 from deployments.router_stream import RouterStreams, prompt_piece
@@ -146,15 +147,10 @@ class Router(EvidenceRecorder, RouterStreams):
             if method == "GET" and path.endswith("/metrics"):
                 body_, content_type = self.metrics.exposition()
                 return reply(200, body_, media_type=content_type)
-            if path.endswith("/v1/chat/completions"):
-                raise ApiError(
-                    400,
-                    f"{self.cfg.model_name if self.cfg else 'this model'} has no chat template (a "
-                    "byte-level model's tokenizer has none): use /v1/completions",
-                    code="no_chat_template",
-                )
             endpoint = (
-                "completions"
+                "chat"
+                if path.endswith("/v1/chat/completions")
+                else "completions"
                 if path.endswith("/v1/completions")
                 else "score"
                 if path.endswith("/v1/score")
@@ -174,12 +170,23 @@ class Router(EvidenceRecorder, RouterStreams):
                 return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
             if method != "POST":
                 raise ApiError(405, f"{path} takes POST")
-            req = oai.validate(
-                "completions" if endpoint == "completions" else "score",
-                oai.parse_json(body),
-                cfg.max_prompt_bytes,
-                cfg.max_tokens_cap,
-            )
+            if endpoint == "chat":
+                if not cfg.chat_template:
+                    raise ApiError(
+                        400,
+                        f"{cfg.model_name} has no chat template (serve.chat_template is not set): use /v1/completions",
+                        code="no_chat_template",
+                    )
+                req: CompletionRequest | ScoreRequest = validate_chat(
+                    oai.parse_json(body), cfg.chat_template, cfg.max_prompt_bytes, cfg.max_tokens_cap
+                )
+            else:
+                req = oai.validate(
+                    "completions" if endpoint == "completions" else "score",
+                    oai.parse_json(body),
+                    cfg.max_prompt_bytes,
+                    cfg.max_tokens_cap,
+                )
             if req.model is not None and req.model != cfg.model_name:
                 raise ApiError(
                     404,
@@ -315,6 +322,17 @@ class Router(EvidenceRecorder, RouterStreams):
 
         req = job.req
         assert isinstance(req, CompletionRequest)
+        if job.endpoint == "chat":
+            return chat_completion(
+                chat_id(),
+                job.cfg.model_name,
+                served["version"],
+                served["text"],
+                served["finish_reason"],
+                int(served.get("prompt_ids", len(job.text))),
+                int(served["tokens"]),
+                served["bpb"],
+            )
         prompt = req.prompt if req.echo else ""
         logprobs = None
         if req.logprobs is not None:

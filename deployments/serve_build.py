@@ -98,6 +98,7 @@ def router_config(
         max_request_bytes=serve.max_request_bytes,
         max_prompt_bytes=serve.max_prompt_bytes,
         max_tokens_cap=serve.max_tokens_cap,
+        chat_template=serve.chat_template,
         token_sha256=token_sha256,
         gateway=gateway_name(serve),
         settings=settings_version(serve),

@@ -92,6 +92,32 @@ def test_two_models_answer_by_model_behind_one_route(world):
         client.completions.create(model=MODELS[0], prompt="x", n=2)
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
         client.chat.completions.create(model=MODELS[0], messages=[{"role": "user", "content": "hi"}])
+    # with serve.chat_template, the chat API answers what a completion of the rendered prompt answers
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    endpoint.reconcile(serve.model_copy(update={"chat_template": template}), MODELS[0], world["uri"])
+    messages = [{"role": "system", "content": "python"}, {"role": "user", "content": "import"}]
+    chat = client.chat.completions.create(model=MODELS[0], messages=messages, max_tokens=6, temperature=0)
+    rendered = "system: python\nuser: import\nassistant:"
+    plain = client.completions.create(model=MODELS[0], prompt=rendered, max_tokens=6, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.choices[0].finish_reason == "length"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(rendered), 6)  # the rendered bytes
+    parts = list(
+        client.chat.completions.create(
+            model=MODELS[0],
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    assert parts[-1].usage.completion_tokens == 6 and not parts[-1].choices
+    with pytest.raises(openai.BadRequestError, match="logprobs: only False is supported"):
+        client.chat.completions.create(model=MODELS[0], messages=messages, logprobs=True)
     # a default model takes requests that name none
     with_default = serve.model_copy(update={"default_model": MODELS[1]})
     endpoint.reconcile(with_default, MODELS[1], world["uri"])

@@ -1,0 +1,199 @@
+"""OpenAI's chat completions API on the live endpoint: the request, its messages rendered into one prompt by the
+served model's chat template, and the `chat.completion` objects and stream chunks.
+
+The template (`serve.chat_template`) is Jinja in Hugging Face's chat-template dialect: it sees `messages` (each
+`{"role", "content"}`), `add_generation_prompt` (always true: the model answers next), `bos_token` and `eos_token`
+(empty: a byte-level model has none) and `raise_exception(message)`, and it renders in Jinja's immutable sandbox
+with `trim_blocks` and `lstrip_blocks`, as transformers' `apply_chat_template` renders it. The rendered prompt is
+then an ordinary completion: the same router, canary evidence, limits (`serve.max_prompt_bytes` applies to the
+rendered prompt) and generation engine. What the chat API has and the endpoint cannot honour (n > 1, logprobs,
+tools, response formats, penalties) is a 400 that names the parameter.
+
+Pure pydantic, Jinja and dicts, no Ray and no torch, like deployments.openai_api.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.openai_api import ApiError, CompletionRequest, StreamOptions, model_or_error, usage, validate
+
+# OpenAI chat parameters refused unless neutral (as openai_api refuses its own)
+_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "logprobs": False,
+    "top_logprobs": None,
+    "logit_bias": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(BaseModel):
+    """POST /v1/chat/completions: OpenAI's parameters the endpoint honours (and the neutral values of the rest)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # refused unless neutral (see _NEUTRAL)
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> Any:
+    """The Jinja template of a chat template's source, in the immutable sandbox.
+
+    Raises:
+        ValueError: one line with Jinja's message and line, when the source does not parse.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"not a Jinja template: line {e.lineno}: {e.message}") from None
+
+
+def render(source: str, messages: list[dict[str, str]]) -> str:
+    """The prompt a chat template makes of `messages`, ready for the model to answer.
+
+    Raises:
+        ApiError: 400 when the template refuses the messages (its `raise_exception`, or an error while rendering).
+    """
+    import jinja2
+
+    try:
+        return str(
+            compile_template(source).render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        )
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise ApiError(400, f"messages: the model's chat template refused them: {e}", param="messages") from None
+
+
+def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_cap: int) -> CompletionRequest:
+    """The chat request as the completion it runs as (its messages rendered), or ApiError(400) naming the first
+    parameter that is wrong or not supported. Without `max_tokens`, the answer may run to serve.max_tokens_cap."""
+    req = model_or_error(ChatRequest, data)
+    assert isinstance(req, ChatRequest)
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name)
+        if value is not None and value != neutral and (neutral is not None or value):
+            raise ApiError(
+                400, f"{name}: only {neutral!r} is supported, got {value!r}", param=name, code="unsupported_parameter"
+            )
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise ApiError(400, "max_tokens and max_completion_tokens: give one", param="max_completion_tokens")
+    prompt = render(template, [m.model_dump(exclude_none=True) for m in req.messages])
+    if not prompt:
+        raise ApiError(400, "messages: the model's chat template rendered them as an empty prompt", param="messages")
+    completion = {
+        "model": req.model,
+        "prompt": prompt,
+        "max_tokens": req.max_completion_tokens or req.max_tokens or max_tokens_cap,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stream": req.stream,
+        "stream_options": req.stream_options.model_dump() if req.stream_options else None,
+        "user": req.user,
+    }
+    out = validate("completions", completion, max_prompt_bytes, max_tokens_cap, prompt_param="messages")
+    assert isinstance(out, CompletionRequest)
+    return out
+
+
+def chat_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _envelope(cid: str, model: str, version: str, kind: str) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": f"{model}-v{version}",
+    }
+
+
+def chat_completion(
+    cid: str,
+    model: str,
+    version: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    prompt_bpb: float | None,
+) -> dict[str, Any]:
+    """OpenAI's `chat.completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
+    message = {"role": "assistant", "content": text, "refusal": None}
+    return {
+        **_envelope(cid, model, version, "chat.completion"),
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "model_version": version,
+        "prompt_bits_per_byte": prompt_bpb,
+    }
+
+
+def chat_chunk(cid: str, model: str, version: str, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
+    """One streamed piece of a chat completion: `choices[0].delta` holds the role (first) or the new text."""
+    return {
+        **_envelope(cid, model, version, "chat.completion.chunk"),
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "model_version": version,
+    }
+
+
+def chat_usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {
+        **_envelope(cid, model, version, "chat.completion.chunk"),
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "model_version": version,
+    }

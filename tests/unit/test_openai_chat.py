@@ -1,0 +1,108 @@
+"""/v1/chat/completions before any model runs: messages rendered by the served model's chat template into the
+completion they run as, every parameter the endpoint cannot honour a 400 that names it, OpenAI's chat objects."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import ServeConfig
+from deployments.openai_api import ApiError
+from deployments.openai_chat import chat_chunk, chat_completion, render, validate_chat
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ONLY_USER = (
+    "{% for m in messages %}{% if m.role != 'user' %}{{ raise_exception('only user turns') }}{% endif %}{% endfor %}x"
+)
+HI = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion():
+    assert (
+        render(CHATML, HI)
+        == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    req = validate_chat({"model": "m", "messages": HI, "temperature": 0, "stop": ["<|im_end|>"]}, CHATML, 4096, 64)
+    assert req.prompt == render(CHATML, HI) and req.temperature == 0 and req.stops() == ["<|im_end|>"]
+    assert req.max_tokens == 64  # no max_tokens: the answer may run to serve.max_tokens_cap
+    assert validate_chat({"messages": HI, "max_completion_tokens": 5}, CHATML, 4096, 64).max_tokens == 5
+    streamed = validate_chat(
+        {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, CHATML, 4096, 64
+    )
+    assert streamed.stream and streamed.stream_options is not None and streamed.stream_options.include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"messages": HI, "n": 2}, "n: only 1 is supported, got 2", "n"),
+        ({"messages": HI, "logprobs": True}, "logprobs: only False is supported, got True", "logprobs"),
+        ({"messages": HI, "tools": [{"type": "function"}]}, "tools: only None is supported", "tools"),
+        ({"messages": HI, "functions": []}, "functions: unsupported parameter", "functions"),
+        ({"messages": []}, "messages: List should have at least 1 item", "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be", "messages.0.role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content: Input should be a valid string",
+            "messages.0.content",
+        ),
+        ({"messages": HI, "max_tokens": 65}, "max_tokens: 65 > serve.max_tokens_cap=64", "max_tokens"),
+        ({"messages": HI, "max_tokens": 2, "max_completion_tokens": 2}, "give one", "max_completion_tokens"),
+        (
+            {"messages": HI, "stream_options": {"include_usage": True}},
+            "stream_options: only allowed with stream: true",
+            "stream_options",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "y" * 90}]},
+            "messages: the rendered prompt has 140 bytes > serve.max_prompt_bytes=100",
+            "messages",
+        ),
+    ],
+)  # fmt: skip
+def test_a_chat_parameter_the_endpoint_cannot_honour_is_a_400_that_names_it(body, message, param):
+    with pytest.raises(ApiError) as err:
+        validate_chat(body, CHATML, 100, 64)
+    assert err.value.status == 400 and message in err.value.message and err.value.param == param, err.value.message
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_with_its_reason():
+    with pytest.raises(ApiError, match="the model's chat template refused them: only user turns") as err:
+        validate_chat({"messages": HI}, ONLY_USER, 4096, 64)
+    assert err.value.param == "messages"
+    assert validate_chat({"messages": HI[1:]}, ONLY_USER, 4096, 64).prompt == "x"
+
+
+def test_the_template_runs_in_jinjas_sandbox():
+    with pytest.raises(ApiError, match="refused them"):  # no reaching out of the sandbox through the messages
+        render("{{ messages.__class__.__mro__[1].__subclasses__() }}", HI)
+
+
+def test_a_template_that_does_not_parse_is_one_line_at_config_load():
+    with pytest.raises(ValidationError) as err:
+        ServeConfig(chat_template="{% for m in messages %}{{ m.content }}")
+    (problem,) = err.value.errors()
+    assert (
+        problem["loc"] == ("chat_template",)
+        and "not a Jinja template: line 1: Unexpected end of template" in problem["msg"]
+    )
+    assert ServeConfig(chat_template=CHATML).chat_template == CHATML
+
+
+def test_the_chat_objects_are_openais():
+    done = chat_completion("chatcmpl-1", "m", "3", "hello", "stop", 12, 5, 2.5)
+    assert done["object"] == "chat.completion" and done["model_version"] == "3"
+    assert done["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hello", "refusal": None},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ]
+    assert done["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+    piece = chat_chunk("chatcmpl-1", "m", "3", {"content": "he"}, None)
+    assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": "he"}
