@@ -7,11 +7,11 @@ Four runs of the real stage (Ray Train's TorchTrainer, NCCL, DCP checkpoints, th
 WebDataset shards of the standard library, each reporting tokens/s and MFU (the stage's own FLOP formula:
 `training.model.flops_per_token`, 6N plus PaLM's attention term for the GPT, a transformers model's own count for
 the Llama; peak 989 TFLOP/s dense bf16):
-1. the built-in GPT, built-in loop, FSDP2 bf16;
+1. the built-in GPT (153M parameters at d_model 1024, 12 layers, seq_len 1024), built-in loop, FSDP2 bf16;
 2. the same GPT as a LightningModule (`train.loop = "lightning"`) under Lightning's FSDP2 strategy on Ray Train's
    device; then the same run name again, which must resume at the last step and train nothing; its last
    checkpoint verified and loaded into the module's model and scored (bits per byte of the held-out shard);
-3. a transformers Llama from a config (FSDP2 per decoder layer, `_no_split_modules`), built-in loop;
+3. a transformers Llama from a config (136M parameters; FSDP2 per decoder layer, `_no_split_modules`), built-in loop;
 4. the same Llama with activation checkpointing.
 Each run is independent: one that fails is reported with its one-line cause, and the others still run. Needs
 torch, transformers, lightning, ray[train], pydantic, webdataset; not MLflow (no tracking URI is given).
