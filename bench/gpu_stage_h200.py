@@ -62,7 +62,7 @@ def stage(name: str, overrides: dict, shards, gpu: bool, steps: int, home: Path)
     cfg = TrainConfig(
         workers=1,
         steps=steps,
-        checkpoint_every=steps // 2,
+        checkpoint_every=max(1, steps // 2),
         keep_checkpoints=2,
         log_every=10,
         lr=3e-4,

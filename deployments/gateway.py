@@ -1,14 +1,14 @@
 """The stack's one HTTP ingress: every served model behind one route prefix, picked by the request's `model`.
 
 The way OpenAI-compatible servers do it: `GET /v1/models` lists every served model with its champion version,
-`POST /v1/completions` and `/v1/score` go to the router of the model the body names (or to `serve.default_model`,
-or to the only model there is). Each model keeps its own application, router, canary, lock, lease and evidence;
-the gateway only forwards the request (headers and body) to that router's handle and relays its reply, streamed
-or whole. Which models exist is observed, not configured: the gateway lists the applications in Serve's status whose
-shardline router names this gateway (a run chooses it by serve.route_prefix), every REFRESH_S and at once when a
-request names a model it does not know, so a model deployed or removed by any run shows up without touching the
-gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`, so importing this needs
-no Ray.
+`POST /v1/completions`, `/v1/chat/completions` and `/v1/score` go to the router of the model the body names (or to
+`serve.default_model`, or to the only model there is). Each model keeps its own application, router, canary, lock,
+lease and evidence; the gateway only forwards the request (headers and body) to that router's handle and relays its
+reply, streamed or whole. Which models exist is observed, not configured: the gateway lists the applications in
+Serve's status whose shardline router names this gateway (a run chooses it by serve.route_prefix), every REFRESH_S
+and at once when a request names a model it does not know, so a model deployed or removed by any run shows up
+without touching the gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`,
+so importing this needs no Ray.
 """
 
 from __future__ import annotations

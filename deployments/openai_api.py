@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
 MAX_STOP = 4
@@ -110,7 +112,7 @@ def parse_json(body: bytes) -> Any:
         raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
 
 
-def model_or_error(model: type[BaseModel], data: Any) -> BaseModel:
+def model_or_error(model: type[M], data: Any) -> M:
     """`model` validated from a request body, or ApiError(400) naming the first field that is wrong or unknown."""
     try:
         return model.model_validate(data)
@@ -127,11 +129,9 @@ def validate(
     data: Any,
     max_prompt_bytes: int,
     max_tokens_cap: int,
-    prompt_param: str = "prompt",
 ) -> CompletionRequest | ScoreRequest:
-    """A request object, or ApiError(400) naming the first parameter that is wrong or not supported.
-    `prompt_param` names the prompt in a size error (a chat request's is its rendered `messages`)."""
-    model = CompletionRequest if endpoint == "completions" else ScoreRequest
+    """A request object, or ApiError(400) naming the first parameter that is wrong or not supported."""
+    model: type[CompletionRequest | ScoreRequest] = CompletionRequest if endpoint == "completions" else ScoreRequest
     if endpoint == "completions" and isinstance(data, dict) and isinstance(data.get("prompt"), list):
         prompts = data["prompt"]
         if len(prompts) == 1 and isinstance(prompts[0], str):
@@ -144,7 +144,6 @@ def validate(
                 code="unsupported_parameter",
             )
     req = model_or_error(model, data)
-    assert isinstance(req, CompletionRequest | ScoreRequest)
     if isinstance(req, CompletionRequest):
         for name, neutral in _NEUTRAL.items():
             value = getattr(req, name)
@@ -165,10 +164,9 @@ def validate(
             raise ApiError(400, "stream_options: only allowed with stream: true", param="stream_options")
     text = req.prompt if isinstance(req, CompletionRequest) else req.text
     size = len(text.encode("utf-8"))
-    field = prompt_param if isinstance(req, CompletionRequest) else "text"
+    field = "prompt" if isinstance(req, CompletionRequest) else "text"
     if size > max_prompt_bytes:
-        what = f"{field}: {size} bytes" if field != "messages" else f"messages: the rendered prompt has {size} bytes"
-        raise ApiError(400, f"{what} > serve.max_prompt_bytes={max_prompt_bytes}", param=field)
+        raise ApiError(400, f"{field}: {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}", param=field)
     if isinstance(req, ScoreRequest) and size < 2:
         raise ApiError(400, "text: needs at least 2 bytes (the first byte is never predicted)", param="text")
     return req

@@ -2,9 +2,11 @@
 served model's chat template, and the `chat.completion` objects and stream chunks.
 
 The template (`serve.chat_template`) is Jinja in Hugging Face's chat-template dialect: it sees `messages` (each
-`{"role", "content"}`), `add_generation_prompt` (always true: the model answers next), `bos_token` and `eos_token`
-(empty: a byte-level model has none) and `raise_exception(message)`, and it renders in Jinja's immutable sandbox
-with `trim_blocks` and `lstrip_blocks`, as transformers' `apply_chat_template` renders it. The rendered prompt is
+`{"role", "content"}`; a content given as text parts is their texts joined by newlines), `add_generation_prompt`
+(always true: the model answers next), `bos_token` and `eos_token` (empty: a byte-level model has none),
+`raise_exception(message)` and `strftime_now(format)`, with the `tojson` filter that keeps non-ASCII text and the
+loop controls (`break`, `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and
+`lstrip_blocks`: the environment transformers' `apply_chat_template` builds. The rendered prompt is
 then an ordinary completion: the same router, canary evidence, limits (`serve.max_prompt_bytes` applies to the
 rendered prompt) and generation engine. What the chat API has and the endpoint cannot honour (n > 1, logprobs,
 tools, response formats, penalties) is a 400 that names the parameter.
@@ -15,13 +17,16 @@ Pure pydantic, Jinja and dicts, no Ray and no torch, like deployments.openai_api
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
+from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.openai_api import ApiError, CompletionRequest, StreamOptions, model_or_error, usage, validate
+from infra.redact import first_line
 
 # OpenAI chat parameters refused unless neutral (as openai_api refuses its own)
 _NEUTRAL: dict[str, Any] = {
@@ -43,6 +48,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        """A content given as text parts is their texts joined by newlines; any other part is refused."""
+        if not isinstance(value, list):
+            return value
+        if all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text" for p in value):
+            if all(isinstance(p["text"], str) for p in value):
+                return "\n".join(p["text"] for p in value)
+        raise ValueError('only a string or text parts ({"type": "text", "text": ...}) are supported')
 
 
 class ChatRequest(BaseModel):
@@ -87,8 +103,12 @@ def compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
@@ -107,30 +127,46 @@ def render(source: str, messages: list[dict[str, str]]) -> str:
         return str(
             compile_template(source).render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
         )
-    except (jinja2.TemplateError, TypeError, ValueError) as e:
-        raise ApiError(400, f"messages: the model's chat template refused them: {e}", param="messages") from None
+    except Exception as e:  # noqa: BLE001 - the operator's template: whatever it raises is the request's 400
+        cause = first_line(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {first_line(e)}"
+        raise ApiError(400, f"messages: the model's chat template refused them: {cause}", param="messages") from None
 
 
 def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_cap: int) -> CompletionRequest:
     """The chat request as the completion it runs as (its messages rendered), or ApiError(400) naming the first
     parameter that is wrong or not supported. Without `max_tokens`, the answer may run to serve.max_tokens_cap."""
     req = model_or_error(ChatRequest, data)
-    assert isinstance(req, ChatRequest)
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
+        if name == "response_format" and value == {"type": "text"}:
+            continue  # OpenAI's own default, sent explicitly by some clients
         if value is not None and value != neutral and (neutral is not None or value):
             raise ApiError(
                 400, f"{name}: only {neutral!r} is supported, got {value!r}", param=name, code="unsupported_parameter"
             )
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "max_tokens and max_completion_tokens: give one", param="max_completion_tokens")
+    asked, field = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
+    if asked is not None and asked > max_tokens_cap:
+        raise ApiError(400, f"{field}: {asked} > serve.max_tokens_cap={max_tokens_cap}", param=field)
     prompt = render(template, [m.model_dump(exclude_none=True) for m in req.messages])
+    size = len(prompt.encode("utf-8"))
     if not prompt:
         raise ApiError(400, "messages: the model's chat template rendered them as an empty prompt", param="messages")
+    if size > max_prompt_bytes:
+        raise ApiError(
+            400,
+            f"messages: the rendered prompt has {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}",
+            param="messages",
+        )
     completion = {
         "model": req.model,
         "prompt": prompt,
-        "max_tokens": req.max_completion_tokens or req.max_tokens or max_tokens_cap,
+        "max_tokens": asked or max_tokens_cap,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
@@ -140,8 +176,8 @@ def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_ca
         "stream_options": req.stream_options.model_dump() if req.stream_options else None,
         "user": req.user,
     }
-    out = validate("completions", completion, max_prompt_bytes, max_tokens_cap, prompt_param="messages")
-    assert isinstance(out, CompletionRequest)
+    out = validate("completions", completion, max_prompt_bytes, max_tokens_cap)
+    assert isinstance(out, CompletionRequest)  # validate("completions", ...) returns one
     return out
 
 

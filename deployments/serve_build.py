@@ -32,6 +32,7 @@ _CODE_FILES = (
     "deployments/generation.py",
     "deployments/codec.py",
     "deployments/openai_api.py",
+    "deployments/openai_chat.py",
     "deployments/http_io.py",
     "deployments/evidence.py",
     "deployments/router_evidence.py",

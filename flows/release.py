@@ -40,6 +40,8 @@ def unused_tokenizer(config: PipelineConfig, shards: ShardSet) -> str:
     wanted = config.tokenizer
     if wanted == type(wanted)() or (wanted.kind == "bytes" and not shards.tokenizer_sha256):
         return ""
+    if wanted.kind == "train" and shards.tokenizer_sha256 and wanted.vocab_size == shards.vocab_size:
+        return ""  # a BPE of that size, trained when the set was built
     held = (
         f"token ids of tokenizer {shards.tokenizer_sha256[:12]} ({shards.vocab_size} ids)"
         if shards.tokenizer_sha256

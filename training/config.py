@@ -189,10 +189,10 @@ class TrainConfig(BaseModel):
                 "shard its model in configure_model() (call training.lightning_loop.shard_model(self, cfg) there), "
                 "or set train.parallelism='ddp'"
             )
-        if self.activation_checkpointing or self.powersgd_rank:
+        if self.activation_checkpointing or self.powersgd_rank or self.cpu_offload:
             raise ValueError(
-                "train.activation_checkpointing and train.powersgd_rank are the built-in loop's; with "
-                "train.loop='lightning' the module decides (set them false and 0)"
+                "train.activation_checkpointing, train.powersgd_rank and train.cpu_offload are the built-in loop's; "
+                "with train.loop='lightning' the module decides (set them false, 0 and false)"
             )
         self.model_factory = LIGHTNING_FACTORY
 

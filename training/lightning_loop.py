@@ -85,7 +85,8 @@ def lightning_model(cfg: TrainConfig) -> nn.Module:
 class RayFSDP2Strategy(ModelParallelStrategy):
     """Lightning's FSDP2 strategy placed the way Ray's strategies place theirs: on Ray Train's device for this
     worker, every worker one data-parallel rank (no tensor parallelism). `prepare_trainer` accepts Ray's own
-    classes only, so train_func checks the environment itself."""
+    classes only, so train_func does not call it for this one: all it would check is the environment, which
+    train_func sets to RayLightningEnvironment itself."""
 
     def __init__(self, world: int) -> None:
         super().__init__(data_parallel_size=world, tensor_parallel_size=1)

@@ -55,6 +55,7 @@ def test_fsdp_is_the_default_for_a_module_that_shards_itself(tmp_path):
         (LIGHTNING + 'model_factory = "training.model:build_gpt2"\n', "both name the model; set one"),
         (LIGHTNING + '[train.hf_config]\nmodel_type = "llama"\n', "train.hf_config and train.lightning_module"),
         (LIGHTNING + "activation_checkpointing = true\n", "with train.loop='lightning' the module decides"),
+        (LIGHTNING + "cpu_offload = true\n", "train.cpu_offload are the built-in loop's"),
     ],
 )
 def test_a_broken_lightning_setting_is_one_line_at_config_load(tmp_path, train, message):

@@ -45,11 +45,17 @@ def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion
         ({"messages": []}, "messages: List should have at least 1 item", "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be", "messages.0.role"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-            "messages.0.content: Input should be a valid string",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            'messages.0.content: Value error, only a string or text parts ({"type": "text", "text": ...})',
             "messages.0.content",
         ),
         ({"messages": HI, "max_tokens": 65}, "max_tokens: 65 > serve.max_tokens_cap=64", "max_tokens"),
+        (
+            {"messages": HI, "max_completion_tokens": 99},
+            "max_completion_tokens: 99 > serve.max_tokens_cap=64",
+            "max_completion_tokens",
+        ),
+        ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format: only None", "response_format"),
         ({"messages": HI, "max_tokens": 2, "max_completion_tokens": 2}, "give one", "max_completion_tokens"),
         (
             {"messages": HI, "stream_options": {"include_usage": True}},
@@ -69,11 +75,27 @@ def test_a_chat_parameter_the_endpoint_cannot_honour_is_a_400_that_names_it(body
     assert err.value.status == 400 and message in err.value.message and err.value.param == param, err.value.message
 
 
-def test_a_template_that_refuses_the_messages_is_a_400_with_its_reason():
+def test_a_template_that_refuses_the_messages_is_a_400_with_its_reason_in_one_line():
     with pytest.raises(ApiError, match="the model's chat template refused them: only user turns") as err:
         validate_chat({"messages": HI}, ONLY_USER, 4096, 64)
     assert err.value.param == "messages"
     assert validate_chat({"messages": HI[1:]}, ONLY_USER, 4096, 64).prompt == "x"
+    for broken, cause in [
+        ("{{ raise_exception('first\\nsecond') }}", "refused them: first"),
+        ("{{ (messages|length) // 0 }}", "refused them: ZeroDivisionError: integer division or modulo by zero"),
+    ]:
+        with pytest.raises(ApiError) as err:
+            validate_chat({"messages": HI}, broken, 4096, 64)
+        assert err.value.status == 400 and err.value.message.endswith(cause) and "\n" not in err.value.message
+
+
+def test_what_common_clients_send_renders_as_transformers_renders_it():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    req = validate_chat({"messages": parts, "response_format": {"type": "text"}}, CHATML, 4096, 64)
+    assert req.prompt == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"  # text parts joined
+    loops = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.content | tojson }}{% endfor %}"
+    assert render(loops, [{"role": "user", "content": "é<b>"}, {"role": "user", "content": "never"}]) == '"é<b>"'
+    assert render("{{ strftime_now('%Y') }}", HI).isdigit()
 
 
 def test_the_template_runs_in_jinjas_sandbox():

@@ -30,9 +30,11 @@ def test_a_tokenizer_section_a_release_cannot_honour_is_named_in_one_line():
         "tokenizer: kind='train' is not used: shard set aaaaaaaaaaaa holds bytes, which this release trains on "
         "(build a set with that tokenizer with `shardline shard` to train on its ids)"
     )
-    # a set of ids: any section but the default is named (a trained BPE's settings are not compared with the set's)
+    # a set of ids: a BPE of its size is what it holds; anything else is named
+    assert unused_tokenizer(bpe, ids) == ""
+    bpe_1k = PipelineConfig(tokenizer=TokenizerConfig(kind="train", vocab_size=1024))
     assert "kind='train' is not used: shard set aaaaaaaaaaaa holds token ids of tokenizer ffffffffffff (4096 ids)," in (
-        unused_tokenizer(bpe, ids)
+        unused_tokenizer(bpe_1k, ids)
     )
 
 
