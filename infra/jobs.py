@@ -46,6 +46,17 @@ ACTIVE, DONE = ("PENDING", "RUNNING"), "SUCCEEDED"
 SUBMIT_WAIT_S = 60.0  # how long a just-started head may take before its job agent accepts submissions
 
 
+def local_excludes(root: Path) -> list[str]:
+    """The patterns of the checkout's `.git/info/exclude`: what git ignores on this machine only. Ray's packaging
+    honours `.gitignore` files but not this one, so a large local folder ignored there would be uploaded with every
+    job. Negations (`!pattern`) are left out: an exclude list cannot re-include."""
+    path = root / ".git" / "info" / "exclude"
+    if not path.is_file():  # not a checkout, or a worktree whose .git is a file
+        return []
+    lines = (line.strip() for line in path.read_text(errors="replace").splitlines())
+    return [line for line in lines if line and not line.startswith(("#", "!"))]
+
+
 class JobFailed(RuntimeError):
     """The Ray job ended without success; the message names the job id, its status and Ray's reason."""
 
@@ -81,7 +92,8 @@ def job_runtime_env(cfg: ClusterConfig) -> dict[str, Any]:
     plain, _secrets = split_secrets(forwarded_env())  # the secrets stay here: Ray writes runtime envs to its logs
     env = {k: v for k, v in plain.items() if k not in _DRIVER_ONLY}
     env[WORKER_SECRETS_ENV] = cfg.job_secrets_file or NO_SECRETS
-    runtime: dict[str, Any] = {"working_dir": str(ROOT), "excludes": list(EXCLUDES), "env_vars": env}
+    excludes = EXCLUDES + local_excludes(ROOT)
+    runtime: dict[str, Any] = {"working_dir": str(ROOT), "excludes": excludes, "env_vars": env}
     if cfg.job_pip:
         runtime["pip"] = list(cfg.job_pip)
     return runtime

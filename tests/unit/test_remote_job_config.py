@@ -102,6 +102,15 @@ def test_ray_client_is_refused_pointing_to_the_job_server():
     assert "cluster.address" in message and "http://head:8265" in message
 
 
+def test_what_git_ignores_on_this_machine_only_is_not_uploaded(tmp_path):
+    from infra.jobs import local_excludes
+
+    assert local_excludes(tmp_path) == []  # not a checkout
+    (tmp_path / ".git" / "info").mkdir(parents=True)
+    (tmp_path / ".git" / "info" / "exclude").write_text("# git's comment\n\n/.gpu/\n*.bin\n!keep.bin\n")
+    assert local_excludes(tmp_path) == ["/.gpu/", "*.bin"]
+
+
 def test_job_runtime_env_carries_code_and_plain_settings_but_no_secret(monkeypatch, tmp_path):
     from infra.config import ClusterConfig
     from infra.credentials import WORKER_SECRETS_ENV
