@@ -189,7 +189,7 @@ def completion(
 ) -> dict[str, Any]:
     """OpenAI's `text_completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
     return {
-        **_envelope(cid, model, version),
+        **envelope(cid, model, version),
         "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
         "usage": usage(prompt_tokens, completion_tokens),
         "model_version": version,
@@ -197,11 +197,11 @@ def completion(
     }
 
 
-def _envelope(cid: str, model: str, version: str) -> dict[str, Any]:
-    """The fields every completion object and stream chunk starts with."""
+def envelope(cid: str, model: str, version: str, kind: str = "text_completion") -> dict[str, Any]:
+    """The fields every completion object and stream chunk starts with (`kind`: its `object`)."""
     return {
         "id": cid,
-        "object": "text_completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": f"{model}-v{version}",
@@ -213,16 +213,18 @@ def chunk(
 ) -> dict[str, Any]:
     """One streamed piece of a completion (the same object, `choices[0].text` holding the new text only)."""
     return {
-        **_envelope(cid, model, version),
+        **envelope(cid, model, version),
         "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": logprobs}],
         "model_version": version,
     }
 
 
-def usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(
+    cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int, kind: str = "text_completion"
+) -> dict[str, Any]:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
     return {
-        **_envelope(cid, model, version),
+        **envelope(cid, model, version, kind),
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),
         "model_version": version,

@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import uuid
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.openai_api import ApiError, CompletionRequest, StreamOptions, model_or_error, usage, validate
+from deployments.openai_api import (
+    ApiError,
+    CompletionRequest,
+    StreamOptions,
+    envelope,
+    model_or_error,
+    usage,
+    validate,
+)
 from infra.redact import first_line
 
 # OpenAI chat parameters refused unless neutral (as openai_api refuses its own)
@@ -185,16 +192,6 @@ def chat_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def _envelope(cid: str, model: str, version: str, kind: str) -> dict[str, Any]:
-    return {
-        "id": cid,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": f"{model}-v{version}",
-    }
-
-
 def chat_completion(
     cid: str,
     model: str,
@@ -208,7 +205,7 @@ def chat_completion(
     """OpenAI's `chat.completion` object, plus shardline's `model_version` and `prompt_bits_per_byte`."""
     message = {"role": "assistant", "content": text, "refusal": None}
     return {
-        **_envelope(cid, model, version, "chat.completion"),
+        **envelope(cid, model, version, "chat.completion"),
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
         "usage": usage(prompt_tokens, completion_tokens),
         "model_version": version,
@@ -219,17 +216,7 @@ def chat_completion(
 def chat_chunk(cid: str, model: str, version: str, delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
     """One streamed piece of a chat completion: `choices[0].delta` holds the role (first) or the new text."""
     return {
-        **_envelope(cid, model, version, "chat.completion.chunk"),
+        **envelope(cid, model, version, "chat.completion.chunk"),
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-        "model_version": version,
-    }
-
-
-def chat_usage_chunk(cid: str, model: str, version: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {
-        **_envelope(cid, model, version, "chat.completion.chunk"),
-        "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
         "model_version": version,
     }

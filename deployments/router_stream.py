@@ -16,7 +16,7 @@ from typing import Any
 from deployments import openai_api as oai
 from deployments.http_io import EVENT_STREAM, error_reply
 from deployments.openai_api import ApiError, CompletionRequest
-from deployments.openai_chat import chat_chunk, chat_id, chat_usage_chunk
+from deployments.openai_chat import chat_chunk, chat_id
 from deployments.router_config import VERSION_HEADER, Job
 
 
@@ -117,8 +117,8 @@ class RouterStreams:
             yield piece("", served.get("finish_reason", "length"))
             if req.stream_options is not None and req.stream_options.include_usage:
                 used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
-                usage = chat_usage_chunk if chat else oai.usage_chunk
-                yield oai.sse(usage(cid, model, version, *used))
+                kind = "chat.completion.chunk" if chat else "text_completion"
+                yield oai.sse(oai.usage_chunk(cid, model, version, *used, kind=kind))
         finally:
             if not finished:  # the client went away (or the replica failed): stop generating now
                 stream.cancel()
