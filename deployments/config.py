@@ -98,7 +98,9 @@ class ServeConfig(BaseModel):
     chat_template: str = Field(
         "",
         description="Jinja chat template (Hugging Face's dialect: messages, add_generation_prompt, raise_exception) "
-        "that turns /v1/chat/completions messages into this model's prompt; '' = no chat API (a 400 that says so).",
+        "that turns /v1/chat/completions messages into this model's prompt, for every version (it overrides the "
+        "template a version's tokenizer carries, as vLLM's --chat-template does); '' = each version's own (a "
+        "version without one answers chat with a 400 that says so).",
     )
     replica_cpus: float = Field(0.2, gt=0, description="Logical CPUs reserved per model replica.")
     router_cpus: float = Field(
@@ -146,7 +148,7 @@ class ServeConfig(BaseModel):
     @classmethod
     def _chat_template_parses(cls, source: str) -> str:
         if source:
-            from deployments.openai_chat import compile_template
+            from training.chat_template import compile_template
 
             compile_template(source)  # a syntax error is one line at config load, not a 400 on every chat request
         return source

@@ -1,13 +1,12 @@
 """OpenAI's chat completions API on the live endpoint: the request, its messages rendered into one prompt by the
 served model's chat template, and the `chat.completion` objects and stream chunks.
 
-The template (`serve.chat_template`) is Jinja in Hugging Face's chat-template dialect: it sees `messages` (each
-`{"role", "content"}`; a content given as text parts is their texts joined by newlines), `add_generation_prompt`
-(always true: the model answers next), `bos_token` and `eos_token` (empty: a byte-level model has none),
-`raise_exception(message)` and `strftime_now(format)`, with the `tojson` filter that keeps non-ASCII text and the
-loop controls (`break`, `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and
-`lstrip_blocks`: the environment transformers' `apply_chat_template` builds. The rendered prompt is
-then an ordinary completion: the same router, canary evidence, limits (`serve.max_prompt_bytes` applies to the
+The template is the answering version's own (its tokenizer's, logged with it), unless `serve.chat_template`
+overrides every version's; training.chat_template describes the dialect (Hugging Face's, rendered as transformers'
+`apply_chat_template` renders it) and where a version's template comes from. A content given as text parts is
+their texts joined by newlines. The router picks the version first, then renders (`parse_chat`, then
+`render_prompt`): a canary's champion and challenger each answer in their own format. The rendered prompt is then
+an ordinary completion: the same router, canary evidence, limits (`serve.max_prompt_bytes` applies to the
 rendered prompt) and generation engine. What the chat API has and the endpoint cannot honour (n > 1, logprobs,
 tools, response formats, penalties) is a 400 that names the parameter.
 
@@ -16,10 +15,7 @@ Pure pydantic, Jinja and dicts, no Ray and no torch, like deployments.openai_api
 
 from __future__ import annotations
 
-import functools
-import json
 import uuid
-from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -33,7 +29,9 @@ from deployments.openai_api import (
     usage,
     validate,
 )
-from infra.redact import first_line
+from training import chat_template
+
+PLACEHOLDER = "?"  # the prompt of a parsed chat request until a version's template renders its messages
 
 # OpenAI chat parameters refused unless neutral (as openai_api refuses its own)
 _NEUTRAL: dict[str, Any] = {
@@ -97,51 +95,46 @@ class ChatRequest(BaseModel):
     response_format: Any = None
 
 
-@functools.lru_cache(maxsize=8)
-def compile_template(source: str) -> Any:
-    """The Jinja template of a chat template's source, in the immutable sandbox.
-
-    Raises:
-        ValueError: one line with Jinja's message and line, when the source does not parse.
-    """
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"not a Jinja template: line {e.lineno}: {e.message}") from None
-
-
 def render(source: str, messages: list[dict[str, str]]) -> str:
     """The prompt a chat template makes of `messages`, ready for the model to answer.
 
     Raises:
         ApiError: 400 when the template refuses the messages (its `raise_exception`, or an error while rendering).
     """
-    import jinja2
-
     try:
-        return str(
-            compile_template(source).render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        return chat_template.render(source, messages)
+    except chat_template.TemplateRefused as e:
+        raise ApiError(400, f"messages: the model's chat template refused them: {e}", param="messages") from None
+
+
+def render_prompt(source: str, messages: list[dict[str, str]], max_prompt_bytes: int) -> str:
+    """`render`, and the rendered prompt checked against serve.max_prompt_bytes (ApiError 400 naming messages)."""
+    prompt = render(source, messages)
+    size = len(prompt.encode("utf-8"))
+    if not prompt:
+        raise ApiError(400, "messages: the model's chat template rendered them as an empty prompt", param="messages")
+    if size > max_prompt_bytes:
+        raise ApiError(
+            400,
+            f"messages: the rendered prompt has {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}",
+            param="messages",
         )
-    except Exception as e:  # noqa: BLE001 - the operator's template: whatever it raises is the request's 400
-        cause = first_line(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {first_line(e)}"
-        raise ApiError(400, f"messages: the model's chat template refused them: {cause}", param="messages") from None
+    return prompt
 
 
 def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_cap: int) -> CompletionRequest:
-    """The chat request as the completion it runs as (its messages rendered), or ApiError(400) naming the first
-    parameter that is wrong or not supported. Without `max_tokens`, the answer may run to serve.max_tokens_cap."""
+    """The chat request as the completion it runs as, its messages rendered by `template` (parse_chat, then
+    render_prompt)."""
+    req, messages = parse_chat(data, max_tokens_cap)
+    return req.model_copy(update={"prompt": render_prompt(template, messages, max_prompt_bytes)})
+
+
+def parse_chat(data: Any, max_tokens_cap: int) -> tuple[CompletionRequest, list[dict[str, str]]]:
+    """The chat request as the completion it runs as, with a placeholder prompt, and its messages; or
+    ApiError(400) naming the first parameter that is wrong or not supported. Which template renders the messages
+    depends on the version that answers (the router's choice), so the prompt is set after it: the caller puts
+    `render_prompt(...)` in the placeholder's place. Without `max_tokens`, the answer may run to
+    serve.max_tokens_cap."""
     req = model_or_error(ChatRequest, data)
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
@@ -160,19 +153,9 @@ def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_ca
     )
     if asked is not None and asked > max_tokens_cap:
         raise ApiError(400, f"{field}: {asked} > serve.max_tokens_cap={max_tokens_cap}", param=field)
-    prompt = render(template, [m.model_dump(exclude_none=True) for m in req.messages])
-    size = len(prompt.encode("utf-8"))
-    if not prompt:
-        raise ApiError(400, "messages: the model's chat template rendered them as an empty prompt", param="messages")
-    if size > max_prompt_bytes:
-        raise ApiError(
-            400,
-            f"messages: the rendered prompt has {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}",
-            param="messages",
-        )
     completion = {
         "model": req.model,
-        "prompt": prompt,
+        "prompt": PLACEHOLDER,
         "max_tokens": asked or max_tokens_cap,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -183,9 +166,9 @@ def validate_chat(data: Any, template: str, max_prompt_bytes: int, max_tokens_ca
         "stream_options": req.stream_options.model_dump() if req.stream_options else None,
         "user": req.user,
     }
-    out = validate("completions", completion, max_prompt_bytes, max_tokens_cap)
+    out = validate("completions", completion, len(PLACEHOLDER), max_tokens_cap)
     assert isinstance(out, CompletionRequest)  # validate("completions", ...) returns one
-    return out
+    return out, [m.model_dump(exclude_none=True) for m in req.messages]
 
 
 def chat_id() -> str:

@@ -6,7 +6,7 @@ RouterConfig is the desired routing state the control side (deployments/endpoint
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,7 +37,7 @@ class RouterConfig(BaseModel):
     max_request_bytes: int = 65536
     max_prompt_bytes: int = 4096
     max_tokens_cap: int = 256
-    chat_template: str = ""  # serve.chat_template: '' = /v1/chat/completions is a 400
+    chat_template: str = ""  # serve.chat_template, for every version: '' = each version's own (router: _render)
     token_sha256: str = ""  # sha256 of the bearer token; "" = no auth
     gateway: str = ""  # the gateway application (one per route prefix) that serves this model
     settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with
@@ -58,6 +58,13 @@ class Job:
     cfg: RouterConfig
     probe: bool
     variant: str  # "" = routed by weight
+    # a chat request: its messages, and the completion each version runs them as once its template rendered them
+    messages: list[dict[str, str]] | None = None
+    rendered: dict[str, CompletionRequest] = field(default_factory=dict)
+
+    def at(self, version: str) -> Job:
+        """The job as `version` answers it: a chat request with the prompt that version's template rendered."""
+        return self if self.messages is None else replace(self, req=self.rendered[version])
 
     @property
     def text(self) -> bytes:

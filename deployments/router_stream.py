@@ -41,6 +41,7 @@ class RouterStreams:
     inflight: Counter[str]
     metrics: Any
     _choose: Callable[[Job], tuple[bool, bool]]
+    _render: Callable[[Job, bool, bool], Awaitable[tuple[Job, bool, bool]]]
     _call: Callable[..., Awaitable[dict[str, Any]]]
     _handle: Callable[[str], Any]
     _record: Callable[..., None]
@@ -50,17 +51,31 @@ class RouterStreams:
         """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
         from deployments.generation import merge_logprobs
 
-        cfg, text = job.cfg, job.text
-        _, (prompt, params) = job.op_args()
+        cfg = job.cfg
         t0 = time.perf_counter()
         to_challenger, paired = self._choose(job)
+        if job.messages is not None:
+            try:
+                job, to_challenger, paired = await self._render(job, to_challenger, paired)
+            except ApiError as e:
+                self.metrics.rejected(job.endpoint, e.status)
+                yield error_reply(e)
+                return
         shadow = failed = None
-        if paired:
-            shadow = await self._call(cfg.champion, "score", "shadow", text)
         version = str(cfg.challenger) if to_challenger else cfg.champion
+        _, (prompt, params) = job.at(version).op_args()
+        if paired:
+            shadow = await self._call(cfg.champion, "score", "shadow", prompt)
         stream, head = await self._open_stream(version, prompt, params)
-        if "error" in head and to_challenger and not job.variant:  # failed before a byte: the champion answers
+        # failed before a byte: the champion answers (a chat request in the champion's own format, if it has one)
+        if (
+            "error" in head
+            and to_challenger
+            and not job.variant
+            and (job.messages is None or cfg.champion in job.rendered)
+        ):
             failed, version = head, cfg.champion
+            _, (prompt, params) = job.at(version).op_args()
             stream, head = await self._open_stream(version, prompt, params)
         if "error" in head:
             self._finish_stream(job, to_challenger, head, shadow, failed, t0)
@@ -80,18 +95,22 @@ class RouterStreams:
             "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
             "media_type": EVENT_STREAM,
         }
-        model, req, chat = cfg.model_name, job.req, job.endpoint == "chat"
+        model, req, chat = cfg.model_name, job.at(version).req, job.endpoint == "chat"
         assert isinstance(req, CompletionRequest)
         cid = chat_id() if chat else oai.completion_id()
+        # with include_usage, OpenAI's every chunk has a `usage` field: null, and the totals on the last one
+        with_usage = req.stream_options is not None and req.stream_options.include_usage
+        nulls = {"usage": None} if with_usage else {}
 
         def piece(text: str, finish_reason: str | None, lp: dict[str, Any] | None = None) -> bytes:
             if chat:  # the new text in `delta.content` (the last chunk's delta is empty); never logprobs
-                return oai.sse(chat_chunk(cid, model, version, {"content": text} if text else {}, finish_reason))
-            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp))
+                delta = {"content": text} if text else {}
+                return oai.sse(chat_chunk(cid, model, version, delta, finish_reason) | nulls)
+            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp) | nulls)
 
         served: dict[str, Any] = {**head, "ok": True}
         if chat:  # OpenAI's first chat chunk carries the role
-            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None))
+            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None) | nulls)
         if req.echo:
             head_lp = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
             yield piece(req.prompt, None, merge_logprobs([head_lp]) if head_lp else None)
@@ -115,7 +134,7 @@ class RouterStreams:
         else:
             finished = True
             yield piece("", served.get("finish_reason", "length"))
-            if req.stream_options is not None and req.stream_options.include_usage:
+            if with_usage:
                 used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
                 kind = "chat.completion.chunk" if chat else "text_completion"
                 yield oai.sse(oai.usage_chunk(cid, model, version, *used, kind=kind))

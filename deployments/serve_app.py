@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from deployments import openai_api as oai
@@ -30,7 +31,7 @@ from deployments.http_io import (
     to_streaming_response,
 )
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
-from deployments.openai_chat import chat_completion, chat_id, validate_chat
+from deployments.openai_chat import chat_completion, chat_id, parse_chat, render_prompt
 from deployments.router_config import PROBE_HEADER, VARIANT_HEADER, VERSION_HEADER, Job, RouterConfig
 from deployments.router_evidence import EvidenceRecorder
 from deployments.router_stream import RouterStreams, prompt_piece
@@ -57,6 +58,7 @@ class Router(EvidenceRecorder, RouterStreams):
         self.rng = random.Random(0)
         self.shadow_rng = random.Random(1)
         self._mirrors: set[Any] = set()  # shadow-mode copies in flight (a task nobody holds may be collected)
+        self.templates: dict[str, str] = {}  # each version's own chat template ('' for none): versions never change
 
     # ----- configuration (Serve calls reconfigure with user_config at start and on every lightweight update)
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -106,6 +108,57 @@ class Router(EvidenceRecorder, RouterStreams):
             self.inflight[version] -= 1
         self.metrics.model_call(version, kind, op, out)
         return out
+
+    async def _version_template(self, version: str) -> str | None:
+        """The chat template `version`'s tokenizer carries ('' for none), asked of its replica once; None when the
+        replica cannot answer."""
+        if version not in self.templates:
+            try:
+                self.templates[version] = str(await self._handle(version).chat_template.remote())
+            except Exception:  # noqa: BLE001 - a replica failure: the caller decides who answers instead
+                log.warning("model version %s did not say its chat template", version, exc_info=True)
+                return None
+        return self.templates[version]
+
+    async def _render(self, job: Job, to_challenger: bool, paired: bool) -> tuple[Job, bool, bool]:
+        """A chat job's messages rendered by the template of each version that may answer it (the champion, and
+        the challenger when chosen): serve.chat_template when set, else the version's own. A challenger without a
+        template is not asked (the champion answers, and no evidence is recorded for it); a target without one
+        is a 400 that says so.
+
+        Returns:
+            (the job with `rendered` filled, to the challenger, paired), the last two as `_choose` gave them or
+            turned off.
+        """
+        cfg = job.cfg
+        assert job.messages is not None and isinstance(job.req, CompletionRequest)
+        versions = [cfg.champion, *([str(cfg.challenger)] if to_challenger else [])]
+        templates = {v: cfg.chat_template or await self._version_template(v) for v in versions}
+        if to_challenger and not templates[str(cfg.challenger)] and not job.variant:
+            to_challenger = paired = False
+        shadowing = to_challenger and cfg.mode == "shadow" and not job.variant  # the champion answers the client
+        target = str(cfg.challenger) if to_challenger and not shadowing else cfg.champion
+        if templates[target] is None:
+            raise ApiError(503, f"model version {target} is not answering", kind="server_error", retry_after=1)
+        if not templates[target]:
+            raise ApiError(
+                400,
+                f"{cfg.model_name} version {target} has no chat template (its tokenizer carries none and "
+                "serve.chat_template is not set): use /v1/completions",
+                code="no_chat_template",
+            )
+        rendered = {}
+        for v, template in templates.items():
+            if not template:
+                continue
+            try:
+                prompt = render_prompt(template, job.messages, cfg.max_prompt_bytes)
+            except ApiError:
+                if v == target:
+                    raise
+                continue  # the other version is then not asked for this request (a failover answers 503)
+            rendered[v] = job.req.model_copy(update={"prompt": prompt})
+        return replace(job, rendered=rendered), to_challenger, paired
 
     # ----- requests: over HTTP (an application with a route of its own) or from the gateway's handle
     async def __call__(self, request: Any) -> Any:
@@ -170,16 +223,10 @@ class Router(EvidenceRecorder, RouterStreams):
                 return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
             if method != "POST":
                 raise ApiError(405, f"{path} takes POST")
-            if endpoint == "chat":
-                if not cfg.chat_template:
-                    raise ApiError(
-                        400,
-                        f"{cfg.model_name} has no chat template (serve.chat_template is not set): use /v1/completions",
-                        code="no_chat_template",
-                    )
-                req: CompletionRequest | ScoreRequest = validate_chat(
-                    oai.parse_json(body), cfg.chat_template, cfg.max_prompt_bytes, cfg.max_tokens_cap
-                )
+            messages = None
+            req: CompletionRequest | ScoreRequest
+            if endpoint == "chat":  # rendered once the version that answers is chosen (_render)
+                req, messages = parse_chat(oai.parse_json(body), cfg.max_tokens_cap)
             else:
                 req = oai.validate(
                     "completions" if endpoint == "completions" else "score",
@@ -204,7 +251,7 @@ class Router(EvidenceRecorder, RouterStreams):
         except ApiError as e:
             self.metrics.rejected(endpoint or "none", e.status)
             return error_reply(e)
-        return Job(endpoint, req, cfg, headers.get(PROBE_HEADER) == "1", variant)
+        return Job(endpoint, req, cfg, headers.get(PROBE_HEADER) == "1", variant, messages)
 
     def _healthz(self) -> dict[str, Any]:
         if self.cfg is None:
@@ -233,34 +280,44 @@ class Router(EvidenceRecorder, RouterStreams):
         return to_challenger, to_challenger and self.shadow_rng.random() < cfg.shadow_share
 
     async def _serve(self, job: Job) -> dict[str, Any]:
-        cfg, text = job.cfg, job.text
-        op, args = job.op_args()
+        cfg, challenger = job.cfg, str(job.cfg.challenger)
         t0 = time.perf_counter()
         to_challenger, paired = self._choose(job)
+        if job.messages is not None:
+            try:
+                job, to_challenger, paired = await self._render(job, to_challenger, paired)
+            except ApiError as refused:
+                self.metrics.rejected(job.endpoint, refused.status)
+                return error_reply(refused)
         shadow = failed = None
         if to_challenger and cfg.mode == "shadow" and not job.variant:
             # shadow mode: the champion answers the client; a copy goes to the challenger afterwards, its answer
             # recorded as evidence (paired with the champion's own call on the same text) and never returned
+            op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, "served", *args)
-            task = asyncio.ensure_future(self._mirror(job, served, paired, op, args, t0))
-            self._mirrors.add(task)
-            task.add_done_callback(self._mirrors.discard)
+            if job.messages is None or challenger in job.rendered:
+                task = asyncio.ensure_future(self._mirror(job, served, paired, t0))
+                self._mirrors.add(task)
+                task.add_done_callback(self._mirrors.discard)
         elif to_challenger:
+            mine = job.at(challenger)
+            op, args = mine.op_args()
             # sequential, alternating order: concurrent scoring on a small machine would compare contention
             if paired and self.seq % 2:
-                shadow = await self._call(cfg.champion, "score", "shadow", text)
-            served = await self._call(str(cfg.challenger), op, "served", *args)
+                shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
+            served = await self._call(challenger, op, "served", *args)
             if paired and shadow is None:
-                shadow = await self._call(cfg.champion, "score", "shadow", text)
+                shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
             if not served["ok"] and not job.variant:
                 # the client is answered by the champion; the failure counts against the challenger
                 failed = served
-                served = (
-                    await self._call(cfg.champion, op, "served", *args)
-                    if op != "score" or not (shadow and shadow["ok"])
-                    else shadow
-                )
+                if op == "score" and shadow and shadow["ok"]:
+                    served = shadow
+                elif job.messages is None or cfg.champion in job.rendered:  # in the champion's own chat format
+                    op, args = job.at(cfg.champion).op_args()
+                    served = await self._call(cfg.champion, op, "served", *args)
         else:
+            op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, "served", *args)
         if not job.variant and not (to_challenger and cfg.mode == "shadow"):
             self._record(
@@ -286,21 +343,21 @@ class Router(EvidenceRecorder, RouterStreams):
                 "bits": served["bits"],
             }
         else:
-            payload = self._completion(job, served)
+            payload = self._completion(job.at(version), served)
         return reply(200, payload, {VERSION_HEADER: version})
 
-    async def _mirror(
-        self, job: Job, served: dict[str, Any], paired: bool, op: str, args: tuple[Any, ...], t0: float
-    ) -> None:
+    async def _mirror(self, job: Job, served: dict[str, Any], paired: bool, t0: float) -> None:
         """Shadow mode: the challenger's answer to a copy of a request the champion already answered, paired (as in
         canary mode) with a champion score of the same text taken right beside it, so that both latencies of a pair
         are measured under the same load (the client's call ran earlier, under another)."""
         cfg, shadow = job.cfg, None
+        mine = job.at(str(cfg.challenger))
+        op, args = mine.op_args()
         if paired and self.seq % 2:  # sequential, alternating order, as _serve pairs
-            shadow = await self._call(cfg.champion, "score", "shadow", job.text)
+            shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
         mirrored = await self._call(str(cfg.challenger), op, "mirror", *args)
         if paired and shadow is None:
-            shadow = await self._call(cfg.champion, "score", "shadow", job.text)
+            shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
         self._record(
             cfg,
             job.endpoint,

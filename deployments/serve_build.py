@@ -43,6 +43,7 @@ _CODE_FILES = (
     "training/served_forms.py",
     "training/transformers_form.py",
     "training/tokenizer.py",
+    "training/chat_template.py",
 )
 
 

@@ -162,6 +162,24 @@ def load_stack_config(
     return stack, config
 
 
+def chat_template_of(config: PipelineConfig, origin: str = "config") -> str:
+    """The chat template the run's model version will carry (training.chat_template: `tokenizer.chat_template`,
+    or the one beside a `tokenizer.path`), read and parsed before anything trains; '' for none.
+
+    Raises:
+        ConfigError: one line naming the file, when it cannot be read or is not a chat template.
+    """
+    from training import chat_template
+
+    tok = config.tokenizer
+    try:
+        if tok.chat_template:
+            return chat_template.read(tok.chat_template)
+        return chat_template.discover(tok.path) if tok.kind == "file" else ""
+    except ValueError as e:
+        raise ConfigError(f"{origin}: tokenizer.chat_template: {e}") from None
+
+
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:
     """ConfigError when the canary is on but the live endpoint it ramps on is off, or when the endpoint's address
     cannot host shardline's gateway (a route prefix or port held by something shardline did not start): found

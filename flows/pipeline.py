@@ -8,7 +8,7 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from deployments.release_lock import release_lock
-from flows.config import PipelineConfig
+from flows.config import PipelineConfig, chat_template_of
 from flows.run_context import shardline_run
 from infra.tracking import stage_seconds
 from tasks.canary import canary_deploy
@@ -49,6 +49,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             as the TOML config file. Every field has a description in the form.
     """
     with shardline_run(config, "shardline") as run:
+        chat_template = chat_template_of(config, "flow parameter")  # read and parsed before anything trains
         if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
             run.cluster = provision_cluster(config.cluster, run.lineage)
             shards = shard_dataset(config.data, run.lineage, run.cluster, config.tokenizer)
@@ -60,7 +61,9 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
                 sharding.wait()  # provisioning failed first: let the data stage finish, not leave it running
             shards = sharding.result()
         trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
-        validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)
+        validated = validate_cached()(
+            config.validation, config.train, trained, shards, run.lineage, config.registry, chat_template
+        )
         # one release at a time per model: a concurrent run waits here, then compares with the champion of then
         with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s) as lock:
             run.logger.info("holding the release lock of %s (%s)", config.registry.model_name, lock)

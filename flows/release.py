@@ -9,7 +9,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from deployments.release_lock import release_lock
-from flows.config import ConfigError, PipelineConfig
+from flows.config import ConfigError, PipelineConfig, chat_template_of
 from flows.run_context import shardline_run
 from infra.names import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, TAG_TOKENIZER_SHA256
 from infra.tracking import Lineage, stage_run
@@ -88,16 +88,20 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
     Args:
         shard_set: prefix ({data.output}/{digest}) or manifest URI of a published shard set.
         config: the pipeline config; its `data` and `tokenizer` sections are not used (the set's ids are what
-            they are: its own tokenizer travels with it); a `tokenizer` section that asks for other ids is logged
-            as a warning.
+            they are: its own tokenizer travels with it), but for the tokenizer's chat template, which the new
+            version carries (`tokenizer.chat_template`, or the one beside `tokenizer.path`); a `tokenizer` section
+            that asks for other ids is logged as a warning.
     """
     with shardline_run(config, "shardline-release", shard_set=shard_set) as run:
+        chat_template = chat_template_of(config, "flow parameter")  # read and parsed before anything trains
         shards = open_shard_set(shard_set, run.lineage)
         if warning := unused_tokenizer(config, shards):
             run.logger.warning(warning)
         run.cluster = provision_cluster(config.cluster, run.lineage)
         trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
-        validated = validate_cached()(config.validation, config.train, trained, shards, run.lineage, config.registry)
+        validated = validate_cached()(
+            config.validation, config.train, trained, shards, run.lineage, config.registry, chat_template
+        )
         with release_lock(config.registry.model_name, run.tracking_uri, config.canary.lock_timeout_s):
             promoted = promote_model(config.registry, validated, trained, shards, run.lineage)
             canary = canary_deploy(

@@ -36,8 +36,11 @@ def results_dir() -> Path:
     return shardline_home() / RESULTS_DIR
 
 
-def validation_key(cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage: Any, registry: Any) -> str | None:
-    """The cache key of a validation: checkpoint content, data, configs, registry and current champion.
+def validation_key(
+    cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage: Any, registry: Any, chat_template: str = ""
+) -> str | None:
+    """The cache key of a validation: checkpoint content, data, configs, registry, current champion and the chat
+    template the logged model carries.
 
     None (no caching) when the checkpoint's manifests cannot be read: the task then runs and reports why.
     """
@@ -70,6 +73,8 @@ def validation_key(cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage:
         "model": registry.model_name if registry is not None else "",
         "champion": champion,
     }
+    if chat_template:  # only when set: the keys of runs without one stay what they were
+        payload["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -89,6 +94,7 @@ class ValidationInputs(CachePolicy):
             inputs["shards"],
             inputs["lineage"],
             inputs.get("registry"),
+            inputs.get("chat_template", ""),
         )
         if key is None:
             return None

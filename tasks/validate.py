@@ -15,10 +15,17 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.model_server import check_backend
-from infra.names import TAG_CHECKPOINT_URI, TAG_MODEL_URI, TAG_TOKENIZER_SHA256, TAG_TRAIN_RUN_ID
+from infra.names import (
+    TAG_CHAT_TEMPLATE_SHA256,
+    TAG_CHECKPOINT_URI,
+    TAG_MODEL_URI,
+    TAG_TOKENIZER_SHA256,
+    TAG_TRAIN_RUN_ID,
+)
 from infra.tracking import Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
+from training.chat_template import fingerprint
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
@@ -42,6 +49,7 @@ def validate_checkpoint(
     shards: ShardSet,
     lineage: Lineage,
     registry: RegistryConfig | None = None,
+    chat_template: str = "",
 ) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
@@ -62,6 +70,8 @@ def validate_checkpoint(
         shards: the shard set; its validation shards are the held-out text.
         lineage: the flow run's MLflow run tree.
         registry: the registered model whose champion this checkpoint is compared with (none: no comparison).
+        chat_template: the tokenizer's chat template (flows.config.chat_template_of), logged inside the model
+            (the endpoint renders chat requests to the version with it) and fingerprinted as a tag; '' for none.
 
     Raises:
         GateFailed: a gate failed, or the model cannot be served (NotServable); not retried.
@@ -137,7 +147,10 @@ def validate_checkpoint(
             factory=train_cfg.model_factory,
             train_config=train_cfg.model_dump(mode="json"),
             tokenizer_json=tokenizer.to_str() if tokenizer is not None else "",
+            chat_template=chat_template,
         )
+        if chat_template:
+            mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, fingerprint(chat_template))
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(

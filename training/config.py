@@ -274,6 +274,13 @@ class TokenizerConfig(BaseModel):
         4096, ge=257, le=1 << 20, description="kind='train': the BPE's vocabulary (256 bytes, merges, 1 special)."
     )
     min_frequency: int = Field(2, ge=1, description="kind='train': a pair seen fewer times is never merged.")
+    chat_template: str = Field(
+        "",
+        description="The tokenizer's chat template, which the registered version carries and the endpoint's "
+        "/v1/chat/completions renders with: a Jinja file (chat_template.jinja) or a tokenizer_config.json (its "
+        "chat_template), as a local path, s3:// or az:// URI. '' = with kind='file', the one beside tokenizer.path "
+        "as a Hugging Face tokenizer directory holds it (chat_template.jinja, else tokenizer_config.json's), if any.",
+    )
 
     @model_validator(mode="after")
     def _path_fits_kind(self) -> TokenizerConfig:

@@ -35,7 +35,16 @@ from torch import nn
 from infra.redact import first_line
 from training.evaluate import NotServable
 from training.hf_model import EAGER_HF, CausalLM
-from training.served_forms import EAGER_FACTORY, PROGRAM, TOKENIZER, example_ids, log_eager, log_hf, log_pt2
+from training.served_forms import (
+    CHAT_TEMPLATE,
+    EAGER_FACTORY,
+    PROGRAM,
+    TOKENIZER,
+    example_ids,
+    log_eager,
+    log_hf,
+    log_pt2,
+)
 from training.transformers_form import load_causal_lm_form
 
 
@@ -67,6 +76,7 @@ def log_servable_model(
     factory: str = "",
     train_config: dict | None = None,
     tokenizer_json: str = "",
+    chat_template: str = "",
 ) -> str:
     """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
     every serving shape, and return its models:/ URI: the transformers flavor for a transformers model, else the pt2
@@ -80,6 +90,8 @@ def log_servable_model(
         tokenizer_json: the tokenizer whose ids the model predicts ('' for bytes): logged inside the model, with
             metadata["tokenizer"] naming the file and its fingerprint, so a version carries what decodes it
             (`served_tokenizer`).
+        chat_template: the tokenizer's chat template ('' for none): metadata["chat_template"], the template the
+            endpoint renders chat requests to this version with (`served_chat_template`).
 
     Raises:
         NotServable: neither form answers at every serving shape (naming the factory, the shape and the cause).
@@ -98,7 +110,7 @@ def log_servable_model(
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
     first = log_hf if type(model) is CausalLM else log_pt2
     try:
-        uri = first(model, seq_len, name, vocab, tokenizer_json)
+        uri = first(model, seq_len, name, vocab, tokenizer_json, chat_template)
     except Exception as e:  # noqa: BLE001 - any failure of the first form: the eager form is tried next
         what = "torch.export" if first is log_pt2 else "the transformers flavor"
         why = f"{what} failed: {first_line(e)}"
@@ -111,7 +123,7 @@ def log_servable_model(
             why = str(e).removeprefix(who)
     if not factory or train_config is None:
         raise NotServable(f"{who}{why}")
-    uri = log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json)
+    uri = log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json, chat_template)
     try:
         check_servable(uri, model, seq_len, factory)
     except NotServable:
@@ -169,6 +181,13 @@ def served_tokenizer(model_uri: str) -> Any:
     if fingerprint_json(Path(path).read_text(encoding="utf-8")) != spec["sha256"]:
         raise ValueError(f"{model_uri}: {spec['file']} is not the tokenizer sha256 {spec['sha256'][:12]} it names")
     return load(path)
+
+
+def served_chat_template(model_uri: str) -> str:
+    """The chat template a logged model's tokenizer carries (metadata["chat_template"]), or ''."""
+    import mlflow
+
+    return str((mlflow.models.get_model_info(model_uri).metadata or {}).get(CHAT_TEMPLATE) or "")
 
 
 def load_served_model(model_uri: str) -> Any:

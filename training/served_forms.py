@@ -2,7 +2,8 @@
 model, MLflow's transformers flavor (training/transformers_form.py); for any other, the MLflow pyfunc from code of
 training/text_pyfunc.py over either the model's pt2 program (an `mlflow.pytorch` model in the artifact
 metadata["program"] names) or its eager weights with the code that rebuilds it; each with its tokenizer.json and the
-metadata every consumer reads (seq_len, vocab_size, tokenizer, the eager specs) and the paths it names."""
+metadata every consumer reads (seq_len, vocab_size, tokenizer, chat_template, the eager specs) and the paths it
+names."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ EAGER_FACTORY = "eager_factory"
 # metadata[TOKENIZER] of a model over a tokenizer's ids: {"file": its tokenizer.json in the model, "sha256"}
 TOKENIZER = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
+# metadata[CHAT_TEMPLATE] of a model whose tokenizer has a chat template: its Jinja text (training.chat_template)
+CHAT_TEMPLATE = "chat_template"
 EAGER_STATE_FILE = "state_dict.pt"
 TEXT_CODE = Path(__file__).with_name("text_pyfunc.py")
 # metadata[PROGRAM] of a model export captured: the `mlflow.pytorch` pt2 model inside it
@@ -84,12 +87,13 @@ def _tokenizer_file(tmp: str, tokenizer_json: str) -> dict[str, str]:
     return {"tokenizer": str(path)}
 
 
-def _tokenizer_metadata(tokenizer_json: str) -> dict:
+def _tokenizer_metadata(tokenizer_json: str, chat_template: str = "") -> dict:
     from training.tokenizer import fingerprint_json
 
-    if not tokenizer_json:
-        return {}
-    return {TOKENIZER: {"file": f"artifacts/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}}
+    out: dict = {CHAT_TEMPLATE: chat_template} if chat_template else {}
+    if tokenizer_json:
+        out[TOKENIZER] = {"file": f"artifacts/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}
+    return out
 
 
 def _log_text_pyfunc(name: str, artifacts: dict[str, str], metadata: dict, config: dict, **kwargs: Any) -> str:
@@ -110,7 +114,9 @@ def _log_text_pyfunc(name: str, artifacts: dict[str, str], metadata: dict, confi
     return info.model_uri
 
 
-def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
+def log_pt2(
+    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat_template: str = ""
+) -> str:
     """The model as a pt2 program (batch and time dynamic), an `mlflow.pytorch` model in the artifact `program`
     (metadata["program"]). The built-in GPT also gets its weights as an extra file and metadata[EAGER_METADATA] =
     {"config", "weights"}: a program cannot carry a KV cache, so serving rebuilds the eager model from them and
@@ -131,7 +137,7 @@ def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_jso
             pip_requirements=_requirements(),
         )
         artifacts = {PROGRAM_DIR: program, **_tokenizer_file(tmp, tokenizer_json)}
-        metadata |= _tokenizer_metadata(tokenizer_json)
+        metadata |= _tokenizer_metadata(tokenizer_json, chat_template)
         if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
             save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
             artifacts["eager_weights"] = str(Path(tmp) / EAGER_WEIGHTS_FILE)
@@ -141,17 +147,25 @@ def log_pt2(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_jso
         )
 
 
-def log_hf(model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "") -> str:
+def log_hf(
+    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat_template: str = ""
+) -> str:
     """A transformers model (training.hf_model.CausalLM) as MLflow's transformers flavor
-    (training/transformers_form.py), its tokenizer.json logged as it was trained for the endpoint and lineage."""
+    (training/transformers_form.py), its tokenizer.json logged as it was trained for the endpoint and lineage; a
+    chat template is also the flavor's tokenizer's, so `apply_chat_template` works on the loaded pipeline."""
     from training.tokenizer import fingerprint_json
     from training.transformers_form import TOKENIZER_PATH, log_transformers
 
-    metadata: dict = {"seq_len": seq_len, "vocab_size": vocab}
+    metadata: dict = {
+        "seq_len": seq_len,
+        "vocab_size": vocab,
+        **({CHAT_TEMPLATE: chat_template} if chat_template else {}),
+    }
     if tokenizer_json:
         metadata[TOKENIZER] = {"file": TOKENIZER_PATH, "sha256": fingerprint_json(tokenizer_json)}
     pins = _requirements("", "tokenizers", "transformers")  # the pipeline's fast tokenizer, bytes included
-    return log_transformers(model, name, metadata, _text_signature(PIPELINE_PARAMS), pins, tokenizer_json)
+    signature = _text_signature(PIPELINE_PARAMS)
+    return log_transformers(model, name, metadata, signature, pins, tokenizer_json, chat_template)
 
 
 def _code_paths(factory: str) -> list[str]:
@@ -180,6 +194,7 @@ def log_eager(
     why: str,
     vocab: int,
     tokenizer_json: str = "",
+    chat_template: str = "",
 ) -> str:
     """The model as its weights plus what rebuilds it (factory and TrainConfig), with the code that does so."""
     train_config = {k: v for k, v in train_config.items() if k not in NOT_FOR_REBUILD}
@@ -187,7 +202,12 @@ def log_eager(
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / EAGER_STATE_FILE
         torch.save({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, weights)
-        metadata = {"seq_len": seq_len, "vocab_size": vocab, EAGER_FACTORY: spec, **_tokenizer_metadata(tokenizer_json)}
+        metadata = {
+            "seq_len": seq_len,
+            "vocab_size": vocab,
+            EAGER_FACTORY: spec,
+            **_tokenizer_metadata(tokenizer_json, chat_template),
+        }
         return _log_text_pyfunc(
             name,
             {"weights": str(weights), **_tokenizer_file(tmp, tokenizer_json)},

@@ -78,7 +78,13 @@ def _set_generation(lm: Any, tokenizer: Any) -> None:
 
 
 def log_transformers(
-    model: Any, name: str, metadata: dict, signature: Any, requirements: list[str], tokenizer_json: str = ""
+    model: Any,
+    name: str,
+    metadata: dict,
+    signature: Any,
+    requirements: list[str],
+    tokenizer_json: str = "",
+    chat_template: str = "",
 ) -> str:
     """Log a CausalLM (training.hf_model) as the transformers flavor with `metadata` (the caller's seq_len,
     vocab_size and tokenizer entries; metadata[EAGER_HF] is added here), the pipeline's `signature` and pip
@@ -90,6 +96,8 @@ def log_transformers(
     if model.lm.name_or_path:  # MLflow would look it up on the hub
         raise ValueError(f"the model names a hub id ({model.lm.name_or_path!r}); a logged model must name none")
     tokenizer = pipeline_tokenizer(tokenizer_json)
+    if chat_template:
+        tokenizer.chat_template = chat_template  # saved with the flavor's tokenizer, as transformers saves it
     _set_generation(model.lm, tokenizer)
     spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
     info = mlflow.transformers.log_model(

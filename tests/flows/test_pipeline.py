@@ -330,16 +330,20 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     from support.load import Load
 
     from deployments.lineage import describe_lineage
-    from infra.names import TAG_INIT_VERSION, TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
+    from infra.names import TAG_CHAT_TEMPLATE_SHA256, TAG_INIT_VERSION, TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
     from training import tokenizer as tk
-    from training.servable import served_tokenizer
+    from training.chat_template import fingerprint as fingerprint_template
+    from training.servable import served_chat_template, served_tokenizer
 
     url = f"http://127.0.0.1:{SERVE_PORT}"
     champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
     texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]
+    template = "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    (home / "chat_template.jinja").write_text(template)
     sets = (
         "tokenizer.kind=train",
         "tokenizer.vocab_size=300",
+        f"tokenizer.chat_template={home / 'chat_template.jinja'}",
         "train.init_from=",
         f"train.hf_config={LLAMA}",
         "validation.max_regression_vs_champion=100.0",
@@ -361,6 +365,7 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     fingerprint = data_tags[TAG_TOKENIZER_SHA256]
     assert data_tags[TAG_TOKENIZER_TRAINED_ON]  # the text set whose training split it learned from
     assert children["validate_checkpoint"].data.tags[TAG_TOKENIZER_SHA256] == fingerprint
+    assert children["validate_checkpoint"].data.tags[TAG_CHAT_TEMPLATE_SHA256] == fingerprint_template(template)
     assert client.get_model_version(summary["model_name"], version).tags[TAG_TOKENIZER_SHA256] == fingerprint
     chain = describe_lineage(summary["model_name"], version, f"sqlite:///{home / 'mlflow.db'}")
     assert chain["tokenizer_sha256"] == fingerprint and chain["consistent"] is True
@@ -377,11 +382,12 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     try:
         registered = mlflow.models.get_model_info(f"models:/{summary['model_name']}/{version}")
         carried = served_tokenizer(f"models:/{summary['model_name']}/{version}")
+        carried_template = served_chat_template(f"models:/{summary['model_name']}/{version}")
     finally:
         mlflow.set_tracking_uri(previous[0])
         mlflow.set_registry_uri(previous[1])
     assert registered.flavors["python_function"]["loader_module"] == "mlflow.transformers"
-    assert carried.to_str() == tokenizer.to_str()
+    assert carried.to_str() == tokenizer.to_str() and carried_template == template
 
     # both sides of every pair scored in bits per byte of the same requests: one scale, two vocabularies
     canary = children["canary_deploy"].data.metrics
@@ -393,3 +399,9 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     body = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60).json()
     assert body["model_version"] == version
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt).ids) < len(prompt.encode())
+    # the chat API renders with the template the version's tokenizer carries (the byte champion had none)
+    messages = [{"role": "user", "content": "return self"}]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
+    assert chat.status_code == 200 and chat.json()["model_version"] == version, chat.text
+    rendered = "# user: return self\n"
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered).ids)

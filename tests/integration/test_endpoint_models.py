@@ -76,7 +76,8 @@ def test_two_models_answer_by_model_behind_one_route(world):
     assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
     assert (pieces[-1].usage.prompt_tokens, pieces[-1].usage.completion_tokens) == (9, 6) and not pieces[-1].choices
     # and with `curl -N` (no buffering), as the README shows it: server-sent events, one chunk per token, then [DONE]
-    body = {"model": MODELS[0], "prompt": "import os", "max_tokens": 6, "temperature": 0, "stream": True}
+    body = {"model": MODELS[0], "prompt": "import os", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     curl = subprocess.run(
         ["curl", "-sS", "-N", "--max-time", "60", "-H", "Content-Type: application/json", "-d", json.dumps(body),
          f"{url}/v1/completions"],
@@ -84,7 +85,10 @@ def test_two_models_answer_by_model_behind_one_route(world):
     )  # fmt: skip
     events = [line.removeprefix("data: ") for line in curl.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", curl.stdout
-    chunks = [json.loads(e) for e in events[:-1]]
+    *chunks, totals = [json.loads(e) for e in events[:-1]]
+    # as OpenAI's: every chunk has "usage": null, and one more chunk, without choices, has the totals
+    assert all("usage" in c and c["usage"] is None for c in chunks), curl.stdout
+    assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 6, curl.stdout
     assert len(chunks) >= 3 and {c["object"] for c in chunks} == {"text_completion"}, curl.stdout  # pieces, not one
     assert "".join(c["choices"][0]["text"] for c in chunks) == done.choices[0].text
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
@@ -184,6 +188,43 @@ def test_a_model_export_cannot_capture_is_served_eagerly_behind_the_gateway(worl
             s = http.post(f"{url}/v1/score", json={"model": name, "text": "import sys"})
             assert s.status_code == 200, s.text
         assert s.json()["bits_per_byte"] == pytest.approx(bits_per_byte(model, [b"import sys"], 32), rel=1e-4)
+    finally:
+        endpoint.remove(serve, name)
+
+
+def test_a_version_answers_chat_in_the_template_its_tokenizer_carries(world):
+    """A version logged with its tokenizer's chat template (metadata["chat_template"], as validation logs it)
+    answers /v1/chat/completions with no serve.chat_template: the chat answer is the completion of the messages as
+    that template renders them. serve.chat_template, when set, overrides it (vLLM's --chat-template)."""
+    from training.servable import served_chat_template
+
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    client, name, serve = world["client"], "chat-bytes", world["serve"]
+    train_run, uri = log_model(world["tables"]["weak"], "chat-own", world["exp"], client, chat_template=own)
+    assert register(client, train_run, uri, name).decision == "first-champion"
+    assert served_chat_template(f"models:/{name}/1") == own
+    try:
+        url = endpoint.reconcile(serve, name, world["uri"]).url
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "def"}]
+
+        def both(rendered: str) -> tuple[str, str]:
+            chat = oai.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+            plain = oai.completions.create(model=name, prompt=rendered, max_tokens=6, temperature=0)
+            assert chat.usage.prompt_tokens == len(rendered.encode())  # the prompt that template rendered
+            return str(chat.choices[0].message.content), plain.choices[0].text
+
+        chat, plain = both("<user>def<assistant>")
+        assert chat == plain
+        parts = list(
+            oai.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0, stream=True)
+        )
+        assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat
+        # the operator's template wins over the version's own
+        override = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+        endpoint.reconcile(serve.model_copy(update={"chat_template": override}), name, world["uri"])
+        chat, plain = both("user: def\nassistant:")
+        assert chat == plain
     finally:
         endpoint.remove(serve, name)
 

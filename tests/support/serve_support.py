@@ -34,9 +34,11 @@ def bigram_logits(texts: list[bytes], smoothing: float):
     return torch.log(counts / counts.sum(dim=1, keepdim=True))
 
 
-def log_model(table, run_name: str, exp: str, client, behaviour: str = "plain") -> tuple[str, str]:
+def log_model(
+    table, run_name: str, exp: str, client, behaviour: str = "plain", chat_template: str = ""
+) -> tuple[str, str]:
     """Log an embedding+linear model (logits [B, T, 256]) the way the validation stage does; return
-    (training run id, model URI).
+    (training run id, model URI). `chat_template`: the template its tokenizer carries (metadata["chat_template"]).
 
     behaviour: "plain"; "slow" (the same logits after 200 extra 256x256 matmuls per position: several times the
     plain model's latency even on a quiet machine); "erroring"
@@ -82,7 +84,7 @@ def log_model(table, run_name: str, exp: str, client, behaviour: str = "plain") 
             signature=signature,
             input_example=np.zeros((2, SEQ_LEN), dtype=np.int64),
             serialization_format="pt2",
-            metadata={"seq_len": SEQ_LEN},
+            metadata={"seq_len": SEQ_LEN, **({"chat_template": chat_template} if chat_template else {})},
             pip_requirements=["torch"],
         )
     return train_run, info.model_uri

@@ -4,6 +4,7 @@ decoder layer, served in the form validation proves, and every bad config refuse
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,17 +84,24 @@ def test_hf_config_and_another_model_factory_are_refused_together(tmp_path):
 
 def test_the_transformers_model_serves_in_the_form_validation_proves(mlflow_store):
     """Logged as validation logs it (a pt2 program when torch.export captures it, else the eager form); loaded back
-    as the endpoint loads it, it gives the trained model's logits."""
+    as the endpoint loads it, it gives the trained model's logits. Its chat template is the endpoint's and the
+    flavor's tokenizer's."""
     import mlflow
 
-    from training.servable import load_served_model, log_servable_model
+    from training.servable import load_served_model, log_servable_model, model_file, served_chat_template
 
     cfg, model = _model()
     model.eval().requires_grad_(False)
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
     with mlflow.start_run(experiment_id=mlflow_store[1]):
-        uri = log_servable_model(model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"))
+        uri = log_servable_model(
+            model, 32, factory=cfg.model_factory, train_config=cfg.model_dump(mode="json"), chat_template=template
+        )
     x = torch.randint(0, 256, (2, 9))
     assert torch.allclose(load_served_model(uri)(x), model(x), atol=1e-4)
+    assert served_chat_template(uri) == template
+    # transformers saves it as chat_template.jinja beside the tokenizer (where training.chat_template looks first)
+    assert Path(model_file(uri, "components/tokenizer/chat_template.jinja")).read_text() == template
 
 
 def _saved(tmp_path, spec: dict = TINY_LLAMA):

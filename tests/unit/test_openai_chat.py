@@ -128,3 +128,53 @@ def test_the_chat_objects_are_openais():
     assert done["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
     piece = chat_chunk("chatcmpl-1", "m", "3", {"content": "he"}, None)
     assert piece["object"] == "chat.completion.chunk" and piece["choices"][0]["delta"] == {"content": "he"}
+
+
+def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_named_file(tmp_path):
+    """The template a version will carry: `tokenizer.chat_template` (a .jinja file, or a tokenizer_config.json's
+    "chat_template"), else, for a tokenizer.json, the one beside it as transformers saves a tokenizer directory
+    (chat_template.jinja first). Anything there that is not a usable template is one line naming the file."""
+    import json
+
+    from flows.config import ConfigError, PipelineConfig, chat_template_of
+    from training import chat_template
+
+    hf = tmp_path / "hf-tokenizer"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    tok = {"kind": "file", "path": str(hf / "tokenizer.json")}
+
+    def of(**section: str) -> str:
+        return chat_template_of(PipelineConfig.model_validate({"tokenizer": section}))
+
+    assert of(**tok) == ""  # a directory without a template: none, not an error
+    (hf / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    assert of(**tok) == ""  # a tokenizer_config.json without one is just that
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    assert of(**tok) == CHATML
+    (hf / "chat_template.jinja").write_text(ONLY_USER)
+    assert of(**tok) == ONLY_USER  # transformers >= 4.47 saves it as its own file, which wins
+    assert of(**tok, chat_template=str(hf / "tokenizer_config.json")) == CHATML  # named explicitly
+    assert of(chat_template=str(hf / "chat_template.jinja")) == ONLY_USER  # any tokenizer kind, bytes included
+    assert of() == ""
+    assert chat_template.fingerprint(CHATML) == chat_template.fingerprint(
+        of(**tok, chat_template=str(hf / "tokenizer_config.json"))
+    )
+
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError) as err:
+        of(**tok)
+    assert str(err.value) == (
+        f"config: tokenizer.chat_template: {hf / 'chat_template.jinja'}: not a Jinja template: line 1: "
+        "Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost "
+        "block that needs to be closed is 'for'."
+    )
+    listed = tmp_path / "listed.json"
+    listed.write_text(json.dumps({"chat_template": [{"name": "default", "template": CHATML}]}))
+    with pytest.raises(ConfigError, match="listed.json: has no chat_template string"):
+        of(chat_template=str(listed))
+    with pytest.raises(ConfigError, match="missing.jinja: cannot be read"):
+        of(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9")
+    with pytest.raises(ConfigError, match=r"latin1.jinja: not UTF-8 text \(byte 3\)"):
+        of(chat_template=str(tmp_path / "latin1.jinja"))

@@ -131,33 +131,43 @@ def test_validation_scores_the_champions_exported_program_like_the_eager_model(m
 
 
 def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlflow_store):
-    """The pt2 program and the eager form both carry the tokenizer their ids come from, fingerprinted; a byte model
-    carries none."""
+    """The pt2 program and the eager form both carry the tokenizer their ids come from, fingerprinted, and its chat
+    template; a byte model carries neither."""
     import mlflow
 
     from training import tokenizer as tk
     from training.config import TrainConfig
-    from training.servable import served_tokenizer
+    from training.servable import served_chat_template, served_tokenizer
 
     tok = tk.train_bpe([b"def main():\n    return 0\n" * 20, b"import os\nimport sys\n" * 20], 270)
-    program = _logged_with(Causal(tok.get_vocab_size()), tok.to_str())
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    program = _logged_with(Causal(tok.get_vocab_size()), tok.to_str(), chat_template=template)
     cfg = TrainConfig(seq_len=32, d_model=16, vocab_size=300, model_factory="support.train_support:build_byte_gru")
     gru = build_byte_gru(cfg).eval().requires_grad_(False)
-    eager = _logged_with(gru, tok.to_str(), cfg.model_factory, cfg.model_dump(mode="json"))
+    eager = _logged_with(gru, tok.to_str(), cfg.model_factory, cfg.model_dump(mode="json"), template)
     assert eager_spec(program) is None and eager_spec(eager) is not None
     for uri in (program, eager):
+        assert served_chat_template(uri) == template
         assert served_tokenizer(uri).to_str() == tok.to_str()
         meta = mlflow.models.get_model_info(uri).metadata["tokenizer"]
         assert meta["sha256"] == tk.fingerprint(tok) and meta["file"].endswith("/tokenizer.json")
-    assert served_tokenizer(_logged(Causal(), 32)) is None
+    plain = _logged(Causal(), 32)
+    assert served_tokenizer(plain) is None and served_chat_template(plain) == ""
     with pytest.raises(NotServable, match=r"^the tokenizer has 270 ids but the model predicts 256$"):
         _logged_with(Causal(), tok.to_str())  # an id the model has no logit for could never be scored or sampled
 
 
-def _logged_with(model: nn.Module, tokenizer_json: str, factory: str = "", train_config: dict | None = None) -> str:
+def _logged_with(
+    model: nn.Module, tokenizer_json: str, factory: str = "", train_config: dict | None = None, chat_template: str = ""
+) -> str:
     import mlflow
 
     with mlflow.start_run(experiment_id=mlflow.get_experiment_by_name("shardline-test").experiment_id):
         return log_servable_model(
-            model.eval(), 32, factory=factory, train_config=train_config, tokenizer_json=tokenizer_json
+            model.eval(),
+            32,
+            factory=factory,
+            train_config=train_config,
+            tokenizer_json=tokenizer_json,
+            chat_template=chat_template,
         )

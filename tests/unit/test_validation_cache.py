@@ -34,6 +34,7 @@ def test_key_follows_checkpoint_bytes_data_config_and_champion(tmp_path):
     assert validation_key(**_inputs(tmp_path, shards=SimpleNamespace(dataset_digest="d2"))) != key
     assert validation_key(**_inputs(tmp_path, cfg=ValidationConfig(max_texts=7))) != key
     assert validation_key(**_inputs(tmp_path, train_cfg=TrainConfig(d_model=32, n_head=2))) != key
+    assert validation_key(**_inputs(tmp_path), chat_template="{{ messages[0].content }}") != key  # another model
     (tmp_path / "ckpt" / "manifest.rank00000.json").write_text('{"files": {"a": "01"}}')  # rewritten checkpoint
     rewritten = validation_key(**_inputs(tmp_path))
     assert rewritten != key
