@@ -1,6 +1,7 @@
 """The router's streamed completions and chat completions: OpenAI's server-sent events from a replica's token stream.
 
-A mixin of deployments.serve_app.Router, which owns the routing (`_choose`), the replica calls (`_call`,
+A mixin of deployments.serve_app.Router, which owns the routing (`_route`: the version, and a chat request's
+prompt in that version's format), the replica calls (`_call`,
 `_handle`, `inflight`), the metrics and the evidence (`_record`, from router_evidence): a stream goes to the version
 the weight picks (or the tester's variant); one that fails before its first byte is answered by the champion, one
 that fails later ends with an error event; a client that goes away cancels the replica's generation at once.
@@ -40,8 +41,7 @@ class RouterStreams:
 
     inflight: Counter[str]
     metrics: Any
-    _choose: Callable[[Job], tuple[bool, bool]]
-    _render: Callable[[Job, bool, bool], Awaitable[tuple[Job, bool, bool]]]
+    _route: Callable[[Job], Awaitable[tuple[Job, bool, bool] | dict[str, Any]]]
     _call: Callable[..., Awaitable[dict[str, Any]]]
     _handle: Callable[[str], Any]
     _record: Callable[..., None]
@@ -53,14 +53,11 @@ class RouterStreams:
 
         cfg = job.cfg
         t0 = time.perf_counter()
-        to_challenger, paired = self._choose(job)
-        if job.messages is not None:
-            try:
-                job, to_challenger, paired = await self._render(job, to_challenger, paired)
-            except ApiError as e:
-                self.metrics.rejected(job.endpoint, e.status)
-                yield error_reply(e)
-                return
+        routed = await self._route(job)
+        if isinstance(routed, dict):
+            yield routed
+            return
+        job, to_challenger, paired = routed
         shadow = failed = None
         version = str(cfg.challenger) if to_challenger else cfg.champion
         _, (prompt, params) = job.at(version).op_args()

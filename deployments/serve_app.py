@@ -120,6 +120,18 @@ class Router(EvidenceRecorder, RouterStreams):
                 return None
         return self.templates[version]
 
+    async def _route(self, job: Job) -> tuple[Job, bool, bool] | dict[str, Any]:
+        """`_choose`, then for a chat request `_render`: (the job, to the challenger, paired), or the reply that
+        refuses it."""
+        to_challenger, paired = self._choose(job)
+        if job.messages is None:
+            return job, to_challenger, paired
+        try:
+            return await self._render(job, to_challenger, paired)
+        except ApiError as e:
+            self.metrics.rejected(job.endpoint, e.status)
+            return error_reply(e)
+
     async def _render(self, job: Job, to_challenger: bool, paired: bool) -> tuple[Job, bool, bool]:
         """A chat job's messages rendered by the template of each version that may answer it (the champion, and
         the challenger when chosen): serve.chat_template when set, else the version's own. A challenger without a
@@ -282,13 +294,10 @@ class Router(EvidenceRecorder, RouterStreams):
     async def _serve(self, job: Job) -> dict[str, Any]:
         cfg, challenger = job.cfg, str(job.cfg.challenger)
         t0 = time.perf_counter()
-        to_challenger, paired = self._choose(job)
-        if job.messages is not None:
-            try:
-                job, to_challenger, paired = await self._render(job, to_challenger, paired)
-            except ApiError as refused:
-                self.metrics.rejected(job.endpoint, refused.status)
-                return error_reply(refused)
+        routed = await self._route(job)
+        if isinstance(routed, dict):
+            return routed
+        job, to_challenger, paired = routed
         shadow = failed = None
         if to_challenger and cfg.mode == "shadow" and not job.variant:
             # shadow mode: the champion answers the client; a copy goes to the challenger afterwards, its answer
