@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from infra.names import (
+    TAG_CHAT_TEMPLATE_SHA256,
     TAG_CHECKPOINT_URI,
     TAG_DATA_RUN_ID,
     TAG_DATASET_DIGEST,
@@ -55,6 +56,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "dataset_digest": tags.get(TAG_DATASET_DIGEST, ""),
         "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
         "tokenizer_sha256": tags.get(TAG_TOKENIZER_SHA256, ""),  # "" for bytes: what turned the texts into ids
+        "chat_template_sha256": tags.get(TAG_CHAT_TEMPLATE_SHA256, ""),  # "" for none: how chat becomes a prompt
         "data_run_id": data_run_id,
         "train_run_id": mv.run_id or "",
         "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),

@@ -1,5 +1,5 @@
 """OpenAI's chat completions API on the live endpoint: the request, its messages rendered into one prompt by the
-served model's chat template, and the `chat.completion` objects and stream chunks.
+answering version's chat template, and the `chat.completion` objects and stream chunks.
 
 The template is the answering version's own (its tokenizer's, logged with it), unless `serve.chat_template`
 overrides every version's; training.chat_template describes the dialect (Hugging Face's, rendered as transformers'
@@ -10,7 +10,7 @@ an ordinary completion: the same router, canary evidence, limits (`serve.max_pro
 rendered prompt) and generation engine. What the chat API has and the endpoint cannot honour (n > 1, logprobs,
 tools, response formats, penalties) is a 400 that names the parameter.
 
-Pure pydantic, Jinja and dicts, no Ray and no torch, like deployments.openai_api.
+Pure pydantic, Jinja (training.chat_template) and dicts, no Ray and no torch, like deployments.openai_api.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A mixin of deployments.serve_app.Router, which owns the routing (`_route`: the version, and a chat request's
 prompt in that version's format), the replica calls (`_call`,
 `_handle`, `inflight`), the metrics and the evidence (`_record`, from router_evidence): a stream goes to the version
-the weight picks (or the tester's variant); one that fails before its first byte is answered by the champion, one
+the weight picks (or the tester's variant); one that fails before its first byte is answered by the champion (a
+chat request only when the champion can take it in its own format), one
 that fails later ends with an error event; a client that goes away cancels the replica's generation at once.
 """
 

@@ -115,8 +115,10 @@ class Router(EvidenceRecorder, RouterStreams):
         if version not in self.templates:
             try:
                 self.templates[version] = str(await self._handle(version).chat_template.remote())
-            except Exception:  # noqa: BLE001 - a replica failure: the caller decides who answers instead
-                log.warning("model version %s did not say its chat template", version, exc_info=True)
+            except Exception as e:  # noqa: BLE001 - a replica failure: the caller decides who answers instead
+                log.warning(
+                    "model version %s did not say its chat template: %s", version, f"{type(e).__name__}: {e}"[:300]
+                )
                 return None
         return self.templates[version]
 
@@ -134,22 +136,39 @@ class Router(EvidenceRecorder, RouterStreams):
 
     async def _render(self, job: Job, to_challenger: bool, paired: bool) -> tuple[Job, bool, bool]:
         """A chat job's messages rendered by the template of each version that may answer it (the champion, and
-        the challenger when chosen): serve.chat_template when set, else the version's own. A challenger without a
-        template is not asked (the champion answers, and no evidence is recorded for it); a target without one
-        is a 400 that says so.
+        the challenger when chosen): serve.chat_template when set, else the version's own.
+
+        A challenger that cannot take the request in its own format (it has no template, its template refuses the
+        messages or makes them too long, or its replica does not say) is not asked: the champion answers, and no
+        evidence is recorded for it. A version that must answer (the champion, or a tester's variant) and cannot is
+        a 400 that says why (a 503 when its replica does not answer). When the two formats differ, the request is
+        not paired: the champion would be scored on a prompt in the challenger's format.
 
         Returns:
             (the job with `rendered` filled, to the challenger, paired), the last two as `_choose` gave them or
             turned off.
         """
-        cfg = job.cfg
+        cfg, challenger = job.cfg, str(job.cfg.challenger)
         assert job.messages is not None and isinstance(job.req, CompletionRequest)
-        versions = [cfg.champion, *([str(cfg.challenger)] if to_challenger else [])]
+        versions = [cfg.champion, *([challenger] if to_challenger else [])]
         templates = {v: cfg.chat_template or await self._version_template(v) for v in versions}
-        if to_challenger and not templates[str(cfg.challenger)] and not job.variant:
+        rendered: dict[str, CompletionRequest] = {}
+        refusals: dict[str, ApiError] = {}
+        for v, template in templates.items():
+            if not template:
+                continue
+            try:
+                prompt = render_prompt(template, job.messages, cfg.max_prompt_bytes)
+            except ApiError as e:
+                refusals[v] = e
+                continue
+            rendered[v] = job.req.model_copy(update={"prompt": prompt})
+        if to_challenger and challenger not in rendered and not job.variant:
             to_challenger = paired = False
         shadowing = to_challenger and cfg.mode == "shadow" and not job.variant  # the champion answers the client
-        target = str(cfg.challenger) if to_challenger and not shadowing else cfg.champion
+        target = challenger if to_challenger and not shadowing else cfg.champion
+        if target in refusals:
+            raise refusals[target]
         if templates[target] is None:
             raise ApiError(503, f"model version {target} is not answering", kind="server_error", retry_after=1)
         if not templates[target]:
@@ -159,17 +178,8 @@ class Router(EvidenceRecorder, RouterStreams):
                 "serve.chat_template is not set): use /v1/completions",
                 code="no_chat_template",
             )
-        rendered = {}
-        for v, template in templates.items():
-            if not template:
-                continue
-            try:
-                prompt = render_prompt(template, job.messages, cfg.max_prompt_bytes)
-            except ApiError:
-                if v == target:
-                    raise
-                continue  # the other version is then not asked for this request (a failover answers 503)
-            rendered[v] = job.req.model_copy(update={"prompt": prompt})
+        if paired and templates[cfg.champion] != templates[challenger]:
+            paired = False
         return replace(job, rendered=rendered), to_challenger, paired
 
     # ----- requests: over HTTP (an application with a route of its own) or from the gateway's handle
@@ -319,12 +329,12 @@ class Router(EvidenceRecorder, RouterStreams):
                 shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
             if not served["ok"] and not job.variant:
                 # the client is answered by the champion; the failure counts against the challenger
-                failed = served
                 if op == "score" and shadow and shadow["ok"]:
-                    served = shadow
+                    failed, served = served, shadow
                 elif job.messages is None or cfg.champion in job.rendered:  # in the champion's own chat format
                     op, args = job.at(cfg.champion).op_args()
-                    served = await self._call(cfg.champion, op, "served", *args)
+                    failed, served = served, await self._call(cfg.champion, op, "served", *args)
+                # else: no champion can answer this chat request; the failure is the challenger's alone
         else:
             op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, "served", *args)

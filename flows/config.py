@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,22 +163,43 @@ def load_stack_config(
     return stack, config
 
 
-def chat_template_of(config: PipelineConfig, origin: str = "config") -> str:
+def chat_template_of(
+    config: PipelineConfig,
+    origin: str = "config",
+    warn: Callable[[str], None] | None = None,
+    discover: bool = True,
+) -> str:
     """The chat template the run's model version will carry (training.chat_template: `tokenizer.chat_template`,
     or the one beside a `tokenizer.path`), read and parsed before anything trains; '' for none.
 
+    A template named in `tokenizer.chat_template` must be usable; one merely found beside `tokenizer.path` that is
+    not (unreadable, or a tag Jinja does not know) is left out with one warning line, so a tokenizer directory that
+    trained before still trains.
+
+    Args:
+        warn: where that warning goes (the run's logger); None drops it.
+        discover: look beside `tokenizer.path` (release-from-shards turns it off when the set's ids come from
+            another tokenizer than the config's).
+
     Raises:
-        ConfigError: one line naming the file, when it cannot be read or is not a chat template.
+        ConfigError: one line naming the file, when a named one cannot be read or is not a chat template.
     """
     from training import chat_template
 
     tok = config.tokenizer
-    try:
-        if tok.chat_template:
+    if tok.chat_template:
+        try:
             return chat_template.read(tok.chat_template)
-        return chat_template.discover(tok.path) if tok.kind == "file" else ""
+        except ValueError as e:
+            raise ConfigError(f"{origin}: tokenizer.chat_template: {e}") from None
+    if tok.kind != "file" or not discover:
+        return ""
+    try:
+        return chat_template.discover(tok.path)
     except ValueError as e:
-        raise ConfigError(f"{origin}: tokenizer.chat_template: {e}") from None
+        if warn is not None:
+            warn(f"tokenizer.path: the chat template beside it is not used: {e}")
+        return ""
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:

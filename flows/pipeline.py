@@ -49,7 +49,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
             as the TOML config file. Every field has a description in the form.
     """
     with shardline_run(config, "shardline") as run:
-        chat_template = chat_template_of(config, "flow parameter")  # read and parsed before anything trains
+        chat_template = chat_template_of(config, "flow parameter", run.logger.warning)  # before anything trains
         if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
             run.cluster = provision_cluster(config.cluster, run.lineage)
             shards = shard_dataset(config.data, run.lineage, run.cluster, config.tokenizer)

@@ -93,10 +93,11 @@ def release_from_shards(shard_set: str, config: PipelineConfig = PipelineConfig(
             that asks for other ids is logged as a warning.
     """
     with shardline_run(config, "shardline-release", shard_set=shard_set) as run:
-        chat_template = chat_template_of(config, "flow parameter")  # read and parsed before anything trains
         shards = open_shard_set(shard_set, run.lineage)
         if warning := unused_tokenizer(config, shards):
             run.logger.warning(warning)
+        # read and parsed before anything trains; not looked for beside a tokenizer.path the set's ids are not of
+        chat_template = chat_template_of(config, "flow parameter", run.logger.warning, discover=not warning)
         run.cluster = provision_cluster(config.cluster, run.lineage)
         trained = train_fsdp(config.train, shards, run.cluster, run.lineage, config.registry.model_name)
         validated = validate_cached()(

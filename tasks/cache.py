@@ -73,7 +73,7 @@ def validation_key(
         "model": registry.model_name if registry is not None else "",
         "champion": champion,
     }
-    if chat_template:  # only when set: the keys of runs without one stay what they were
+    if chat_template:  # only when set: a run without one hashes the same inputs as before
         payload["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 

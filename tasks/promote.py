@@ -19,6 +19,7 @@ from deployments.registry import (
     version_tags,
 )
 from infra.names import (
+    TAG_CHAT_TEMPLATE_SHA256,
     TAG_DATASET_DIGEST,
     TAG_MODEL_URI,
     TAG_MODEL_VERSION,
@@ -69,6 +70,7 @@ def promote_model(
             extra={
                 "shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}",
                 TAG_TOKENIZER_SHA256: shards.tokenizer_sha256,  # "" (bytes) is left out; the model carries the file
+                TAG_CHAT_TEMPLATE_SHA256: validated.chat_template_sha256,  # likewise: none is left out
             },
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)

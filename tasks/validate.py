@@ -161,6 +161,7 @@ def validate_checkpoint(
             champion_version=champion_version,
             model_uri=model_uri,
             seq_len=train_cfg.seq_len,
+            chat_template_sha256=fingerprint(chat_template),
         )
 
 

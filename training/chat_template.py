@@ -2,7 +2,8 @@
 and where a model's own template comes from.
 
 A template sees `messages` (each `{"role", "content"}`), `add_generation_prompt` (always true: the model answers
-next), `bos_token` and `eos_token` (empty: shardline's models have none), `raise_exception(message)` and
+next), `bos_token` and `eos_token` (empty strings: unlike transformers, which passes the tokenizer's own special
+tokens, the endpoint knows none; a template that writes them writes nothing there), `raise_exception(message)` and
 `strftime_now(format)`, with the `tojson` filter that keeps non-ASCII text and the loop controls (`break`,
 `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and `lstrip_blocks`.
 
@@ -93,17 +94,26 @@ def read(uri: str) -> str:
         raise ValueError(f"{where}: cannot be read: {first_line(e)}") from None
     if uri.endswith(".json"):
         try:
-            text = json.loads(text).get("chat_template")
+            held = json.loads(text).get("chat_template")
         except (ValueError, AttributeError):
             raise ValueError(f"{where}: not a JSON object") from None
-        if not isinstance(text, str) or not text:
-            # transformers also allows a list of named templates; the endpoint has one chat API, so one template
-            raise ValueError(f"{where}: has no chat_template string (a list of named templates is not supported)")
+        text = _default_template(held)
+        if not text:
+            raise ValueError(f"{where}: has no chat_template (a string, or a list of named ones with 'default')")
     try:
         compile_template(text)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return text
+
+
+def _default_template(held: Any) -> str:
+    """A tokenizer_config.json's chat_template: the string, or from a list of named templates the one named
+    'default', which is what `apply_chat_template` uses when no name is given; '' for neither."""
+    if isinstance(held, list):
+        named = {t.get("name"): t.get("template") for t in held if isinstance(t, dict)}
+        held = named.get("default")
+    return held if isinstance(held, str) else ""
 
 
 def discover(tokenizer_json: str) -> str:
@@ -115,14 +125,17 @@ def discover(tokenizer_json: str) -> str:
     parent = tokenizer_json.rsplit("/", 1)[0] if "/" in tokenizer_json else "."
     for name in (JINJA_FILE, CONFIG_FILE):
         candidate = storage.join(parent, name)
-        if not storage.exists(candidate):
-            continue
-        if name == CONFIG_FILE:
-            try:
-                held = json.loads(storage.read_bytes(candidate)).get("chat_template")
-            except (ValueError, AttributeError):
-                held = None
-            if not held:
-                continue  # a tokenizer_config.json without a template is just that
+        try:
+            if not storage.exists(candidate):
+                continue
+            if name == CONFIG_FILE:
+                try:
+                    held = json.loads(storage.read_bytes(candidate)).get("chat_template")
+                except (ValueError, AttributeError):
+                    held = None
+                if not held:
+                    continue  # a tokenizer_config.json without a template is just that
+        except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
+            raise ValueError(f"{redact(candidate)}: cannot be read: {first_line(e)}") from None
         return read(candidate)
     return ""

@@ -38,6 +38,7 @@ class ValidationResult(BaseModel):
     champion_version: str | None = None
     model_uri: str
     seq_len: int
+    chat_template_sha256: str = ""  # the chat template the logged model carries ('' for none)
 
 
 def bits_per_byte(

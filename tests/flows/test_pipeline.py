@@ -367,8 +367,11 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     assert children["validate_checkpoint"].data.tags[TAG_TOKENIZER_SHA256] == fingerprint
     assert children["validate_checkpoint"].data.tags[TAG_CHAT_TEMPLATE_SHA256] == fingerprint_template(template)
     assert client.get_model_version(summary["model_name"], version).tags[TAG_TOKENIZER_SHA256] == fingerprint
+    version_tags = client.get_model_version(summary["model_name"], version).tags
+    assert version_tags[TAG_CHAT_TEMPLATE_SHA256] == fingerprint_template(template)
     chain = describe_lineage(summary["model_name"], version, f"sqlite:///{home / 'mlflow.db'}")
     assert chain["tokenizer_sha256"] == fingerprint and chain["consistent"] is True
+    assert chain["chat_template_sha256"] == fingerprint_template(template)
     logged = client.download_artifacts(children["shard_dataset"].info.run_id, "tokenizer/tokenizer.json", str(home))
     tokenizer = tk.load(logged)
     assert tk.fingerprint(tokenizer) == fingerprint and tokenizer.get_vocab_size() == 300

@@ -133,7 +133,7 @@ def test_the_chat_objects_are_openais():
 def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_named_file(tmp_path):
     """The template a version will carry: `tokenizer.chat_template` (a .jinja file, or a tokenizer_config.json's
     "chat_template"), else, for a tokenizer.json, the one beside it as transformers saves a tokenizer directory
-    (chat_template.jinja first). Anything there that is not a usable template is one line naming the file."""
+    (chat_template.jinja first). A named one that is not a usable template is one line naming the file."""
     import json
 
     from flows.config import ConfigError, PipelineConfig, chat_template_of
@@ -161,17 +161,29 @@ def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_nam
         of(**tok, chat_template=str(hf / "tokenizer_config.json"))
     )
 
+    # one merely found there that is not usable is left out with one warning: a directory that trained still trains
     (hf / "chat_template.jinja").write_text("{% for m in messages %}")
+    warnings: list[str] = []
+    found = chat_template_of(PipelineConfig.model_validate({"tokenizer": tok}), warn=warnings.append)
+    assert found == "" and warnings == [
+        f"tokenizer.path: the chat template beside it is not used: {hf / 'chat_template.jinja'}: not a Jinja "
+        "template: line 1: Unexpected end of template. Jinja was looking for the following tags: 'endfor' or "
+        "'else'. The innermost block that needs to be closed is 'for'."
+    ]
+    # named, it must be usable: one line naming the file
     with pytest.raises(ConfigError) as err:
-        of(**tok)
-    assert str(err.value) == (
+        of(chat_template=str(hf / "chat_template.jinja"))
+    assert str(err.value).startswith(
         f"config: tokenizer.chat_template: {hf / 'chat_template.jinja'}: not a Jinja template: line 1: "
-        "Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost "
-        "block that needs to be closed is 'for'."
     )
+    # transformers' list of named templates: the one named 'default', as apply_chat_template picks it
     listed = tmp_path / "listed.json"
-    listed.write_text(json.dumps({"chat_template": [{"name": "default", "template": CHATML}]}))
-    with pytest.raises(ConfigError, match="listed.json: has no chat_template string"):
+    listed.write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHATML}]})
+    )
+    assert of(chat_template=str(listed)) == CHATML
+    listed.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": "x"}]}))
+    with pytest.raises(ConfigError, match=r"listed.json: has no chat_template \(a string, or a list of named ones"):
         of(chat_template=str(listed))
     with pytest.raises(ConfigError, match="missing.jinja: cannot be read"):
         of(chat_template=str(tmp_path / "missing.jinja"))

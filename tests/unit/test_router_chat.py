@@ -29,7 +29,8 @@ def _render(templates: dict[str, str], to_challenger: bool, variant: str = "", *
 
 def test_each_version_answers_in_its_own_format():
     job, to_challenger, paired = _render({"1": OWN, "2": OTHER}, True)
-    assert (to_challenger, paired) == (True, True)
+    # not paired: the champion would be scored on a prompt in the challenger's format
+    assert (to_challenger, paired) == (True, False)
     assert job.at("1").req.prompt == "<user>hi<assistant>" and job.at("2").req.prompt == "user: hi\nassistant:"
     assert job.at("2").req.max_tokens == 4 and job.req.prompt == "?"  # the placeholder until a version is picked
     job, to_challenger, _ = _render({"1": OWN, "2": OTHER}, False)
@@ -37,8 +38,10 @@ def test_each_version_answers_in_its_own_format():
 
 
 def test_serve_chat_template_overrides_every_versions_own():
-    job, _, _ = _render({"1": OWN, "2": ""}, True, chat_template=OTHER)
+    job, to_challenger, paired = _render({"1": OWN, "2": ""}, True, chat_template=OTHER)
     assert job.at("1").req.prompt == job.at("2").req.prompt == "user: hi\nassistant:"
+    assert (to_challenger, paired) == (True, True)  # one format: the champion is scored on the same prompt
+    assert _render({"1": OWN, "2": OWN}, True)[1:] == (True, True)
 
 
 def test_a_challenger_without_a_template_is_not_asked_chat():
@@ -70,3 +73,8 @@ def test_a_template_that_refuses_the_answering_versions_messages_is_a_400():
         _render({"1": refusing, "2": OWN}, False)
     job, to_challenger, _ = _render({"1": refusing, "2": OWN}, True)  # the challenger answers; no fallback format
     assert to_challenger and set(job.rendered) == {"2"}
+    # a challenger whose template refuses what the champion's accepts is not asked: the champion answers
+    job, to_challenger, paired = _render({"1": OWN, "2": refusing}, True)
+    assert (to_challenger, paired) == (False, False) and set(job.rendered) == {"1"}
+    with pytest.raises(ApiError, match="no user turns here"):  # a tester who asks for it gets the reason
+        _render({"1": OWN, "2": refusing}, True, variant="challenger")
