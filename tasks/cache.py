@@ -48,6 +48,7 @@ def validation_key(
 
     from deployments.registry import CHAMPION, client_for, read_aliases
     from infra import storage
+    from training.chat_template import fingerprint
     from training.checkpoint_manifest import manifest_name
 
     try:
@@ -74,7 +75,7 @@ def validation_key(
         "champion": champion,
     }
     if chat_template:  # only when set: a run without one hashes the same inputs as before
-        payload["chat_template"] = hashlib.sha256(chat_template.encode()).hexdigest()
+        payload["chat_template"] = fingerprint(chat_template)
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

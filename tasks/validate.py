@@ -149,8 +149,9 @@ def validate_checkpoint(
             tokenizer_json=tokenizer.to_str() if tokenizer is not None else "",
             chat_template=chat_template,
         )
-        if chat_template:
-            mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, fingerprint(chat_template))
+        template_sha256 = fingerprint(chat_template)  # '' for none
+        if template_sha256:
+            mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, template_sha256)
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(
@@ -161,7 +162,7 @@ def validate_checkpoint(
             champion_version=champion_version,
             model_uri=model_uri,
             seq_len=train_cfg.seq_len,
-            chat_template_sha256=fingerprint(chat_template),
+            chat_template_sha256=template_sha256,
         )
 
 

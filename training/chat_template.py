@@ -85,13 +85,22 @@ def read(uri: str) -> str:
     Raises:
         ValueError: one line naming the file: unreadable, not UTF-8, no usable "chat_template", or not Jinja.
     """
-    where = redact(uri)
+    return _parsed(uri, _text(uri))
+
+
+def _text(uri: str) -> str:
+    """A file's text (ValueError, one line naming it, when it cannot be read or is not UTF-8)."""
     try:
-        text = storage.read_bytes(uri).decode("utf-8")
+        return storage.read_bytes(uri).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte {e.start})") from None
+        raise ValueError(f"{redact(uri)}: not UTF-8 text (byte {e.start})") from None
     except Exception as e:  # noqa: BLE001 - any store's missing or unreadable file: one line naming it
-        raise ValueError(f"{where}: cannot be read: {first_line(e)}") from None
+        raise ValueError(f"{redact(uri)}: cannot be read: {first_line(e)}") from None
+
+
+def _parsed(uri: str, text: str) -> str:
+    """The template in the text of file `uri` (see `read`), checked to parse."""
+    where = redact(uri)
     if uri.endswith(".json"):
         try:
             held = json.loads(text).get("chat_template")
@@ -126,16 +135,18 @@ def discover(tokenizer_json: str) -> str:
     for name in (JINJA_FILE, CONFIG_FILE):
         candidate = storage.join(parent, name)
         try:
-            if not storage.exists(candidate):
-                continue
-            if name == CONFIG_FILE:
-                try:
-                    held = json.loads(storage.read_bytes(candidate)).get("chat_template")
-                except (ValueError, AttributeError):
-                    held = None
-                if not held:
-                    continue  # a tokenizer_config.json without a template is just that
+            present = storage.exists(candidate)
         except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
             raise ValueError(f"{redact(candidate)}: cannot be read: {first_line(e)}") from None
-        return read(candidate)
+        if not present:
+            continue
+        text = _text(candidate)  # read once: a tokenizer_config.json is looked into, then parsed, from this
+        if name == CONFIG_FILE:
+            try:
+                held = json.loads(text).get("chat_template")
+            except (ValueError, AttributeError):
+                held = None
+            if not held:
+                continue  # a tokenizer_config.json without a template is just that
+        return _parsed(candidate, text)
     return ""

@@ -87,12 +87,16 @@ def _tokenizer_file(tmp: str, tokenizer_json: str) -> dict[str, str]:
     return {"tokenizer": str(path)}
 
 
-def _tokenizer_metadata(tokenizer_json: str, chat_template: str = "") -> dict:
+def _tokenizer_metadata(
+    tokenizer_json: str, chat_template: str = "", file: str = f"artifacts/{TOKENIZER_FILE}"
+) -> dict:
+    """metadata[TOKENIZER] ({"file": where the form logs it, "sha256"}) and metadata[CHAT_TEMPLATE], each only when
+    there is one."""
     from training.tokenizer import fingerprint_json
 
     out: dict = {CHAT_TEMPLATE: chat_template} if chat_template else {}
     if tokenizer_json:
-        out[TOKENIZER] = {"file": f"artifacts/{TOKENIZER_FILE}", "sha256": fingerprint_json(tokenizer_json)}
+        out[TOKENIZER] = {"file": file, "sha256": fingerprint_json(tokenizer_json)}
     return out
 
 
@@ -153,16 +157,13 @@ def log_hf(
     """A transformers model (training.hf_model.CausalLM) as MLflow's transformers flavor
     (training/transformers_form.py), its tokenizer.json logged as it was trained for the endpoint and lineage; a
     chat template is also the flavor's tokenizer's, so `apply_chat_template` works on the loaded pipeline."""
-    from training.tokenizer import fingerprint_json
     from training.transformers_form import TOKENIZER_PATH, log_transformers
 
-    metadata: dict = {
+    metadata = {
         "seq_len": seq_len,
         "vocab_size": vocab,
-        **({CHAT_TEMPLATE: chat_template} if chat_template else {}),
+        **_tokenizer_metadata(tokenizer_json, chat_template, file=TOKENIZER_PATH),
     }
-    if tokenizer_json:
-        metadata[TOKENIZER] = {"file": TOKENIZER_PATH, "sha256": fingerprint_json(tokenizer_json)}
     pins = _requirements("", "tokenizers", "transformers")  # the pipeline's fast tokenizer, bytes included
     signature = _text_signature(PIPELINE_PARAMS)
     return log_transformers(model, name, metadata, signature, pins, tokenizer_json, chat_template)
