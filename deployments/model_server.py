@@ -165,12 +165,12 @@ class ModelServer:
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
         self.version = version
-        from training.servable import served_chat_template, served_tokenizer
+        from training.servable import served_chat_format, served_tokenizer
 
         uri = f"models:/{model_name}/{version}"
         self.backend = load_backend(uri, slots)
         self.codec = codec_for(served_tokenizer(uri))  # text <-> ids: bytes, or the version's own tokenizer
-        self.template = served_chat_template(uri)  # its tokenizer's chat template, '' for none
+        self.chat = served_chat_format(uri)  # its tokenizer's chat template and special tokens (false: none)
         self.model, self.seq_len = self.backend.model, self.backend.seq_len
         # False: a program or eager model, recomputed each step
         self.kv_cache = isinstance(self.backend, CachedGPT) or getattr(self.backend, "kv_cache", False)
@@ -192,10 +192,11 @@ class ModelServer:
         """The replica's version and process id (tests check that a weight change restarts no replica)."""
         return {"version": self.version, "pid": os.getpid()}
 
-    def chat_template(self) -> str:
-        """The chat template this version's tokenizer carries ('' for none): the router renders chat requests to
-        this version with it, unless serve.chat_template overrides it."""
-        return self.template
+    def chat_template(self) -> dict[str, str]:
+        """The chat format this version's tokenizer carries: {"template" ('' for none), and the special tokens it
+        sees, "bos_token" and "eos_token" where named}. The router renders chat requests to this version with it;
+        serve.chat_template, when set, overrides the template and keeps these tokens."""
+        return {"template": self.chat.template, **self.chat.tokens()}
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose model cannot run one token is restarted."""

@@ -95,7 +95,7 @@ class ChatRequest(BaseModel):
     response_format: Any = None
 
 
-def render(source: str, messages: list[dict[str, str]]) -> str:
+def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]]) -> str:
     """The prompt a chat template makes of `messages`, ready for the model to answer.
 
     Raises:
@@ -107,7 +107,7 @@ def render(source: str, messages: list[dict[str, str]]) -> str:
         raise ApiError(400, f"messages: the model's chat template refused them: {e}", param="messages") from None
 
 
-def render_prompt(source: str, messages: list[dict[str, str]], max_prompt_bytes: int) -> str:
+def render_prompt(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_prompt_bytes: int) -> str:
     """`render`, and the rendered prompt checked against serve.max_prompt_bytes (ApiError 400 naming messages)."""
     prompt = render(source, messages)
     size = len(prompt.encode("utf-8"))

@@ -36,6 +36,7 @@ from deployments.router_config import PROBE_HEADER, VARIANT_HEADER, VERSION_HEAD
 from deployments.router_evidence import EvidenceRecorder
 from deployments.router_stream import RouterStreams, prompt_piece
 from deployments.serve_metrics import RouterMetrics
+from training.chat_template import ChatFormat
 
 log = logging.getLogger(__name__)
 BODY_TIMEOUT_S = 10.0  # a body sent to a router directly (an application with its own route) must arrive by then
@@ -58,7 +59,9 @@ class Router(EvidenceRecorder, RouterStreams):
         self.rng = random.Random(0)
         self.shadow_rng = random.Random(1)
         self._mirrors: set[Any] = set()  # shadow-mode copies in flight (a task nobody holds may be collected)
-        self.templates: dict[str, str] = {}  # each version's own chat template ('' for none): versions never change
+        self.templates: dict[
+            str, ChatFormat
+        ] = {}  # each version's own chat format (false: none): versions never change
 
     # ----- configuration (Serve calls reconfigure with user_config at start and on every lightweight update)
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -109,12 +112,13 @@ class Router(EvidenceRecorder, RouterStreams):
         self.metrics.model_call(version, kind, op, out)
         return out
 
-    async def _version_template(self, version: str) -> str | None:
-        """The chat template `version`'s tokenizer carries ('' for none), asked of its replica once; None when the
+    async def _version_template(self, version: str) -> ChatFormat | None:
+        """The chat format `version`'s tokenizer carries (false for none), asked of its replica once; None when the
         replica cannot answer."""
         if version not in self.templates:
             try:
-                self.templates[version] = str(await self._handle(version).chat_template.remote())
+                held = await self._handle(version).chat_template.remote()
+                self.templates[version] = ChatFormat.of(str(held.get("template") or ""), held)
             except Exception as e:  # noqa: BLE001 - a replica failure: the caller decides who answers instead
                 log.warning(
                     "model version %s did not say its chat template: %s", version, f"{type(e).__name__}: {e}"[:300]
@@ -134,6 +138,14 @@ class Router(EvidenceRecorder, RouterStreams):
             self.metrics.rejected(job.endpoint, e.status)
             return error_reply(e)
 
+    @staticmethod
+    def _override(override: str, own: ChatFormat | None) -> ChatFormat | None:
+        """A version's chat format with serve.chat_template (`override`), when set, in place of its template, its
+        tokenizer's special tokens kept (as vLLM's --chat-template keeps them)."""
+        if not override or own is None:  # None: its replica does not answer (the caller decides who does)
+            return own
+        return ChatFormat.of(override, own.tokens())
+
     async def _render(self, job: Job, to_challenger: bool, paired: bool) -> tuple[Job, bool, bool]:
         """A chat job's messages rendered by the template of each version that may answer it (the champion, and
         the challenger when chosen): serve.chat_template when set, else the version's own.
@@ -141,8 +153,8 @@ class Router(EvidenceRecorder, RouterStreams):
         A challenger that cannot take the request in its own format (it has no template, its template refuses the
         messages or makes them too long, or its replica does not say) is not asked: the champion answers, and no
         evidence is recorded for it. A version that must answer (the champion, or a tester's variant) and cannot is
-        a 400 that says why (a 503 when its replica does not answer). When the two formats differ, the request is
-        not paired: the champion would be scored on a prompt in the challenger's format.
+        a 400 that says why (a 503 when its replica does not answer). When the two formats render different
+        prompts, the request is not paired: the champion would be scored on a prompt in the challenger's format.
 
         Returns:
             (the job with `rendered` filled, to the challenger, paired), the last two as `_choose` gave them or
@@ -151,7 +163,7 @@ class Router(EvidenceRecorder, RouterStreams):
         cfg, challenger = job.cfg, str(job.cfg.challenger)
         assert job.messages is not None and isinstance(job.req, CompletionRequest)
         versions = [cfg.champion, *([challenger] if to_challenger else [])]
-        templates = {v: cfg.chat_template or await self._version_template(v) for v in versions}
+        templates = {v: self._override(cfg.chat_template, await self._version_template(v)) for v in versions}
         rendered: dict[str, CompletionRequest] = {}
         refusals: dict[str, ApiError] = {}
         for v, template in templates.items():
@@ -178,7 +190,7 @@ class Router(EvidenceRecorder, RouterStreams):
                 "serve.chat_template is not set): use /v1/completions",
                 code="no_chat_template",
             )
-        if paired and templates[cfg.champion] != templates[challenger]:
+        if paired and (cfg.champion not in rendered or rendered[cfg.champion].prompt != rendered[challenger].prompt):
             paired = False
         return replace(job, rendered=rendered), to_challenger, paired
 

@@ -16,6 +16,7 @@ from flows.stack.config import StackConfig
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
 from infra.remote import RemoteConfigError, check_remote_config
+from training.chat_template import ChatFormat
 from training.config import TokenizerConfig, TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 
@@ -168,9 +169,10 @@ def chat_template_of(
     origin: str = "config",
     warn: Callable[[str], None] | None = None,
     discover: bool = True,
-) -> str:
-    """The chat template the run's model version will carry (training.chat_template: `tokenizer.chat_template`,
-    or the one beside a `tokenizer.path`), read and parsed before anything trains; '' for none.
+) -> ChatFormat:
+    """The chat format the run's model version will carry (training.chat_template.ChatFormat): the template of
+    `tokenizer.chat_template`, or the one beside a `tokenizer.path`, read and parsed before anything trains, with
+    the special tokens the tokenizer names (`_special_tokens_of`); false (no template) for none.
 
     A template named in `tokenizer.chat_template` must be usable; one merely found beside `tokenizer.path` that is
     not (unreadable, or a tag Jinja does not know) is left out with one warning line, so a tokenizer directory that
@@ -189,17 +191,46 @@ def chat_template_of(
     tok = config.tokenizer
     if tok.chat_template:
         try:
-            return chat_template.read(tok.chat_template)
+            template = chat_template.read(tok.chat_template)
         except ValueError as e:
             raise ConfigError(f"{origin}: tokenizer.chat_template: {e}") from None
-    if tok.kind != "file" or not discover:
-        return ""
-    try:
-        return chat_template.discover(tok.path)
-    except ValueError as e:
-        if warn is not None:
-            warn(f"tokenizer.path: the chat template beside it is not used: {e}")
-        return ""
+    elif tok.kind != "file" or not discover:
+        return ChatFormat()
+    else:
+        try:
+            template = chat_template.discover(tok.path)
+        except ValueError as e:
+            if warn is not None:
+                warn(f"tokenizer.path: the chat template beside it is not used: {e}")
+            return ChatFormat()
+    return ChatFormat.of(template, _special_tokens_of(config, discover, warn)) if template else ChatFormat()
+
+
+def _special_tokens_of(config: PipelineConfig, discover: bool, warn: Callable[[str], None] | None) -> dict[str, str]:
+    """The bos_token and eos_token a chat template sees, as transformers gives them: from the
+    `tokenizer_config.json` named as the template, else the one beside `tokenizer.path`, with
+    `special_tokens_map.json` beside it filling what it does not name (an older tokenizer directory keeps them
+    there). Validation keeps those the tokenizer has as special tokens, and names an eos_token nobody named as the
+    flavor's tokenizer names it (training.servable). A file there that cannot be read is one warning line, and
+    its tokens are not used."""
+    from training import chat_template
+
+    tok = config.tokenizer
+    sources = []
+    if tok.chat_template.endswith(".json"):
+        sources.append(tok.chat_template)
+    elif tok.kind == "file" and discover:
+        sources.append(chat_template.beside(tok.path))
+    if tok.kind == "file" and discover:
+        sources.append(chat_template.beside(tok.path, "special_tokens_map.json"))
+    tokens: dict[str, str] = {}
+    for uri in sources:
+        try:
+            tokens = chat_template.special_tokens(uri) | tokens  # the first source wins
+        except ValueError as e:
+            if warn is not None:
+                warn(f"tokenizer: the special tokens of the chat template are not used: {e}")
+    return tokens
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:

@@ -37,7 +37,7 @@ def results_dir() -> Path:
 
 
 def validation_key(
-    cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage: Any, registry: Any, chat_template: str = ""
+    cfg: Any, train_cfg: Any, trained: Any, shards: Any, lineage: Any, registry: Any, chat_template: Any = ""
 ) -> str | None:
     """The cache key of a validation: checkpoint content, data, configs, registry, current champion and the chat
     template the logged model carries.
@@ -48,7 +48,7 @@ def validation_key(
 
     from deployments.registry import CHAMPION, client_for, read_aliases
     from infra import storage
-    from training.chat_template import fingerprint
+    from training.chat_template import ChatFormat, fingerprint
     from training.checkpoint_manifest import manifest_name
 
     try:
@@ -74,8 +74,11 @@ def validation_key(
         "model": registry.model_name if registry is not None else "",
         "champion": champion,
     }
-    if chat_template:  # only when set: a run without one hashes the same inputs as before
-        payload["chat_template"] = fingerprint(chat_template)
+    chat = ChatFormat.given(chat_template)
+    if chat:  # only when set: a run without one hashes the same inputs as before
+        payload["chat_template"] = fingerprint(chat.template)
+        if chat.tokens():  # the special tokens it renders with, likewise only when named
+            payload["chat_tokens"] = chat.tokens()
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -25,7 +25,7 @@ from infra.names import (
 from infra.tracking import Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
-from training.chat_template import fingerprint
+from training.chat_template import ChatFormat, fingerprint
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
@@ -49,7 +49,7 @@ def validate_checkpoint(
     shards: ShardSet,
     lineage: Lineage,
     registry: RegistryConfig | None = None,
-    chat_template: str = "",
+    chat_template: ChatFormat | str = "",
 ) -> ValidationResult:
     """Load the checkpoint without a process group, gate on held-out bits per byte, log the model for serving.
 
@@ -70,8 +70,9 @@ def validate_checkpoint(
         shards: the shard set; its validation shards are the held-out text.
         lineage: the flow run's MLflow run tree.
         registry: the registered model whose champion this checkpoint is compared with (none: no comparison).
-        chat_template: the tokenizer's chat template (flows.config.chat_template_of), logged inside the model
-            (the endpoint renders chat requests to the version with it) and fingerprinted as a tag; '' for none.
+        chat_template: the tokenizer's chat format (flows.config.chat_template_of: the template, with the special
+            tokens it sees), logged inside the model (the endpoint renders chat requests to the version with it);
+            the template is fingerprinted as a tag. '' or false for none.
 
     Raises:
         GateFailed: a gate failed, or the model cannot be served (NotServable); not retried.
@@ -149,7 +150,7 @@ def validate_checkpoint(
             tokenizer_json=tokenizer.to_str() if tokenizer is not None else "",
             chat_template=chat_template,
         )
-        template_sha256 = fingerprint(chat_template)  # '' for none
+        template_sha256 = fingerprint(ChatFormat.given(chat_template).template)  # '' for none
         if template_sha256:
             mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, template_sha256)
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes

@@ -2,8 +2,8 @@
 and where a model's own template comes from.
 
 A template sees `messages` (each `{"role", "content"}`), `add_generation_prompt` (always true: the model answers
-next), `bos_token` and `eos_token` (empty strings: unlike transformers, which passes the tokenizer's own special
-tokens, the endpoint knows none; a template that writes them writes nothing there), `raise_exception(message)` and
+next), `bos_token` and `eos_token` (the tokenizer's, as transformers passes its special tokens: see `ChatFormat`;
+an empty string where the tokenizer names none), `raise_exception(message)` and
 `strftime_now(format)`, with the `tojson` filter that keeps non-ASCII text and the loop controls (`break`,
 `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and `lstrip_blocks`.
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -26,6 +28,44 @@ from infra.redact import first_line, redact
 
 JINJA_FILE = "chat_template.jinja"  # what transformers >= 4.47 saves beside the tokenizer
 CONFIG_FILE = "tokenizer_config.json"  # where older transformers keep it, as "chat_template"
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token")  # the special tokens a template sees, as transformers names them
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a version turns chat into a prompt: its template and the special tokens its tokenizer gives the
+    template (as transformers' `apply_chat_template` passes `bos_token` and `eos_token`).
+
+    The tokens come from the `tokenizer_config.json` the template came from, else the one beside `tokenizer.path`
+    (a Hugging Face tokenizer directory; `special_tokens`). Validation keeps only those the tokenizer has (none for
+    bytes) and names an eos_token nobody named as the transformers flavor's tokenizer does (a BPE trained in the
+    run: its `<|endoftext|>`), so the endpoint and `apply_chat_template` on the flavor render alike
+    (training.servable.log_servable_model); '' where none is named. False when there is no template.
+    """
+
+    template: str = ""
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.template)
+
+    def tokens(self) -> dict[str, str]:
+        """The special tokens that are named, by their transformers names (empty ones left out)."""
+        return {k: v for k in SPECIAL_TOKENS if (v := getattr(self, k))}
+
+    @classmethod
+    def given(cls, held: ChatFormat | str) -> ChatFormat:
+        """A format as given: itself, or a bare template's (no special tokens)."""
+        return held if isinstance(held, ChatFormat) else cls(held)
+
+    @classmethod
+    def of(cls, template: str, tokens: Mapping[str, Any] | None = None) -> ChatFormat:
+        """The format of `template` with the string tokens of `tokens` that a template sees (others ignored)."""
+        held = tokens if isinstance(tokens, Mapping) else {}
+        return cls(template, **{k: held[k] for k in SPECIAL_TOKENS if isinstance(held.get(k), str)})
 
 
 class TemplateRefused(ValueError):
@@ -57,17 +97,21 @@ def compile_template(source: str) -> Any:
         raise ValueError(f"not a Jinja template: line {e.lineno}: {e.message}") from None
 
 
-def render(source: str, messages: list[dict[str, str]]) -> str:
-    """The prompt a chat template makes of `messages`, ready for the model to answer.
+def render(source: str | ChatFormat, messages: list[dict[str, str]]) -> str:
+    """The prompt a chat template (with its tokenizer's special tokens, when a ChatFormat) makes of `messages`,
+    ready for the model to answer.
 
     Raises:
         TemplateRefused: the template refused the messages (its `raise_exception`, or an error while rendering).
     """
     import jinja2
 
+    fmt = ChatFormat.given(source)
     try:
         return str(
-            compile_template(source).render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+            compile_template(fmt.template).render(
+                messages=messages, add_generation_prompt=True, bos_token=fmt.bos_token, eos_token=fmt.eos_token
+            )
         )
     except Exception as e:  # noqa: BLE001 - the model's template: whatever it raises is the request's refusal
         cause = first_line(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {first_line(e)}"
@@ -131,9 +175,8 @@ def discover(tokenizer_json: str) -> str:
     Raises:
         ValueError: a file is there but is not a usable template (one line naming it).
     """
-    parent = tokenizer_json.rsplit("/", 1)[0] if "/" in tokenizer_json else "."
     for name in (JINJA_FILE, CONFIG_FILE):
-        candidate = storage.join(parent, name)
+        candidate = beside(tokenizer_json, name)
         try:
             present = storage.exists(candidate)
         except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
@@ -150,3 +193,36 @@ def discover(tokenizer_json: str) -> str:
                 continue  # a tokenizer_config.json without a template is just that
         return _parsed(candidate, text)
     return ""
+
+
+def special_tokens(config_uri: str) -> dict[str, str]:
+    """`bos_token` and `eos_token` of a `tokenizer_config.json` or `special_tokens_map.json` (a string, or an
+    AddedToken's `{"content": ...}`), the ones named only; {} when the file is absent.
+
+    Raises:
+        ValueError: the file is there but cannot be read or is not JSON (one line naming it).
+    """
+    try:
+        present = storage.exists(config_uri)
+    except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
+        raise ValueError(f"{redact(config_uri)}: cannot be read: {first_line(e)}") from None
+    if not present:
+        return {}
+    text = _text(config_uri)  # ValueError naming it: unreadable, or not UTF-8
+    try:
+        held = json.loads(text)
+    except ValueError:
+        raise ValueError(f"{redact(config_uri)}: not JSON") from None
+    out: dict[str, str] = {}
+    for key in SPECIAL_TOKENS:
+        value = held.get(key) if isinstance(held, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
+def beside(tokenizer_json: str, name: str = CONFIG_FILE) -> str:
+    """The URI of file `name` in the directory of a tokenizer.json (a Hugging Face tokenizer directory)."""
+    parent = tokenizer_json.rsplit("/", 1)[0] if "/" in tokenizer_json else "."
+    return storage.join(parent, name)

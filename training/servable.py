@@ -33,10 +33,12 @@ import torch
 from torch import nn
 
 from infra.redact import first_line
+from training.chat_template import ChatFormat
 from training.evaluate import NotServable
 from training.hf_model import EAGER_HF, CausalLM
 from training.served_forms import (
     CHAT_TEMPLATE,
+    CHAT_TOKENS,
     EAGER_FACTORY,
     PROGRAM,
     TOKENIZER,
@@ -45,7 +47,7 @@ from training.served_forms import (
     log_hf,
     log_pt2,
 )
-from training.transformers_form import load_causal_lm_form
+from training.transformers_form import end_token, load_causal_lm_form
 
 
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
@@ -76,7 +78,7 @@ def log_servable_model(
     factory: str = "",
     train_config: dict | None = None,
     tokenizer_json: str = "",
-    chat_template: str = "",
+    chat_template: ChatFormat | str = "",
 ) -> str:
     """Log `model` (eval mode, plain: no FSDP) to the active MLflow run in a form serving loads, prove that form at
     every serving shape, and return its models:/ URI: the transformers flavor for a transformers model, else the pt2
@@ -90,8 +92,10 @@ def log_servable_model(
         tokenizer_json: the tokenizer whose ids the model predicts ('' for bytes): logged inside the model, with
             metadata["tokenizer"] naming the file and its fingerprint, so a version carries what decodes it
             (`served_tokenizer`).
-        chat_template: the tokenizer's chat template ('' for none): metadata["chat_template"], the template the
-            endpoint renders chat requests to this version with (`served_chat_template`).
+        chat_template: the tokenizer's chat format, or a bare template ('' for none): metadata["chat_template"]
+            and metadata["chat_tokens"], what the endpoint renders chat requests to this version with
+            (`served_chat_format`). Only special tokens the tokenizer has are kept (none for bytes), so the
+            endpoint and transformers' `apply_chat_template` on the flavor render alike.
 
     Raises:
         NotServable: neither form answers at every serving shape (naming the factory, the shape and the cause).
@@ -102,15 +106,25 @@ def log_servable_model(
     except Exception as e:  # noqa: BLE001 - a model that fails on the example cannot serve in any form
         shape = tuple(example_ids(seq_len).shape)
         raise NotServable(f"{who}the model fails on the example input {list(shape)}: {first_line(e)}") from None
+    chat = ChatFormat.given(chat_template)
     if tokenizer_json:
         from training.tokenizer import Tokenizer
 
-        ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+        tok = Tokenizer.from_str(tokenizer_json)
+        ids = tok.get_vocab_size(with_added_tokens=True)
         if ids > vocab:
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
+        # the special tokens its template sees are special tokens it has (transformers would add a missing one as a
+        # new id, and make an ordinary one special); an eos_token not named so is the one the flavor's tokenizer
+        # names (training.transformers_form.end_token), so the endpoint and apply_chat_template on it render alike
+        special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+        known = {k: t for k, t in chat.tokens().items() if t in special}
+        chat = ChatFormat.of(chat.template, {"eos_token": end_token(special) or "", **known})
+    else:
+        chat = ChatFormat(chat.template)  # bytes have no special tokens
     first = log_hf if type(model) is CausalLM else log_pt2
     try:
-        uri = first(model, seq_len, name, vocab, tokenizer_json, chat_template)
+        uri = first(model, seq_len, name, vocab, tokenizer_json, chat)
     except Exception as e:  # noqa: BLE001 - any failure of the first form: the eager form is tried next
         what = "torch.export" if first is log_pt2 else "the transformers flavor"
         why = f"{what} failed: {first_line(e)}"
@@ -123,7 +137,7 @@ def log_servable_model(
             why = str(e).removeprefix(who)
     if not factory or train_config is None:
         raise NotServable(f"{who}{why}")
-    uri = log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json, chat_template)
+    uri = log_eager(model, seq_len, name, factory, train_config, why, vocab, tokenizer_json, chat)
     try:
         check_servable(uri, model, seq_len, factory)
     except NotServable:
@@ -183,11 +197,18 @@ def served_tokenizer(model_uri: str) -> Any:
     return load(path)
 
 
-def served_chat_template(model_uri: str) -> str:
-    """The chat template a logged model's tokenizer carries (metadata["chat_template"]), or ''."""
+def served_chat_format(model_uri: str) -> ChatFormat:
+    """The chat format a logged model's tokenizer carries (metadata["chat_template"] with metadata["chat_tokens"]),
+    false for none."""
     import mlflow
 
-    return str((mlflow.models.get_model_info(model_uri).metadata or {}).get(CHAT_TEMPLATE) or "")
+    metadata = mlflow.models.get_model_info(model_uri).metadata or {}
+    return ChatFormat.of(str(metadata.get(CHAT_TEMPLATE) or ""), metadata.get(CHAT_TOKENS))
+
+
+def served_chat_template(model_uri: str) -> str:
+    """The chat template a logged model's tokenizer carries (metadata["chat_template"]), or ''."""
+    return served_chat_format(model_uri).template
 
 
 def load_served_model(model_uri: str) -> Any:

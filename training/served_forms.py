@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from training.chat_template import ChatFormat
+
 # metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
 EAGER_FACTORY = "eager_factory"
 # metadata[TOKENIZER] of a model over a tokenizer's ids: {"file": its tokenizer.json in the model, "sha256"}
@@ -21,6 +23,9 @@ TOKENIZER = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
 # metadata[CHAT_TEMPLATE] of a model whose tokenizer has a chat template: its Jinja text (training.chat_template)
 CHAT_TEMPLATE = "chat_template"
+# metadata[CHAT_TOKENS] beside it: the special tokens the template sees ({"bos_token", "eos_token"}, those named)
+CHAT_TOKENS = "chat_tokens"
+NO_CHAT = ChatFormat()  # a tokenizer without a chat template
 EAGER_STATE_FILE = "state_dict.pt"
 TEXT_CODE = Path(__file__).with_name("text_pyfunc.py")
 # metadata[PROGRAM] of a model export captured: the `mlflow.pytorch` pt2 model inside it
@@ -88,13 +93,15 @@ def _tokenizer_file(tmp: str, tokenizer_json: str) -> dict[str, str]:
 
 
 def _tokenizer_metadata(
-    tokenizer_json: str, chat_template: str = "", file: str = f"artifacts/{TOKENIZER_FILE}"
+    tokenizer_json: str, chat: ChatFormat = NO_CHAT, file: str = f"artifacts/{TOKENIZER_FILE}"
 ) -> dict:
-    """metadata[TOKENIZER] ({"file": where the form logs it, "sha256"}) and metadata[CHAT_TEMPLATE], each only when
-    there is one."""
+    """metadata[TOKENIZER] ({"file": where the form logs it, "sha256"}), metadata[CHAT_TEMPLATE] and
+    metadata[CHAT_TOKENS], each only when there is one."""
     from training.tokenizer import fingerprint_json
 
-    out: dict = {CHAT_TEMPLATE: chat_template} if chat_template else {}
+    out: dict = {CHAT_TEMPLATE: chat.template} if chat else {}
+    if chat and chat.tokens():
+        out[CHAT_TOKENS] = chat.tokens()
     if tokenizer_json:
         out[TOKENIZER] = {"file": file, "sha256": fingerprint_json(tokenizer_json)}
     return out
@@ -119,7 +126,7 @@ def _log_text_pyfunc(name: str, artifacts: dict[str, str], metadata: dict, confi
 
 
 def log_pt2(
-    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat_template: str = ""
+    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat: ChatFormat = NO_CHAT
 ) -> str:
     """The model as a pt2 program (batch and time dynamic), an `mlflow.pytorch` model in the artifact `program`
     (metadata["program"]). The built-in GPT also gets its weights as an extra file and metadata[EAGER_METADATA] =
@@ -141,7 +148,7 @@ def log_pt2(
             pip_requirements=_requirements(),
         )
         artifacts = {PROGRAM_DIR: program, **_tokenizer_file(tmp, tokenizer_json)}
-        metadata |= _tokenizer_metadata(tokenizer_json, chat_template)
+        metadata |= _tokenizer_metadata(tokenizer_json, chat)
         if type(model) is GPT:  # exactly the built-in class: a subclass may decode differently
             save_weights(model, str(Path(tmp) / EAGER_WEIGHTS_FILE))
             artifacts["eager_weights"] = str(Path(tmp) / EAGER_WEIGHTS_FILE)
@@ -152,7 +159,7 @@ def log_pt2(
 
 
 def log_hf(
-    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat_template: str = ""
+    model: nn.Module, seq_len: int, name: str, vocab: int, tokenizer_json: str = "", chat: ChatFormat = NO_CHAT
 ) -> str:
     """A transformers model (training.hf_model.CausalLM) as MLflow's transformers flavor
     (training/transformers_form.py), its tokenizer.json logged as it was trained for the endpoint and lineage; a
@@ -162,11 +169,11 @@ def log_hf(
     metadata = {
         "seq_len": seq_len,
         "vocab_size": vocab,
-        **_tokenizer_metadata(tokenizer_json, chat_template, file=TOKENIZER_PATH),
+        **_tokenizer_metadata(tokenizer_json, chat, file=TOKENIZER_PATH),
     }
     pins = _requirements("", "tokenizers", "transformers")  # the pipeline's fast tokenizer, bytes included
     signature = _text_signature(PIPELINE_PARAMS)
-    return log_transformers(model, name, metadata, signature, pins, tokenizer_json, chat_template)
+    return log_transformers(model, name, metadata, signature, pins, tokenizer_json, chat)
 
 
 def _code_paths(factory: str) -> list[str]:
@@ -195,7 +202,7 @@ def log_eager(
     why: str,
     vocab: int,
     tokenizer_json: str = "",
-    chat_template: str = "",
+    chat: ChatFormat = NO_CHAT,
 ) -> str:
     """The model as its weights plus what rebuilds it (factory and TrainConfig), with the code that does so."""
     train_config = {k: v for k, v in train_config.items() if k not in NOT_FOR_REBUILD}
@@ -207,7 +214,7 @@ def log_eager(
             "seq_len": seq_len,
             "vocab_size": vocab,
             EAGER_FACTORY: spec,
-            **_tokenizer_metadata(tokenizer_json, chat_template),
+            **_tokenizer_metadata(tokenizer_json, chat),
         }
         return _log_text_pyfunc(
             name,

@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from training.chat_template import ChatFormat
+
 WEIGHTS_DIR = "model"  # where the transformers flavor writes save_pretrained's files
 TOKENIZER_PATH = "shardline/tokenizer.json"  # the version's tokenizer.json as trained, logged beside the flavor
 TASK = "text-generation"
@@ -49,13 +51,13 @@ def pipeline_tokenizer(tokenizer_json: str) -> Any:
     special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=_end_token(special),
+        eos_token=end_token(special),
         pad_token=special[0] if special else None,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _end_token(special: list[str]) -> str | None:
+def end_token(special: list[str]) -> str | None:
     """The special token that names the end of a text: one spelled like an end (</s>, <|endoftext|>, <eos>), else
     the first. Generation stops at every special token anyway (`_set_generation`)."""
     ends = [t for t in special if "end" in t.lower() or "eos" in t.lower() or t.startswith("</")]
@@ -84,7 +86,7 @@ def log_transformers(
     signature: Any,
     requirements: list[str],
     tokenizer_json: str = "",
-    chat_template: str = "",
+    chat: ChatFormat | None = None,
 ) -> str:
     """Log a CausalLM (training.hf_model) as the transformers flavor with `metadata` (the caller's seq_len,
     vocab_size and tokenizer entries; metadata[EAGER_HF] is added here), the pipeline's `signature` and pip
@@ -96,8 +98,10 @@ def log_transformers(
     if model.lm.name_or_path:  # MLflow would look it up on the hub
         raise ValueError(f"the model names a hub id ({model.lm.name_or_path!r}); a logged model must name none")
     tokenizer = pipeline_tokenizer(tokenizer_json)
-    if chat_template:
-        tokenizer.chat_template = chat_template  # saved with the flavor's tokenizer, as transformers saves it
+    if chat:  # saved with the flavor's tokenizer, as transformers saves it
+        tokenizer.chat_template = chat.template
+        for key, token in chat.tokens().items():  # the special tokens it sees (training.servable kept known ones)
+            setattr(tokenizer, key, token)
     _set_generation(model.lm, tokenizer)
     spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
     info = mlflow.transformers.log_model(

@@ -338,7 +338,7 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     url = f"http://127.0.0.1:{SERVE_PORT}"
     champion = httpx.get(f"{url}/healthz", timeout=30).json()["champion"]
     texts = [p.read_text()[:400] for p in sorted((REPO / "training").glob("*.py"))]
-    template = "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    template = "{% for m in messages %}# {{ m.role }}: {{ m.content }}{{ eos_token }}\n{% endfor %}"
     (home / "chat_template.jinja").write_text(template)
     sets = (
         "tokenizer.kind=train",
@@ -406,5 +406,6 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     messages = [{"role": "user", "content": "return self"}]
     chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}, timeout=60)
     assert chat.status_code == 200 and chat.json()["model_version"] == version, chat.text
-    rendered = "# user: return self\n"
+    rendered = f"# user: return self{tk.END_OF_TEXT}\n"  # its eos_token: the trained BPE's one special token
     assert chat.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered).ids)
+    assert tokenizer.token_to_id(tk.END_OF_TEXT) in tokenizer.encode(rendered).ids  # one id, not its characters

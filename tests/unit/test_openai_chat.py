@@ -145,7 +145,7 @@ def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_nam
     tok = {"kind": "file", "path": str(hf / "tokenizer.json")}
 
     def of(**section: str) -> str:
-        return chat_template_of(PipelineConfig.model_validate({"tokenizer": section}))
+        return chat_template_of(PipelineConfig.model_validate({"tokenizer": section})).template
 
     assert of(**tok) == ""  # a directory without a template: none, not an error
     (hf / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
@@ -165,7 +165,7 @@ def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_nam
     (hf / "chat_template.jinja").write_text("{% for m in messages %}")
     warnings: list[str] = []
     found = chat_template_of(PipelineConfig.model_validate({"tokenizer": tok}), warn=warnings.append)
-    assert found == "" and warnings == [
+    assert not found and warnings == [
         f"tokenizer.path: the chat template beside it is not used: {hf / 'chat_template.jinja'}: not a Jinja "
         "template: line 1: Unexpected end of template. Jinja was looking for the following tags: 'endfor' or "
         "'else'. The innermost block that needs to be closed is 'for'."
@@ -190,3 +190,43 @@ def test_a_tokenizers_chat_template_is_read_from_a_hugging_face_directory_or_nam
     (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9")
     with pytest.raises(ConfigError, match=r"latin1.jinja: not UTF-8 text \(byte 3\)"):
         of(chat_template=str(tmp_path / "latin1.jinja"))
+
+
+def test_a_template_carries_the_special_tokens_its_tokenizer_config_names(tmp_path):
+    """bos_token and eos_token as transformers gives them to a template: from the tokenizer_config.json named as
+    the template, else the one beside tokenizer.path (a string, or an AddedToken's content); none otherwise."""
+    import json
+
+    from flows.config import PipelineConfig, chat_template_of
+    from training.chat_template import ChatFormat
+
+    hf = tmp_path / "llama-tokenizer"
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text("{}")
+    (hf / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}")
+    tok = {"kind": "file", "path": str(hf / "tokenizer.json")}
+
+    def of(**section: str) -> ChatFormat:
+        return chat_template_of(PipelineConfig.model_validate({"tokenizer": section}))
+
+    assert of(**tok).tokens() == {}  # a directory without a tokenizer_config.json names none
+    (hf / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>", "pad_token": None})
+    )
+    assert of(**tok) == ChatFormat(of(**tok).template, bos_token="<s>", eos_token="</s>")
+    named = tmp_path / "other_config.json"
+    named.write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    assert of(**tok, chat_template=str(named)) == ChatFormat(CHATML, eos_token="<|im_end|>")
+    assert of(chat_template=str(hf / "chat_template.jinja")).tokens() == {}  # bytes: no tokenizer to name them
+    # an older directory keeps them in special_tokens_map.json, which fills what tokenizer_config.json does not name
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (hf / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<eos>"}))
+    assert of(**tok).tokens() == {"bos_token": "<s>", "eos_token": "</s>"}
+    # one that cannot be read is one warning line, and its tokens are not used
+    (hf / "tokenizer_config.json").write_text("{not json")
+    warnings: list[str] = []
+    found = chat_template_of(PipelineConfig.model_validate({"tokenizer": tok}), warn=warnings.append)
+    assert found.tokens() == {"bos_token": "<s>", "eos_token": "<eos>"}
+    assert warnings == [
+        f"tokenizer: the special tokens of the chat template are not used: {hf / 'tokenizer_config.json'}: not JSON"
+    ]

@@ -12,15 +12,16 @@ from deployments.openai_api import ApiError
 from deployments.openai_chat import parse_chat
 from deployments.router_config import Job, RouterConfig
 from deployments.serve_app import Router
+from training.chat_template import ChatFormat
 
 OWN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 OTHER = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 MESSAGES = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def _render(templates: dict[str, str], to_challenger: bool, variant: str = "", **cfg: object):
+def _render(templates: dict[str, str | ChatFormat], to_challenger: bool, variant: str = "", **cfg: object):
     router = Router("shardline-m", {})
-    router.templates = dict(templates)
+    router.templates = {v: ChatFormat.given(t) for v, t in templates.items()}
     config = RouterConfig(model_name="m", champion="1", challenger="2", challenger_percent=50, **cfg)
     req, messages = parse_chat(MESSAGES, config.max_tokens_cap)
     job = Job("chat", req, config, False, variant, messages)
@@ -42,6 +43,20 @@ def test_serve_chat_template_overrides_every_versions_own():
     assert job.at("1").req.prompt == job.at("2").req.prompt == "user: hi\nassistant:"
     assert (to_challenger, paired) == (True, True)  # one format: the champion is scored on the same prompt
     assert _render({"1": OWN, "2": OWN}, True)[1:] == (True, True)
+
+
+def test_a_template_sees_its_own_tokenizers_special_tokens_and_an_override_keeps_them():
+    """As transformers passes a tokenizer's bos_token and eos_token to its template: each version's own."""
+    llama = "{{ bos_token }}{% for m in messages %}[{{ m.content }}]{{ eos_token }}{% endfor %}"
+    one = ChatFormat(llama, bos_token="<s>", eos_token="</s>")
+    two = ChatFormat(llama, eos_token="<|endoftext|>")
+    job, to_challenger, paired = _render({"1": one, "2": two}, True)
+    assert job.at("1").req.prompt == "<s>[hi]</s>" and job.at("2").req.prompt == "[hi]<|endoftext|>"
+    assert (to_challenger, paired) == (True, False)  # one template, other tokens: another prompt, not paired
+    # other tokens a template never writes: the same prompt, paired (a version logged before tokens were carried)
+    assert _render({"1": ChatFormat(OWN), "2": ChatFormat(OWN, eos_token="</s>")}, True)[1:] == (True, True)
+    job, _, paired = _render({"1": one, "2": one}, True, chat_template="{{ bos_token }}{{ messages[0].content }}")
+    assert job.at("1").req.prompt == job.at("2").req.prompt == "<s>hi" and paired
 
 
 def test_a_challenger_without_a_template_is_not_asked_chat():

@@ -8,6 +8,7 @@ import torch
 from support.train_support import build_byte_gru
 from torch import nn
 
+from training.chat_template import ChatFormat
 from training.evaluate import NotServable
 from training.servable import check_servable, eager_spec, log_servable_model, serving_shapes
 
@@ -137,7 +138,7 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
 
     from training import tokenizer as tk
     from training.config import TrainConfig
-    from training.servable import served_chat_template, served_tokenizer
+    from training.servable import served_chat_format, served_chat_template, served_tokenizer
 
     tok = tk.train_bpe([b"def main():\n    return 0\n" * 20, b"import os\nimport sys\n" * 20], 270)
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -148,9 +149,16 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
     assert eager_spec(program) is None and eager_spec(eager) is not None
     for uri in (program, eager):
         assert served_chat_template(uri) == template
+        # the eos_token nobody named is the one the transformers flavor's tokenizer names: its end of text
+        assert served_chat_format(uri) == ChatFormat(template, eos_token="<|endoftext|>")
         assert served_tokenizer(uri).to_str() == tok.to_str()
         meta = mlflow.models.get_model_info(uri).metadata["tokenizer"]
         assert meta["sha256"] == tk.fingerprint(tok) and meta["file"].endswith("/tokenizer.json")
+    # named tokens the tokenizer has are kept; one it lacks is not (transformers would add it as a new id)
+    named = ChatFormat(template, bos_token="<s>", eos_token=tk.END_OF_TEXT)
+    assert served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str(), chat_template=named)) == (
+        ChatFormat(template, eos_token=tk.END_OF_TEXT)
+    )
     plain = _logged(Causal(), 32)
     assert served_tokenizer(plain) is None and served_chat_template(plain) == ""
     with pytest.raises(NotServable, match=r"^the tokenizer has 270 ids but the model predicts 256$"):
@@ -158,7 +166,11 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
 
 
 def _logged_with(
-    model: nn.Module, tokenizer_json: str, factory: str = "", train_config: dict | None = None, chat_template: str = ""
+    model: nn.Module,
+    tokenizer_json: str,
+    factory: str = "",
+    train_config: dict | None = None,
+    chat_template: str | ChatFormat = "",
 ) -> str:
     import mlflow
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from deployments.config import RegistryConfig
 from tasks.cache import validation_key
+from training.chat_template import ChatFormat
 from training.config import TrainConfig, ValidationConfig
 
 
@@ -34,7 +35,11 @@ def test_key_follows_checkpoint_bytes_data_config_and_champion(tmp_path):
     assert validation_key(**_inputs(tmp_path, shards=SimpleNamespace(dataset_digest="d2"))) != key
     assert validation_key(**_inputs(tmp_path, cfg=ValidationConfig(max_texts=7))) != key
     assert validation_key(**_inputs(tmp_path, train_cfg=TrainConfig(d_model=32, n_head=2))) != key
-    assert validation_key(**_inputs(tmp_path), chat_template="{{ messages[0].content }}") != key  # another model
+    templated = validation_key(**_inputs(tmp_path), chat_template="{{ messages[0].content }}")
+    assert templated != key  # another model
+    with_eos = ChatFormat("{{ messages[0].content }}", eos_token="</s>")  # the same template, other special tokens
+    assert validation_key(**_inputs(tmp_path), chat_template=with_eos) not in (key, templated)
+    assert validation_key(**_inputs(tmp_path), chat_template=ChatFormat()) == key  # no template: as before
     (tmp_path / "ckpt" / "manifest.rank00000.json").write_text('{"files": {"a": "01"}}')  # rewritten checkpoint
     rewritten = validation_key(**_inputs(tmp_path))
     assert rewritten != key
