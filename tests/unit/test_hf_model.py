@@ -104,6 +104,38 @@ def test_the_transformers_model_serves_in_the_form_validation_proves(mlflow_stor
     assert Path(model_file(uri, "components/tokenizer/chat_template.jinja")).read_text() == template
 
 
+def test_the_flavors_tokenizer_renders_chat_as_the_endpoint_does(mlflow_store):
+    """A template with bos_token and eos_token, over a trained BPE: transformers' apply_chat_template on the
+    tokenizer the flavor saved gives the prompt the endpoint renders (training.chat_template with the version's
+    tokens). A named token the tokenizer lacks is dropped on both sides; the unnamed eos is the flavor's."""
+    import mlflow
+    from transformers import AutoTokenizer
+
+    from training import tokenizer as tk
+    from training.chat_template import ChatFormat, render
+    from training.servable import log_servable_model, model_file, served_chat_format
+
+    bpe = tk.train_bpe([b"def main():\n    return 0\n" * 20, b"import os\nimport sys\n" * 20], 270)
+    cfg = TrainConfig(seq_len=32, hf_config={**TINY_LLAMA, "vocab_size": 272}, vocab_size=272)
+    model = load_object(cfg.model_factory, "train.model_factory")(cfg).eval().requires_grad_(False)
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}\n{% endfor %}"
+    with mlflow.start_run(experiment_id=mlflow_store[1]):
+        uri = log_servable_model(
+            model,
+            32,
+            factory=cfg.model_factory,
+            train_config=cfg.model_dump(mode="json"),
+            tokenizer_json=bpe.to_str(),
+            chat_template=ChatFormat(template, bos_token="<s>"),
+        )
+    carried = served_chat_format(uri)
+    assert carried == ChatFormat(template, eos_token=tk.END_OF_TEXT)
+    messages = [{"role": "user", "content": "def"}, {"role": "assistant", "content": "main"}]
+    flavor = AutoTokenizer.from_pretrained(model_file(uri, "components/tokenizer"))  # a local directory
+    assert flavor.apply_chat_template(messages, tokenize=False) == render(carried, messages)
+    assert render(carried, messages) == f"user: def{tk.END_OF_TEXT}\nassistant: main{tk.END_OF_TEXT}\n"
+
+
 def _saved(tmp_path, spec: dict = TINY_LLAMA):
     """A tiny Llama written by transformers' own save_pretrained (config.json + model.safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
