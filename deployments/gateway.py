@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from deployments.openai_api import ApiError
 from deployments.router_config import ROUTER
 from deployments.serve_metrics import RouterMetrics
 
+log = logging.getLogger(__name__)
 REFRESH_S = 2.0
 GATEWAY_HEADER = "x-shardline-gateway"  # the flow-start check tells shardline's gateway from other servers by it
 
@@ -140,14 +142,24 @@ class Gateway:
             self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
             return to_response(error_reply(e, headers))
         args = (request.method, request.url.path, dict(request.headers), body)
-        router = _router(app)
-        if not stream:
-            return to_response(await router.respond.remote(*args))
-        out = router.options(stream=True).respond_stream.remote(*args)
-        head = await out.__anext__()
-        if "body" in head:
-            return to_response(head)
-        return await to_streaming_response(head, _relay(out))
+        for _attempt in range(2):
+            try:
+                return await _forward(app, args, stream)
+            except Exception as e:
+                if not _replica_gone(e):
+                    raise
+                # its router replica died before answering (a redeploy replacing it, a crash): nothing was sent to
+                # the client yet, so the request goes once more, to the replica Serve has (or starts) in its place
+                log.warning("%s: the router replica died before answering (%s)", app, type(e).__name__)
+        self.metrics.rejected(path.rsplit("/", 1)[-1], 503)
+        gone = ApiError(
+            503,
+            f"{app}: its router replica died twice before answering: retry",
+            kind="server_error",
+            code="router_unavailable",
+            retry_after=1,
+        )
+        return to_response(error_reply(gone, headers))
 
     async def _app_for(self, model: str | None) -> str:
         """The application serving `model` (or the default one), or ApiError naming what is served."""
@@ -202,6 +214,27 @@ class Gateway:
         own = self.metrics.exposition()[0].decode()
         merged = merge_expositions([own, *(t for t in texts if isinstance(t, str))])
         return to_response(reply(200, merged, media_type=CONTENT_TYPE_LATEST))
+
+
+async def _forward(app: str, args: tuple[Any, ...], stream: bool) -> Any:
+    """The reply of `app`'s router to a request (method, path, headers, body): whole, or streamed once its router
+    has answered the head (the status, or a refusal)."""
+    router = _router(app)
+    if not stream:
+        return to_response(await router.respond.remote(*args))
+    out = router.options(stream=True).respond_stream.remote(*args)
+    head = await out.__anext__()
+    if "body" in head:
+        return to_response(head)
+    return await to_streaming_response(head, _relay(out))
+
+
+def _replica_gone(e: BaseException) -> bool:
+    """True when a handle call failed because the replica's actor died or cannot be reached (Ray's RayActorError:
+    ActorDiedError, ActorUnavailableError), not because of the request."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
 
 
 async def _relay(stream: Any) -> Any:

@@ -236,7 +236,8 @@ def _router_actor():
 
 
 def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
-    """Kill the router replica mid-canary: the new one reads the weights back. Then let the lease lapse."""
+    """Kill the router replica mid-canary, under load: the requests it held are sent again by the gateway, and
+    every request is answered; the new replica reads the weights back. Then let the lease lapse."""
     import ray
 
     client = world["client"]
@@ -253,16 +254,29 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
         serve,
     )
     before = endpoint.read_state(app)
-    ray.kill(_router_actor(), no_restart=False)
-    deadline = time.monotonic() + 120
-    while True:
-        state = endpoint.read_state(app)
-        if state is not None and state["replica_id"] != before["replica_id"]:
-            break
-        assert time.monotonic() < deadline, "the router replica did not come back"
-        time.sleep(0.5)
-    assert state["config"]["challenger_percent"] == 100 and state["config"]["epoch"] == 7
     url = endpoint.endpoint_url(serve)
+    # four clients back to back: requests are in the router when it dies (bounded: 60 s, 400 requests each)
+    texts = ["import sys\n", "def main():\n    return 0\n", "class A:\n    pass\n", "for i in range(3):\n"]
+    loads = [Load(url, texts[i:] + texts[:i], rps=50.0, max_requests=400, max_seconds=60) for i in range(4)]
+    for load in loads:
+        load.__enter__()
+    try:
+        time.sleep(1.0)
+        ray.kill(_router_actor(), no_restart=False)
+        deadline = time.monotonic() + 120
+        while True:
+            state = endpoint.read_state(app)
+            if state is not None and state["replica_id"] != before["replica_id"]:
+                break
+            assert time.monotonic() < deadline, "the router replica did not come back"
+            time.sleep(0.5)
+        time.sleep(1.0)
+    finally:
+        for load in loads:
+            load.__exit__(None, None, None)
+    answers = [a for load in loads for a in load.answers]
+    assert len(answers) >= 8 and [a for a in answers if a.status != 200] == []  # 500s before the gateway resent
+    assert state["config"]["challenger_percent"] == 100 and state["config"]["epoch"] == 7
     with httpx.Client(timeout=60) as http:
         assert {
             http.post(f"{url}/v1/score", json={"text": "abcdef"}).headers["x-shardline-model-version"] for _ in range(4)
