@@ -26,6 +26,7 @@ from deployments.http_io import check_token, error_reply, peek, read_body, reply
 from deployments.openai_api import ApiError
 from deployments.router_config import ROUTER
 from deployments.serve_metrics import RouterMetrics
+from infra.redact import first_line
 
 log = logging.getLogger(__name__)
 REFRESH_S = 2.0
@@ -199,7 +200,11 @@ class Gateway:
                 return to_response(error_reply(e, headers))
             status = "ok" if self.models else "waiting for a first model"
             return to_response(reply(200, {"status": status, **summary}, headers))
-        out = await _router(app).respond.remote("GET", "/healthz", {}, b"")
+        try:
+            out = await _router(app).respond.remote("GET", "/healthz", {}, b"")
+        except Exception as e:  # noqa: BLE001 - a router restarting: its health is that, in one line
+            gone = ApiError(503, f"{app}: its router did not answer: {type(e).__name__}", kind="server_error")
+            return to_response(error_reply(gone, headers))
         if out["status"] == 200:
             out = reply(200, {**json.loads(out["body"]), **summary}, {**out["headers"], **headers})
         return to_response(out)
@@ -230,20 +235,29 @@ async def _forward(app: str, args: tuple[Any, ...], stream: bool) -> Any:
 
 
 def _replica_gone(e: BaseException) -> bool:
-    """True when a handle call failed because the replica's actor died or cannot be reached (Ray's RayActorError:
-    ActorDiedError, ActorUnavailableError), not because of the request."""
-    from ray.exceptions import RayActorError
+    """True when a handle call failed because the replica's actor died (ActorDiedError). Serve itself resends a
+    request a dying replica never accepted; this is one it accepted and never answered. Not an
+    ActorUnavailableError (the replica may still answer it: resending would run it twice), nor a RayTaskError
+    (the router raised, wrapping whatever it called)."""
+    from ray.exceptions import ActorDiedError, RayTaskError
 
-    return isinstance(e, RayActorError)
+    return isinstance(e, ActorDiedError) and not isinstance(e, RayTaskError)
 
 
 async def _relay(stream: Any) -> Any:
-    """The router's events to the client; a client that goes away cancels the router's stream at once."""
+    """The router's events to the client; a client that goes away cancels the router's stream at once. A router
+    that dies mid-stream ends it with OpenAI's error event (the client has part of the answer: it is not resent)."""
     done = False
     try:
         async for item in stream:
             yield item
         done = True
+    except Exception as e:  # noqa: BLE001 - the router replica died mid-stream: the client gets an error event
+        done = True
+        cause = f"{type(e).__name__}: {first_line(e)}"[:300]
+        yield oai.sse(
+            oai.error_body(f"the model's router failed mid-stream: {cause}", "server_error", code="router_failed")
+        )
     finally:
         if not done:
             stream.cancel()

@@ -172,7 +172,8 @@ def chat_template_of(
 ) -> ChatFormat:
     """The chat format the run's model version will carry (training.chat_template.ChatFormat): the template of
     `tokenizer.chat_template`, or the one beside a `tokenizer.path`, read and parsed before anything trains, with
-    the special tokens the tokenizer names (`_special_tokens_of`); false (no template) for none.
+    the special tokens the tokenizer names (`_special_tokens_of`, also when there is no template); false when
+    there is no template.
 
     A template named in `tokenizer.chat_template` must be usable; one merely found beside `tokenizer.path` that is
     not (unreadable, or a tag Jinja does not know) is left out with one warning line, so a tokenizer directory that
@@ -189,21 +190,20 @@ def chat_template_of(
     from training import chat_template
 
     tok = config.tokenizer
+    template = ""
     if tok.chat_template:
         try:
             template = chat_template.read(tok.chat_template)
         except ValueError as e:
             raise ConfigError(f"{origin}: tokenizer.chat_template: {e}") from None
-    elif tok.kind != "file" or not discover:
-        return ChatFormat()
-    else:
+    elif tok.kind == "file" and discover:
         try:
             template = chat_template.discover(tok.path)
         except ValueError as e:
             if warn is not None:
                 warn(f"tokenizer.path: the chat template beside it is not used: {e}")
-            return ChatFormat()
-    return ChatFormat.of(template, _special_tokens_of(config, discover, warn)) if template else ChatFormat()
+    # the tokens even without a template: serve.chat_template, set for such a version, renders with them
+    return ChatFormat.of(template, _special_tokens_of(config, discover, warn))
 
 
 def _special_tokens_of(config: PipelineConfig, discover: bool, warn: Callable[[str], None] | None) -> dict[str, str]:

@@ -77,8 +77,8 @@ def validation_key(
     chat = ChatFormat.given(chat_template)
     if chat:  # only when set: a run without one hashes the same inputs as before
         payload["chat_template"] = fingerprint(chat.template)
-        if chat.tokens():  # the special tokens it renders with, likewise only when named
-            payload["chat_tokens"] = chat.tokens()
+    if chat.tokens():  # the special tokens chat renders with, likewise only when named
+        payload["chat_tokens"] = chat.tokens()
     return "validate-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

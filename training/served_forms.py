@@ -96,11 +96,11 @@ def _tokenizer_metadata(
     tokenizer_json: str, chat: ChatFormat = NO_CHAT, file: str = f"artifacts/{TOKENIZER_FILE}"
 ) -> dict:
     """metadata[TOKENIZER] ({"file": where the form logs it, "sha256"}), metadata[CHAT_TEMPLATE] and
-    metadata[CHAT_TOKENS], each only when there is one."""
+    metadata[CHAT_TOKENS], each only when there is one (tokens also without a template)."""
     from training.tokenizer import fingerprint_json
 
     out: dict = {CHAT_TEMPLATE: chat.template} if chat else {}
-    if chat and chat.tokens():
+    if chat.tokens():  # also without a template: serve.chat_template renders a version's chat with them
         out[CHAT_TOKENS] = chat.tokens()
     if tokenizer_json:
         out[TOKENIZER] = {"file": file, "sha256": fingerprint_json(tokenizer_json)}

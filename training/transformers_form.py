@@ -100,8 +100,8 @@ def log_transformers(
     tokenizer = pipeline_tokenizer(tokenizer_json)
     if chat:  # saved with the flavor's tokenizer, as transformers saves it
         tokenizer.chat_template = chat.template
-        for key, token in chat.tokens().items():  # the special tokens it sees (training.servable kept known ones)
-            setattr(tokenizer, key, token)
+    for key, token in (chat.tokens() if chat is not None else {}).items():  # training.servable kept known ones
+        setattr(tokenizer, key, token)
     _set_generation(model.lm, tokenizer)
     spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
     info = mlflow.transformers.log_model(

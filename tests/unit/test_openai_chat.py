@@ -210,6 +210,10 @@ def test_a_template_carries_the_special_tokens_its_tokenizer_config_names(tmp_pa
         return chat_template_of(PipelineConfig.model_validate({"tokenizer": section}))
 
     assert of(**tok).tokens() == {}  # a directory without a tokenizer_config.json names none
+    (hf / "chat_template.jinja").rename(hf / "kept.jinja")
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert not of(**tok) and of(**tok).tokens() == {"eos_token": "</s>"}  # no template: tokens for an override
+    (hf / "kept.jinja").rename(hf / "chat_template.jinja")
     (hf / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>", "pad_token": None})
     )

@@ -57,6 +57,9 @@ def test_a_template_sees_its_own_tokenizers_special_tokens_and_an_override_keeps
     assert _render({"1": ChatFormat(OWN), "2": ChatFormat(OWN, eos_token="</s>")}, True)[1:] == (True, True)
     job, _, paired = _render({"1": one, "2": one}, True, chat_template="{{ bos_token }}{{ messages[0].content }}")
     assert job.at("1").req.prompt == job.at("2").req.prompt == "<s>hi" and paired
+    # a version without a template of its own still carries its tokens: an override renders with them
+    job, _, _ = _render({"1": ChatFormat("", bos_token="<s>"), "2": ""}, False, chat_template="{{ bos_token }}x")
+    assert job.at("1").req.prompt == "<s>x"
 
 
 def test_a_challenger_without_a_template_is_not_asked_chat():

@@ -159,6 +159,9 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
     assert served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str(), chat_template=named)) == (
         ChatFormat(template, eos_token=tk.END_OF_TEXT)
     )
+    # no template: the tokens still travel, for serve.chat_template to render this version's chat with
+    untemplated = served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str()))
+    assert not untemplated and untemplated.tokens() == {"eos_token": tk.END_OF_TEXT}
     plain = _logged(Causal(), 32)
     assert served_tokenizer(plain) is None and served_chat_template(plain) == ""
     with pytest.raises(NotServable, match=r"^the tokenizer has 270 ids but the model predicts 256$"):
