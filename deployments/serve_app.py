@@ -59,9 +59,8 @@ class Router(EvidenceRecorder, RouterStreams):
         self.rng = random.Random(0)
         self.shadow_rng = random.Random(1)
         self._mirrors: set[Any] = set()  # shadow-mode copies in flight (a task nobody holds may be collected)
-        self.templates: dict[
-            str, ChatFormat
-        ] = {}  # each version's own chat format (false: none): versions never change
+        # each version's own chat format (false: no template), as its replica said once: versions never change
+        self.templates: dict[str, ChatFormat] = {}
 
     # ----- configuration (Serve calls reconfigure with user_config at start and on every lightweight update)
     def reconfigure(self, config: dict[str, Any]) -> None:

@@ -68,6 +68,9 @@ class ChatFormat:
         return cls(template, **{k: held[k] for k in SPECIAL_TOKENS if isinstance(held.get(k), str)})
 
 
+NO_CHAT = ChatFormat()  # a tokenizer without a chat template or special tokens
+
+
 class TemplateRefused(ValueError):
     """The template raised while rendering (its `raise_exception`, or any error): one line."""
 
@@ -142,6 +145,14 @@ def _text(uri: str) -> str:
         raise ValueError(f"{redact(uri)}: cannot be read: {first_line(e)}") from None
 
 
+def _exists(uri: str) -> bool:
+    """Whether a file is there (ValueError, one line naming it, when the store cannot say: a 403, a timeout)."""
+    try:
+        return storage.exists(uri)
+    except Exception as e:  # noqa: BLE001 - any store's error: one line naming the file
+        raise ValueError(f"{redact(uri)}: cannot be read: {first_line(e)}") from None
+
+
 def _parsed(uri: str, text: str) -> str:
     """The template in the text of file `uri` (see `read`), checked to parse."""
     where = redact(uri)
@@ -177,11 +188,7 @@ def discover(tokenizer_json: str) -> str:
     """
     for name in (JINJA_FILE, CONFIG_FILE):
         candidate = beside(tokenizer_json, name)
-        try:
-            present = storage.exists(candidate)
-        except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
-            raise ValueError(f"{redact(candidate)}: cannot be read: {first_line(e)}") from None
-        if not present:
+        if not _exists(candidate):
             continue
         text = _text(candidate)  # read once: a tokenizer_config.json is looked into, then parsed, from this
         if name == CONFIG_FILE:
@@ -202,11 +209,7 @@ def special_tokens(config_uri: str) -> dict[str, str]:
     Raises:
         ValueError: the file is there but cannot be read or is not JSON (one line naming it).
     """
-    try:
-        present = storage.exists(config_uri)
-    except Exception as e:  # noqa: BLE001 - any store's error (a 403, a timeout): one line naming the file
-        raise ValueError(f"{redact(config_uri)}: cannot be read: {first_line(e)}") from None
-    if not present:
+    if not _exists(config_uri):
         return {}
     text = _text(config_uri)  # ValueError naming it: unreadable, or not UTF-8
     try:

@@ -47,7 +47,7 @@ from training.served_forms import (
     log_hf,
     log_pt2,
 )
-from training.transformers_form import end_token, load_causal_lm_form
+from training.transformers_form import end_token, load_causal_lm_form, special_contents
 
 
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
@@ -117,7 +117,7 @@ def log_servable_model(
         # the special tokens its template sees are special tokens it has (transformers would add a missing one as a
         # new id, and make an ordinary one special); an eos_token not named so is the one the flavor's tokenizer
         # names (training.transformers_form.end_token), so the endpoint and apply_chat_template on it render alike
-        special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+        special = special_contents(tok)
         known = {k: t for k, t in chat.tokens().items() if t in special}
         chat = ChatFormat.of(chat.template, {"eos_token": end_token(special) or "", **known})
     else:

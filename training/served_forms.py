@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.chat_template import ChatFormat
+from training.chat_template import NO_CHAT, ChatFormat
 
 # metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
 EAGER_FACTORY = "eager_factory"
@@ -25,7 +25,6 @@ TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE = "chat_template"
 # metadata[CHAT_TOKENS] beside it: the special tokens the template sees ({"bos_token", "eos_token"}, those named)
 CHAT_TOKENS = "chat_tokens"
-NO_CHAT = ChatFormat()  # a tokenizer without a chat template
 EAGER_STATE_FILE = "state_dict.pt"
 TEXT_CODE = Path(__file__).with_name("text_pyfunc.py")
 # metadata[PROGRAM] of a model export captured: the `mlflow.pytorch` pt2 model inside it

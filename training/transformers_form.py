@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from training.chat_template import ChatFormat
+from training.chat_template import NO_CHAT, ChatFormat
 
 WEIGHTS_DIR = "model"  # where the transformers flavor writes save_pretrained's files
 TOKENIZER_PATH = "shardline/tokenizer.json"  # the version's tokenizer.json as trained, logged beside the flavor
@@ -48,13 +48,18 @@ def pipeline_tokenizer(tokenizer_json: str) -> Any:
         tok = Tokenizer(models.BPE(vocab=byte_level_table(), merges=[]))  # character of byte b -> id b
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-    special = [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+    special = special_contents(tok)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=end_token(special),
         pad_token=special[0] if special else None,
         clean_up_tokenization_spaces=False,
     )
+
+
+def special_contents(tok: Any) -> list[str]:
+    """The special tokens of a `tokenizers.Tokenizer`, in id order."""
+    return [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
 
 
 def end_token(special: list[str]) -> str | None:
@@ -86,7 +91,7 @@ def log_transformers(
     signature: Any,
     requirements: list[str],
     tokenizer_json: str = "",
-    chat: ChatFormat | None = None,
+    chat: ChatFormat = NO_CHAT,
 ) -> str:
     """Log a CausalLM (training.hf_model) as the transformers flavor with `metadata` (the caller's seq_len,
     vocab_size and tokenizer entries; metadata[EAGER_HF] is added here), the pipeline's `signature` and pip
@@ -100,7 +105,7 @@ def log_transformers(
     tokenizer = pipeline_tokenizer(tokenizer_json)
     if chat:  # saved with the flavor's tokenizer, as transformers saves it
         tokenizer.chat_template = chat.template
-    for key, token in (chat.tokens() if chat is not None else {}).items():  # training.servable kept known ones
+    for key, token in chat.tokens().items():  # training.servable kept the ones the tokenizer has
         setattr(tokenizer, key, token)
     _set_generation(model.lm, tokenizer)
     spec = {"config": model.spec, "weights_dir": WEIGHTS_DIR, "vocab": model.vocab}
