@@ -22,13 +22,25 @@ class Evidence:
         self.items: deque[dict[str, Any]] = deque(maxlen=MAX_ITEMS)
         self.canary_id = ""
         self.seq = 0
+        self.request_ids: set[str] = set()  # of the observations in `items`
 
-    def add(self, observation: dict[str, Any]) -> None:
+    def add(self, observation: dict[str, Any]) -> bool:
+        """Keep `observation`; False (and not kept) when one of the same gateway request id is already here: the
+        gateway resent a request whose router replica died after recording it, and one request is one observation."""
         if observation["canary_id"] != self.canary_id:  # another canary: the last one's is not evidence for it
             self.items.clear()
+            self.request_ids.clear()
             self.canary_id = observation["canary_id"]
+        request_id = observation.get("request_id") or ""
+        if request_id in self.request_ids:
+            return False
+        if len(self.items) == self.items.maxlen:  # the oldest one falls out of the deque: its id goes too
+            self.request_ids.discard(self.items[0].get("request_id") or "")
         self.items.append({**observation, "seq": self.seq})
+        if request_id:
+            self.request_ids.add(request_id)
         self.seq += 1
+        return True
 
     def get(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
         """Observations of step `epoch` of canary `canary_id` numbered >= since, and the next number."""

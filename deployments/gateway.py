@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from deployments import openai_api as oai
 from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
 from deployments.openai_api import ApiError
-from deployments.router_config import ROUTER
+from deployments.router_config import REQUEST_ID_HEADER, ROUTER
 from deployments.serve_metrics import RouterMetrics
 from infra.redact import first_line
 
@@ -142,7 +143,9 @@ class Gateway:
         except ApiError as e:
             self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
             return to_response(error_reply(e, headers))
-        args = (request.method, request.url.path, dict(request.headers), body)
+        # one id per request, the same on a resend: the canary's evidence counts a resent request once
+        forwarded = {**dict(request.headers), REQUEST_ID_HEADER: uuid.uuid4().hex}
+        args = (request.method, request.url.path, forwarded, body)
         for _attempt in range(2):
             try:
                 return await _forward(app, args, stream)

@@ -17,6 +17,9 @@ ROUTER = "router"  # the router deployment's name in every model application
 VERSION_HEADER = "x-shardline-model-version"
 PROBE_HEADER = "x-shardline-probe"
 VARIANT_HEADER = "x-shardline-variant"  # challenger|champion: a tester reaches a version; never evidence
+# set by the gateway on every request it forwards (a client's own value is replaced): a request the gateway resends
+# after its router replica died carries the same id, so the Evidence deployment counts it once
+REQUEST_ID_HEADER = "x-shardline-request-id"
 
 
 class RouterConfig(BaseModel):
@@ -61,6 +64,7 @@ class Job:
     # a chat request: its messages, and the completion each version runs them as once its template rendered them
     messages: list[dict[str, str]] | None = None
     rendered: dict[str, CompletionRequest] = field(default_factory=dict)
+    request_id: str = ""  # the gateway's id of this request ("" when it did not come through the gateway)
 
     def at(self, version: str) -> Job:
         """The job as `version` answers it: a chat request with the prompt that version's template rendered."""

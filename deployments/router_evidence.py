@@ -13,6 +13,8 @@ import time
 from collections import deque
 from typing import Any
 
+from deployments.router_config import Job
+
 log = logging.getLogger(__name__)
 
 
@@ -38,9 +40,7 @@ class EvidenceRecorder:
 
     def _record(
         self,
-        cfg: Any,
-        endpoint: str,
-        probe: bool,
+        job: Job,
         to_challenger: bool,
         served: dict,
         shadow: dict | None,
@@ -50,6 +50,7 @@ class EvidenceRecorder:
     ) -> None:
         """One observation per request: the challenger's call (also when it failed and the champion answered),
         the champion's served call, and the champion's shadow score of the same text."""
+        cfg, endpoint = job.cfg, job.endpoint
         fallback = failed is not None
         challenger_call = failed if fallback else (served if to_challenger else None)
         champion_call = served if (not to_challenger or fallback) and served is not shadow else None
@@ -67,7 +68,8 @@ class EvidenceRecorder:
             "epoch": cfg.epoch,
             "t": time.time(),
             "endpoint": endpoint,
-            "probe": probe,
+            "probe": job.probe,
+            "request_id": job.request_id,
             "router_replica": self.replica_id,
             "op": "complete" if endpoint in ("completions", "chat") else "score",
             "role": "challenger" if to_challenger else "champion",

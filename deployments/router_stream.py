@@ -161,13 +161,4 @@ class RouterStreams:
         self.metrics.model_call(out["version"], "served", "complete", out)
         self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
         if not job.variant:
-            self._record(
-                job.cfg,
-                job.endpoint,
-                job.probe,
-                to_challenger,
-                out,
-                shadow,
-                failed,
-                (time.perf_counter() - t0) * 1000.0,
-            )
+            self._record(job, to_challenger, out, shadow, failed, (time.perf_counter() - t0) * 1000.0)

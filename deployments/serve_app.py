@@ -32,7 +32,14 @@ from deployments.http_io import (
 )
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
 from deployments.openai_chat import chat_completion, chat_id, parse_chat, render_prompt
-from deployments.router_config import PROBE_HEADER, VARIANT_HEADER, VERSION_HEADER, Job, RouterConfig
+from deployments.router_config import (
+    PROBE_HEADER,
+    REQUEST_ID_HEADER,
+    VARIANT_HEADER,
+    VERSION_HEADER,
+    Job,
+    RouterConfig,
+)
 from deployments.router_evidence import EvidenceRecorder
 from deployments.router_stream import RouterStreams, prompt_piece
 from deployments.serve_metrics import RouterMetrics
@@ -284,7 +291,8 @@ class Router(EvidenceRecorder, RouterStreams):
         except ApiError as e:
             self.metrics.rejected(endpoint or "none", e.status)
             return error_reply(e)
-        return Job(endpoint, req, cfg, headers.get(PROBE_HEADER) == "1", variant, messages)
+        probe = headers.get(PROBE_HEADER) == "1"
+        return Job(endpoint, req, cfg, probe, variant, messages, request_id=headers.get(REQUEST_ID_HEADER, "")[:64])
 
     def _healthz(self) -> dict[str, Any]:
         if self.cfg is None:
@@ -350,9 +358,7 @@ class Router(EvidenceRecorder, RouterStreams):
             op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, "served", *args)
         if not job.variant and not (to_challenger and cfg.mode == "shadow"):
-            self._record(
-                cfg, job.endpoint, job.probe, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0
-            )
+            self._record(job, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0)
         version = served["version"]
         self.metrics.request(version, job.endpoint, self._source(job), ok=served["ok"])
         if not served["ok"]:
@@ -389,9 +395,7 @@ class Router(EvidenceRecorder, RouterStreams):
         if paired and shadow is None:
             shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
         self._record(
-            cfg,
-            job.endpoint,
-            job.probe,
+            job,
             True,
             served,
             shadow,

@@ -19,6 +19,7 @@ from deployments import endpoint, serve_build
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.registry import TAG_CANARY_DECISION, TAG_REJECTED, read_aliases
 from deployments.rollout import run_rollout
+from deployments.router_config import ROUTER
 
 pytestmark = pytest.mark.slow
 
@@ -247,7 +248,14 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
     endpoint.reconcile(serve, NAME, world["uri"])
     lease = time.time() + 45
     router = serve_build.router_config(
-        serve, NAME, "2", challenger=promoted.version, challenger_percent=100, epoch=7, lease_expires_at=lease
+        serve,
+        NAME,
+        "2",
+        challenger=promoted.version,
+        challenger_percent=100,
+        epoch=7,
+        lease_expires_at=lease,
+        canary_id="restart-test",
     )
     endpoint.apply(
         serve_build.AppSpec(app_name=app, tracking_uri=world["uri"], versions=["2", promoted.version], router=router),
@@ -276,6 +284,15 @@ def test_a_restarted_router_keeps_its_weights_and_the_lease_switch_works(world):
             load.__exit__(None, None, None)
     answers = [a for load in loads for a in load.answers]
     assert len(answers) >= 8 and [a for a in answers if a.status != 200] == []  # 500s before the gateway resent
+    # the evidence counts each request once, by the id the gateway gave it (a resent request keeps its id); a
+    # request the dying replica had recorded but not yet sent to the Evidence deployment is lost (one per client)
+    from ray import serve as rs
+
+    handle = rs.get_deployment_handle(ROUTER, app)
+    time.sleep(1.0)
+    ids = [o["request_id"] for o in handle.get_observations.remote("restart-test", 7).result()["items"]]
+    assert "" not in ids and len(ids) == len(set(ids))
+    assert len(answers) - 2 * len(loads) <= len(ids) <= len(answers)
     assert state["config"]["challenger_percent"] == 100 and state["config"]["epoch"] == 7
     with httpx.Client(timeout=60) as http:
         assert {

@@ -1,0 +1,51 @@
+"""The canary's evidence counts each request once. The gateway gives every request an id and resends a request
+whose router replica died before answering; when that replica had already recorded it, the resend is recorded
+again by another router replica, under the same id, and the Evidence deployment keeps only the first."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+from deployments.evidence import Evidence
+from deployments.router_config import REQUEST_ID_HEADER, RouterConfig
+from deployments.serve_app import Router
+
+
+def _ob(request_id: str, canary: str = "c1", epoch: int = 0) -> dict:
+    return {"canary_id": canary, "epoch": epoch, "request_id": request_id, "router_replica": "r"}
+
+
+def test_a_resent_request_is_one_observation():
+    ev = Evidence()
+    assert ev.add(_ob("a")) and ev.add(_ob("b"))
+    assert not ev.add(_ob("a"))  # the resend, recorded by the replacement router replica
+    got = ev.get("c1", 0)
+    assert [o["request_id"] for o in got["items"]] == ["a", "b"] and got["next"] == 2
+    # requests that did not come through the gateway carry no id: each is its own observation
+    assert ev.add(_ob("")) and ev.add(_ob(""))
+    assert len(ev.get("c1", 0)["items"]) == 4
+
+
+def test_ids_are_forgotten_with_their_canary_and_with_their_observation():
+    ev = Evidence()
+    ev.add(_ob("a"))
+    assert ev.add(_ob("a", canary="c2"))  # another canary: the last one's observations and ids are gone
+    assert [o["canary_id"] for o in ev.get("c2", 0)["items"]] == ["c2"] and ev.get("c1", 0)["items"] == []
+    ev.items = deque(ev.items, maxlen=2)  # a bounded store: the oldest observation falls out, and its id with it
+    ev.add(_ob("b", canary="c2"))
+    ev.add(_ob("c", canary="c2"))
+    assert ev.request_ids == {"b", "c"}
+    assert ev.add(_ob("a", canary="c2"))
+
+
+def test_the_router_records_the_gateways_request_id():
+    router = Router("shardline-m", {})
+    router.reconfigure(RouterConfig(model_name="m", champion="1").model_dump())
+    body = json.dumps({"text": "hello"}).encode()
+    job = router._prepare("POST", "/v1/score", {REQUEST_ID_HEADER: "f" * 80}, body)
+    assert job.request_id == "f" * 64  # bounded: a header is the client's until the gateway replaces it
+    served = {"version": "1", "ok": True, "bits": 8.0, "bytes": 5, "latency_ms": 1.0}
+    router._record(job, False, served, None, None, 2.0)
+    assert router.observations[-1]["request_id"] == "f" * 64
+    assert router._prepare("POST", "/v1/score", {}, body).request_id == ""
