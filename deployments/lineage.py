@@ -6,6 +6,7 @@ from typing import Any
 
 from infra.names import (
     TAG_CHAT_TEMPLATE_SHA256,
+    TAG_CHAT_TOKENS,
     TAG_CHECKPOINT_URI,
     TAG_DATA_RUN_ID,
     TAG_DATASET_DIGEST,
@@ -57,6 +58,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
         "tokenizer_sha256": tags.get(TAG_TOKENIZER_SHA256, ""),  # "" for bytes: what turned the texts into ids
         "chat_template_sha256": tags.get(TAG_CHAT_TEMPLATE_SHA256, ""),  # "" for none: how chat becomes a prompt
+        "chat_tokens": tags.get(TAG_CHAT_TOKENS, ""),  # the special tokens it sees, as JSON ("" for none)
         "data_run_id": data_run_id,
         "train_run_id": mv.run_id or "",
         "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),

@@ -20,6 +20,7 @@ from deployments.registry import (
 )
 from infra.names import (
     TAG_CHAT_TEMPLATE_SHA256,
+    TAG_CHAT_TOKENS,
     TAG_DATASET_DIGEST,
     TAG_MODEL_URI,
     TAG_MODEL_VERSION,
@@ -29,6 +30,7 @@ from infra.names import (
 )
 from infra.tracking import Lineage, flat_params, stage_run
 from tasks.retry import TIMEOUT_S, retry_unless
+from training.chat_template import tokens_tag
 from training.data import ShardSet
 from training.evaluate import ValidationResult
 from training.trainer import TrainResult
@@ -71,6 +73,7 @@ def promote_model(
                 "shardline.val_bits_per_byte": f"{validated.val_bits_per_byte:.6f}",
                 TAG_TOKENIZER_SHA256: shards.tokenizer_sha256,  # "" (bytes) is left out; the model carries the file
                 TAG_CHAT_TEMPLATE_SHA256: validated.chat_template_sha256,  # likewise: none is left out
+                TAG_CHAT_TOKENS: tokens_tag(validated.chat_tokens),  # what that template sees ('' left out)
             },
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)

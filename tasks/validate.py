@@ -17,6 +17,7 @@ from deployments.config import RegistryConfig
 from deployments.model_server import check_backend
 from infra.names import (
     TAG_CHAT_TEMPLATE_SHA256,
+    TAG_CHAT_TOKENS,
     TAG_CHECKPOINT_URI,
     TAG_MODEL_URI,
     TAG_TOKENIZER_SHA256,
@@ -25,12 +26,12 @@ from infra.names import (
 from infra.tracking import Lineage, flat_params, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
-from training.chat_template import ChatFormat, fingerprint
+from training.chat_template import ChatFormat, fingerprint, tokens_tag
 from training.checkpoint import CheckpointError
 from training.config import TrainConfig, ValidationConfig
 from training.data import ShardSet
 from training.evaluate import GateFailed, ValidationResult, held_out_bpb, load_checkpoint_model
-from training.servable import log_servable_model, served_tokenizer, vocab_of
+from training.servable import log_servable_model, served_chat, served_tokenizer, vocab_of
 from training.trainer import TrainResult, fit_vocabulary
 
 
@@ -142,17 +143,21 @@ def validate_checkpoint(
         if failures:
             raise GateFailed("; ".join(failures))
         # the pt2 program, or the eager form when export cannot serve it; proven at every serving shape either way
+        tokenizer_json = tokenizer.to_str() if tokenizer is not None else ""
         model_uri = log_servable_model(
             model,
             train_cfg.seq_len,
             factory=train_cfg.model_factory,
             train_config=train_cfg.model_dump(mode="json"),
-            tokenizer_json=tokenizer.to_str() if tokenizer is not None else "",
+            tokenizer_json=tokenizer_json,
             chat_template=chat_template,
         )
-        template_sha256 = fingerprint(ChatFormat.given(chat_template).template)  # '' for none
+        chat = served_chat(chat_template, tokenizer_json)  # as the logged model carries it
+        template_sha256 = fingerprint(chat.template)  # '' for none
         if template_sha256:
             mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, template_sha256)
+        if chat.tokens():
+            mlflow.set_tag(TAG_CHAT_TOKENS, tokens_tag(chat.tokens()))
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(
@@ -164,6 +169,7 @@ def validate_checkpoint(
             model_uri=model_uri,
             seq_len=train_cfg.seq_len,
             chat_template_sha256=template_sha256,
+            chat_tokens=chat.tokens(),
         )
 
 

@@ -126,6 +126,11 @@ def fingerprint(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest() if source else ""
 
 
+def tokens_tag(tokens: dict[str, str]) -> str:
+    """A ChatFormat's tokens as a lineage tag's value: JSON, keys sorted ('' for none)."""
+    return json.dumps(tokens, sort_keys=True, ensure_ascii=False) if tokens else ""
+
+
 def read(uri: str) -> str:
     """The template in a file: a `.jinja` file's text, or a `tokenizer_config.json`'s "chat_template" (a string).
 

@@ -50,6 +50,22 @@ from training.served_forms import (
 from training.transformers_form import end_token, load_causal_lm_form, special_contents
 
 
+def served_chat(chat_template: str | ChatFormat, tokenizer_json: str) -> ChatFormat:
+    """The chat format a version logged with `tokenizer_json` carries (metadata["chat_template"] and
+    metadata["chat_tokens"]; validation tags it too). The special tokens its template sees are special tokens the
+    tokenizer has: transformers would add a missing one as a new id, and make an ordinary one special. An eos_token
+    nobody named is the one the flavor's tokenizer names (training.transformers_form.end_token), so the endpoint
+    and `apply_chat_template` on the flavor render alike. Bytes have no special tokens."""
+    chat = ChatFormat.given(chat_template)
+    if not tokenizer_json:
+        return ChatFormat(chat.template)
+    from training.tokenizer import Tokenizer
+
+    special = special_contents(Tokenizer.from_str(tokenizer_json))
+    known = {k: t for k, t in chat.tokens().items() if t in special}
+    return ChatFormat.of(chat.template, {"eos_token": end_token(special) or "", **known})
+
+
 def serving_shapes(seq_len: int) -> list[tuple[int, int]]:
     """[B, T] shapes the endpoint calls a model with: one token, a completion's growing context, scoring batches."""
     return sorted({(1, 1), (1, 2), (1, max(1, seq_len // 2) + 1), (1, seq_len), (3, 2), (8, seq_len)})
@@ -106,22 +122,13 @@ def log_servable_model(
     except Exception as e:  # noqa: BLE001 - a model that fails on the example cannot serve in any form
         shape = tuple(example_ids(seq_len).shape)
         raise NotServable(f"{who}the model fails on the example input {list(shape)}: {first_line(e)}") from None
-    chat = ChatFormat.given(chat_template)
     if tokenizer_json:
         from training.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_str(tokenizer_json)
-        ids = tok.get_vocab_size(with_added_tokens=True)
+        ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
         if ids > vocab:
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
-        # the special tokens its template sees are special tokens it has (transformers would add a missing one as a
-        # new id, and make an ordinary one special); an eos_token not named so is the one the flavor's tokenizer
-        # names (training.transformers_form.end_token), so the endpoint and apply_chat_template on it render alike
-        special = special_contents(tok)
-        known = {k: t for k, t in chat.tokens().items() if t in special}
-        chat = ChatFormat.of(chat.template, {"eos_token": end_token(special) or "", **known})
-    else:
-        chat = ChatFormat(chat.template)  # bytes have no special tokens
+    chat = served_chat(chat_template, tokenizer_json)
     first = log_hf if type(model) is CausalLM else log_pt2
     try:
         uri = first(model, seq_len, name, vocab, tokenizer_json, chat)

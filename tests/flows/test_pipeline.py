@@ -330,7 +330,13 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     from support.load import Load
 
     from deployments.lineage import describe_lineage
-    from infra.names import TAG_CHAT_TEMPLATE_SHA256, TAG_INIT_VERSION, TAG_TOKENIZER_SHA256, TAG_TOKENIZER_TRAINED_ON
+    from infra.names import (
+        TAG_CHAT_TEMPLATE_SHA256,
+        TAG_CHAT_TOKENS,
+        TAG_INIT_VERSION,
+        TAG_TOKENIZER_SHA256,
+        TAG_TOKENIZER_TRAINED_ON,
+    )
     from training import tokenizer as tk
     from training.chat_template import fingerprint as fingerprint_template
     from training.servable import served_chat_template, served_tokenizer
@@ -366,12 +372,16 @@ def test_a_llama_over_a_bpe_trained_in_the_run_is_judged_against_the_byte_champi
     assert data_tags[TAG_TOKENIZER_TRAINED_ON]  # the text set whose training split it learned from
     assert children["validate_checkpoint"].data.tags[TAG_TOKENIZER_SHA256] == fingerprint
     assert children["validate_checkpoint"].data.tags[TAG_CHAT_TEMPLATE_SHA256] == fingerprint_template(template)
+    tokens = '{"eos_token": "<|endoftext|>"}'  # the template writes eos_token: the run's BPE's end of text
+    assert children["validate_checkpoint"].data.tags[TAG_CHAT_TOKENS] == tokens
     assert client.get_model_version(summary["model_name"], version).tags[TAG_TOKENIZER_SHA256] == fingerprint
     version_tags = client.get_model_version(summary["model_name"], version).tags
     assert version_tags[TAG_CHAT_TEMPLATE_SHA256] == fingerprint_template(template)
+    assert version_tags[TAG_CHAT_TOKENS] == tokens
     chain = describe_lineage(summary["model_name"], version, f"sqlite:///{home / 'mlflow.db'}")
     assert chain["tokenizer_sha256"] == fingerprint and chain["consistent"] is True
     assert chain["chat_template_sha256"] == fingerprint_template(template)
+    assert chain["chat_tokens"] == tokens
     logged = client.download_artifacts(children["shard_dataset"].info.run_id, "tokenizer/tokenizer.json", str(home))
     tokenizer = tk.load(logged)
     assert tk.fingerprint(tokenizer) == fingerprint and tokenizer.get_vocab_size() == 300

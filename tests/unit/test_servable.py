@@ -137,8 +137,9 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
     import mlflow
 
     from training import tokenizer as tk
+    from training.chat_template import tokens_tag
     from training.config import TrainConfig
-    from training.servable import served_chat_format, served_chat_template, served_tokenizer
+    from training.servable import served_chat, served_chat_format, served_chat_template, served_tokenizer
 
     tok = tk.train_bpe([b"def main():\n    return 0\n" * 20, b"import os\nimport sys\n" * 20], 270)
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -156,9 +157,11 @@ def test_a_model_over_a_tokenizers_ids_carries_its_tokenizer_in_either_form(mlfl
         assert meta["sha256"] == tk.fingerprint(tok) and meta["file"].endswith("/tokenizer.json")
     # named tokens the tokenizer has are kept; one it lacks is not (transformers would add it as a new id)
     named = ChatFormat(template, bos_token="<s>", eos_token=tk.END_OF_TEXT)
-    assert served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str(), chat_template=named)) == (
-        ChatFormat(template, eos_token=tk.END_OF_TEXT)
-    )
+    logged = served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str(), chat_template=named))
+    assert logged == ChatFormat(template, eos_token=tk.END_OF_TEXT)
+    # what validation tags (shardline.chat_tokens) is what the version carries, without reading the model back
+    assert served_chat(named, tok.to_str()) == logged and served_chat(named, "") == ChatFormat(template)
+    assert tokens_tag(logged.tokens()) == '{"eos_token": "<|endoftext|>"}' and tokens_tag({}) == ""
     # no template: the tokens still travel, for serve.chat_template to render this version's chat with
     untemplated = served_chat_format(_logged_with(Causal(tok.get_vocab_size()), tok.to_str()))
     assert not untemplated and untemplated.tokens() == {"eos_token": tk.END_OF_TEXT}
