@@ -207,29 +207,35 @@ def chat_template_of(
 
 
 def _special_tokens_of(config: PipelineConfig, discover: bool, warn: Callable[[str], None] | None) -> dict[str, str]:
-    """The bos_token and eos_token a chat template sees, as transformers gives them: from the
-    `tokenizer_config.json` named as the template, else the one beside `tokenizer.path`, with
-    `special_tokens_map.json` beside it filling what it does not name (an older tokenizer directory keeps them
-    there). Validation keeps those the tokenizer has as special tokens, and names an eos_token nobody named as the
+    """The bos_token and eos_token a chat template sees, as transformers 5 gives them: from the
+    `tokenizer_config.json` named as the template, else the one beside `tokenizer.path`; a
+    `special_tokens_map.json` beside that file (an older tokenizer directory keeps them there) overrides those,
+    unless the tokenizer_config.json has an `added_tokens_decoder` (then transformers does not read it).
+    Validation keeps those the tokenizer has as special tokens, and names an eos_token nobody named as the
     flavor's tokenizer names it (training.servable). A file there that cannot be read is one warning line, and
     its tokens are not used."""
     from training import chat_template
 
     tok = config.tokenizer
-    sources = []
+    config_uri = ""
     if tok.chat_template.endswith(".json"):
-        sources.append(tok.chat_template)
+        config_uri = tok.chat_template
     elif tok.kind == "file" and discover:
-        sources.append(chat_template.beside(tok.path))
-    if tok.kind == "file" and discover:
-        sources.append(chat_template.beside(tok.path, "special_tokens_map.json"))
-    tokens: dict[str, str] = {}
-    for uri in sources:
+        config_uri = chat_template.beside(tok.path)
+    # from the config's own directory, as transformers loads one directory
+    map_uri = chat_template.beside(config_uri, "special_tokens_map.json") if config_uri else ""
+
+    def read(uri: str) -> tuple[dict[str, str], bool]:
         try:
-            tokens = chat_template.special_tokens(uri) | tokens  # the first source wins
+            return chat_template.special_tokens(uri)
         except ValueError as e:
             if warn is not None:
                 warn(f"tokenizer: the special tokens of the chat template are not used: {e}")
+            return {}, False
+
+    tokens, has_decoder = read(config_uri) if config_uri else ({}, False)
+    if map_uri and not has_decoder:
+        tokens |= read(map_uri)[0]  # transformers merges the map over the config's own
     return tokens
 
 

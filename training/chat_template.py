@@ -207,27 +207,31 @@ def discover(tokenizer_json: str) -> str:
     return ""
 
 
-def special_tokens(config_uri: str) -> dict[str, str]:
+def special_tokens(config_uri: str) -> tuple[dict[str, str], bool]:
     """`bos_token` and `eos_token` of a `tokenizer_config.json` or `special_tokens_map.json` (a string, or an
-    AddedToken's `{"content": ...}`), the ones named only; {} when the file is absent.
+    AddedToken's `{"content": ...}`), the ones named only, and whether the file has an `added_tokens_decoder` (a
+    tokenizer_config.json that has one is read without special_tokens_map.json, as transformers reads it);
+    ({}, False) when the file is absent.
 
     Raises:
         ValueError: the file is there but cannot be read or is not JSON (one line naming it).
     """
     if not _exists(config_uri):
-        return {}
+        return {}, False
     text = _text(config_uri)  # ValueError naming it: unreadable, or not UTF-8
     try:
         held = json.loads(text)
     except ValueError:
         raise ValueError(f"{redact(config_uri)}: not JSON") from None
+    if not isinstance(held, dict):
+        return {}, False
     out: dict[str, str] = {}
     for key in SPECIAL_TOKENS:
-        value = held.get(key) if isinstance(held, dict) else None
+        value = held.get(key)
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str) and value:
             out[key] = value
-    return out
+    return out, "added_tokens_decoder" in held
 
 
 def beside(tokenizer_json: str, name: str = CONFIG_FILE) -> str:

@@ -222,10 +222,17 @@ def test_a_template_carries_the_special_tokens_its_tokenizer_config_names(tmp_pa
     named.write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     assert of(**tok, chat_template=str(named)) == ChatFormat(CHATML, eos_token="<|im_end|>")
     assert of(chat_template=str(hf / "chat_template.jinja")).tokens() == {}  # bytes: no tokenizer to name them
-    # an older directory keeps them in special_tokens_map.json, which fills what tokenizer_config.json does not name
+    # an older directory keeps them in special_tokens_map.json: as transformers 5 reads it, its tokens override the
+    # tokenizer_config.json's, and it is not read when that file has an added_tokens_decoder
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     (hf / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<eos>"}))
-    assert of(**tok).tokens() == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert of(**tok).tokens() == {"bos_token": "<s>", "eos_token": "<eos>"}
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "added_tokens_decoder": {}}))
+    assert of(**tok).tokens() == {"eos_token": "</s>"}
+    # one directory, as transformers loads one: a named config's map is the one beside it, not tokenizer.path's
+    assert of(**tok, chat_template=str(named)).tokens() == {"eos_token": "<|im_end|>"}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert of(**tok, chat_template=str(named)).tokens() == {"eos_token": "<|endoftext|>"}
     # one that cannot be read is one warning line, and its tokens are not used
     (hf / "tokenizer_config.json").write_text("{not json")
     warnings: list[str] = []
@@ -234,3 +241,36 @@ def test_a_template_carries_the_special_tokens_its_tokenizer_config_names(tmp_pa
     assert warnings == [
         f"tokenizer: the special tokens of the chat template are not used: {hf / 'tokenizer_config.json'}: not JSON"
     ]
+
+
+@pytest.mark.parametrize(
+    "config, tokens_map",
+    [
+        ({"eos_token": "</s>"}, {"bos_token": "<s>", "eos_token": "<eos>"}),  # the map overrides
+        ({"eos_token": "</s>", "added_tokens_decoder": {}}, {"bos_token": "<s>", "eos_token": "<eos>"}),  # not read
+        ({"bos_token": {"content": "<s>", "__type": "AddedToken"}}, None),
+        ({}, {"eos_token": {"content": "<eos>", "special": True}}),
+    ],
+)
+def test_the_special_tokens_are_the_ones_transformers_loads(tmp_path, config, tokens_map):
+    """The bos_token and eos_token shardline reads from a tokenizer directory are the ones AutoTokenizer loads
+    from it (transformers, from the local directory: nothing is fetched)."""
+    import json
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from flows.config import PipelineConfig, chat_template_of
+    from training import tokenizer as tk
+
+    (tmp_path / "tokenizer.json").write_text(tk.train_bpe([b"def main():\n    return 0\n" * 20], 270).to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if tokens_map is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(tokens_map))
+    ours = chat_template_of(
+        PipelineConfig.model_validate({"tokenizer": {"kind": "file", "path": str(tmp_path / "tokenizer.json")}})
+    )
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = {k: getattr(theirs, k) for k in ("bos_token", "eos_token") if getattr(theirs, k)}
+    assert ours.tokens() == expected and expected  # every case names at least one
