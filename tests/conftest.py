@@ -21,6 +21,11 @@ from support.store_servers import S3Service, start_azurite, stop_process
 TIERS = ("unit", "processes", "integration", "flows", "stack")
 
 
+def pytest_configure(config):
+    # a scenario module's selected tests run with the tests before them (tests/support/scenarios.py)
+    config.pluginmanager.import_plugin("support.scenarios")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test is marked with its tier, the folder it is in (pyproject.toml says what each may start), and the
     tiers run in TIERS order: the unit tier first, in a process that nothing has connected to Ray yet, and a

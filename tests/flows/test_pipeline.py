@@ -18,7 +18,7 @@ from infra.names import TAG_DATA_RUN_ID, TAG_DATASET_DIGEST, TAG_FLOW_RUN_ID, TA
 from infra.tracking import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scenario]  # tests build on each other: see support/scenarios.py
 SERVE_PORT = free_port()
 SERVE = [f"serve.port={SERVE_PORT}"]
 LLAMA = (  # a debug-sized transformers Llama whose embedding holds a 300-id BPE (TOML inline table for --set)

@@ -21,7 +21,7 @@ from deployments.registry import TAG_CANARY_DECISION, TAG_REJECTED, read_aliases
 from deployments.rollout import run_rollout
 from deployments.router_config import ROUTER
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scenario]  # tests build on each other: see support/scenarios.py
 
 
 @pytest.fixture(scope="module")
