@@ -2,11 +2,14 @@
 
 One small Serve deployment (`evidence`, one replica) per model application: each router replica sends it the
 observation of every request it routes during a canary (deployments/serve_app.Router._record), and the rollout
-driver reads a step's observations back through any router replica. The class is plain (no Ray at import).
+driver reads a step's observations back through any router replica. The class is plain (no Ray at import). Serve runs a deployment's sync methods in a thread pool, so every method
+holds the store's lock: a read iterating the deque while a push appends to it would fail, and two pushes of one
+request id could both be kept.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import deque
 from typing import Any
@@ -23,30 +26,34 @@ class Evidence:
         self.canary_id = ""
         self.seq = 0
         self.request_ids: set[str] = set()  # of the observations in `items`
+        self.lock = threading.Lock()
 
     def add(self, observation: dict[str, Any]) -> bool:
         """Keep `observation`; False (and not kept) when one of the same gateway request id is already here: the
         gateway resent a request whose router replica died after recording it, and one request is one observation."""
-        if observation["canary_id"] != self.canary_id:  # another canary: the last one's is not evidence for it
-            self.items.clear()
-            self.request_ids.clear()
-            self.canary_id = observation["canary_id"]
-        request_id = observation.get("request_id") or ""
-        if request_id in self.request_ids:
-            return False
-        if len(self.items) == self.items.maxlen:  # the oldest one falls out of the deque: its id goes too
-            self.request_ids.discard(self.items[0].get("request_id") or "")
-        self.items.append({**observation, "seq": self.seq})
-        if request_id:
-            self.request_ids.add(request_id)
-        self.seq += 1
-        return True
+        with self.lock:
+            if observation["canary_id"] != self.canary_id:  # another canary: the last one's is not evidence for it
+                self.items.clear()
+                self.request_ids.clear()
+                self.canary_id = observation["canary_id"]
+            request_id = observation.get("request_id") or ""
+            if request_id in self.request_ids:
+                return False
+            if len(self.items) == self.items.maxlen:  # the oldest one falls out of the deque: its id goes too
+                self.request_ids.discard(self.items[0].get("request_id") or "")
+            self.items.append({**observation, "seq": self.seq})
+            if request_id:
+                self.request_ids.add(request_id)
+            self.seq += 1
+            return True
 
     def get(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
         """Observations of step `epoch` of canary `canary_id` numbered >= since, and the next number."""
-        items = [o for o in self.items if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
-        return {"replica_id": self.replica_id, "next": self.seq, "items": items}
+        with self.lock:
+            items = [o for o in self.items if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
+            return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
     def routers(self) -> list[str]:
         """The router replicas that sent observations of the current canary."""
-        return sorted({o["router_replica"] for o in self.items if "router_replica" in o})
+        with self.lock:
+            return sorted({o["router_replica"] for o in self.items if "router_replica" in o})

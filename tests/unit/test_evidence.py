@@ -5,7 +5,11 @@ again by another router replica, under the same id, and the Evidence deployment 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections import deque
+
+import pytest
 
 from deployments.evidence import Evidence
 from deployments.router_config import REQUEST_ID_HEADER, RouterConfig
@@ -37,6 +41,32 @@ def test_ids_are_forgotten_with_their_canary_and_with_their_observation():
     ev.add(_ob("c", canary="c2"))
     assert ev.request_ids == {"b", "c"}
     assert ev.add(_ob("a", canary="c2"))
+
+
+@pytest.mark.parametrize("round_", range(4))  # a race shows in some rounds only: four give it more chances
+def test_concurrent_pushes_and_reads_keep_one_observation_per_request(round_):
+    """Serve runs the deployment's sync methods in a thread pool: pushes of the same requests from several router
+    replicas and the driver's reads run at once, and each request is still one observation."""
+    ev, errors, n = Evidence(), [], 10000
+    pushers = [threading.Thread(target=lambda: [ev.add(_ob(f"id-{i}")) for i in range(n)]) for _ in range(3)]
+
+    def read() -> None:
+        try:
+            while any(t.is_alive() for t in pushers):
+                ev.get("c1", 0)
+                ev.routers()
+                time.sleep(0.001)  # pushes go on between reads
+        except RuntimeError as e:  # "deque mutated during iteration" without the lock
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    for t in [*pushers, reader]:
+        t.start()
+    for t in [*pushers, reader]:
+        t.join()
+    assert errors == []
+    got = ev.get("c1", 0)["items"]
+    assert len(got) == n and len({o["request_id"] for o in got}) == n and ev.seq == n
 
 
 def test_the_router_records_the_gateways_request_id():
