@@ -236,7 +236,7 @@ def _special_tokens_of(config: PipelineConfig, discover: bool, warn: Callable[[s
     tokens, has_decoder = read(config_uri) if config_uri else ({}, False)
     if map_uri and not has_decoder:
         tokens |= read(map_uri)[0]  # transformers merges the map over the config's own
-    return tokens
+    return {key: token for key, token in tokens.items() if token}  # one named as none is none
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:

@@ -15,8 +15,8 @@ TAG_DATASET_DIGEST = "shardline.dataset_digest"
 TAG_MANIFEST_URI = "shardline.manifest_uri"
 TAG_TOKENIZER_SHA256 = "shardline.tokenizer_sha256"  # training.tokenizer.fingerprint of the tokenizer.json used
 TAG_CHAT_TEMPLATE_SHA256 = "shardline.chat_template_sha256"  # training.chat_template.fingerprint of the version's
-# the special tokens that template sees, as JSON ({"bos_token", "eos_token"}, those there are; training.servable.
-# served_chat): with the template's hash, what a chat request becomes as this version's prompt
+# the special tokens a chat template (the version's own, or serve.chat_template) renders with for this version, as
+# JSON ({"bos_token", "eos_token"}, those there are; training.servable.served_chat); also without a template
 TAG_CHAT_TOKENS = "shardline.chat_tokens"
 TAG_TOKENIZER_TRAINED_ON = "shardline.tokenizer_trained_on"  # the text set whose training split a BPE learned
 TAG_DATA_RUN_ID = "shardline.data_run_id"

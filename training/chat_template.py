@@ -208,9 +208,10 @@ def discover(tokenizer_json: str) -> str:
 
 
 def special_tokens(config_uri: str) -> tuple[dict[str, str], bool]:
-    """`bos_token` and `eos_token` of a `tokenizer_config.json` or `special_tokens_map.json` (a string, or an
-    AddedToken's `{"content": ...}`), the ones named only, and whether the file has an `added_tokens_decoder` (a
-    tokenizer_config.json that has one is read without special_tokens_map.json, as transformers reads it);
+    """`bos_token` and `eos_token` of a `tokenizer_config.json` or `special_tokens_map.json`, the ones named only
+    (a string, or an AddedToken's `{"content": ...}`; "" for one named as null or empty, which clears it when the
+    file is merged over another, as transformers assigns it), and whether the file has an `added_tokens_decoder`
+    (a tokenizer_config.json that has one is read without special_tokens_map.json, as transformers reads it);
     ({}, False) when the file is absent.
 
     Raises:
@@ -227,10 +228,11 @@ def special_tokens(config_uri: str) -> tuple[dict[str, str], bool]:
         return {}, False
     out: dict[str, str] = {}
     for key in SPECIAL_TOKENS:
-        value = held.get(key)
+        if key not in held:
+            continue
+        value = held[key]
         value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str) and value:
-            out[key] = value
+        out[key] = value if isinstance(value, str) else ""  # named as none: it clears one named before it
     return out, "added_tokens_decoder" in held
 
 

@@ -39,7 +39,7 @@ class ValidationResult(BaseModel):
     model_uri: str
     seq_len: int
     chat_template_sha256: str = ""  # the chat template the logged model carries ('' for none)
-    chat_tokens: dict[str, str] = {}  # the special tokens that template sees (training.servable.served_chat)
+    chat_tokens: dict[str, str] = {}  # the tokens a chat template renders with (training.servable.served_chat)
 
 
 def bits_per_byte(

@@ -250,6 +250,7 @@ def test_a_template_carries_the_special_tokens_its_tokenizer_config_names(tmp_pa
         ({"eos_token": "</s>", "added_tokens_decoder": {}}, {"bos_token": "<s>", "eos_token": "<eos>"}),  # not read
         ({"bos_token": {"content": "<s>", "__type": "AddedToken"}}, None),
         ({}, {"eos_token": {"content": "<eos>", "special": True}}),
+        ({"eos_token": "</s>", "bos_token": "<s>"}, {"eos_token": None}),  # the map's null clears the config's
     ],
 )
 def test_the_special_tokens_are_the_ones_transformers_loads(tmp_path, config, tokens_map):
