@@ -2,9 +2,9 @@
 
 One small Serve deployment (`evidence`, one replica) per model application: each router replica sends it the
 observation of every request it routes during a canary (deployments/serve_app.Router._record), and the rollout
-driver reads a step's observations back through any router replica. The class is plain (no Ray at import). Serve runs a deployment's sync methods in a thread pool, so every method
-holds the store's lock: a read iterating the deque while a push appends to it would fail, and two pushes of one
-request id could both be kept.
+driver reads a step's observations back through any router replica. The class is plain (no Ray at import).
+Serve runs a deployment's sync methods in a thread pool, so every method holds the store's lock: a read iterating
+the deque while a push appends to it would fail, and two pushes of one request id could both be kept.
 """
 
 from __future__ import annotations
