@@ -147,6 +147,9 @@ def main() -> None:
         f"({p50r / p50d:.2f}x)  (target <= +2 ms)"
     )
     print(f"latency p95: router {p95r:.2f} ms vs handle {p95d:.2f} ms: +{p95r - p95d:.2f} ms ({p95r / p95d:.2f}x)")
+    p99r, p99d = _pct(via_router, 0.99), _pct(direct, 0.99)
+    print(f"latency p99: router {p99r:.2f} ms vs handle {p99d:.2f} ms: +{p99r - p99d:.2f} ms ({p99r / p99d:.2f}x)")
+    print(f"latency max: router {max(via_router):.2f} ms vs handle {max(direct):.2f} ms")
     print(f"requests/s held, champion alone: {rps_champion:.1f}")
     print(
         f"requests/s, challenger at 100%: shadow_share=1 {shadowed[1.0]:.1f} vs shadow_share=0 {shadowed[0.0]:.1f} "

@@ -77,6 +77,7 @@ class Gateway:
         self.models: dict[str, dict[str, Any]] = {}  # model name -> {"app", "champion", "created"}
         self.refreshed_at = 0.0
         self._lock = asyncio.Lock()
+        self._reloading: asyncio.Future[None] | None = None  # the background refresh in flight, if any
         self.metrics = RouterMetrics("")  # requests the gateway refuses itself (model "" = none chosen yet)
 
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -85,7 +86,21 @@ class Gateway:
     def get_config(self) -> dict[str, Any]:
         return self.cfg.model_dump()
 
-    async def _refresh(self, force: bool = False) -> None:
+    async def _refresh(self, force: bool = False, wait: bool = True) -> None:
+        """Re-read the served models when the list is older than REFRESH_S (or now, with `force`). With `wait=False`
+        (a request on its way to a model) a stale list that has models is used as it is while one refresh runs in
+        the background: Serve's status and every router's state are RPCs, and a request that waited for them (with
+        every request behind it on the lock) was the endpoint's p99 (bench/bench_serve.py)."""
+        if not wait and not force and self.models:
+            if time.monotonic() - self.refreshed_at >= REFRESH_S and (
+                self._reloading is None or self._reloading.done()
+            ):
+                self._reloading = asyncio.ensure_future(self._reload(False))
+                self._reloading.add_done_callback(_log_failure)
+            return
+        await self._reload(force)
+
+    async def _reload(self, force: bool) -> None:
         async with self._lock:
             if not force and time.monotonic() - self.refreshed_at < REFRESH_S:
                 return
@@ -167,7 +182,7 @@ class Gateway:
 
     async def _app_for(self, model: str | None) -> str:
         """The application serving `model` (or the default one), or ApiError naming what is served."""
-        await self._refresh()
+        await self._refresh(wait=False)
         if model is not None and model not in self.models:
             await self._refresh(force=True)  # deployed a moment ago?
         served = sorted(self.models)
@@ -235,6 +250,13 @@ async def _forward(app: str, args: tuple[Any, ...], stream: bool) -> Any:
     if "body" in head:
         return to_response(head)
     return await to_streaming_response(head, _relay(out))
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    """A background refresh that failed: one line; the list it would have replaced stays until the next one."""
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.warning("the served models were not re-read: %s", first_line(error))
 
 
 def _replica_gone(e: BaseException) -> bool:

@@ -15,3 +15,35 @@ def test_only_a_router_replica_that_died_is_sent_the_request_again():
     raised = RayTaskError("respond", "Traceback ...", ActorDiedError()).as_instanceof_cause()
     assert isinstance(raised, ActorDiedError) and not _replica_gone(raised)  # the router raised what it called
     assert not _replica_gone(ValueError("a bad request"))
+
+
+def test_a_request_routes_on_the_list_it_has_while_a_stale_one_is_re_read_beside_it(monkeypatch):
+    """Re-reading the served models means RPCs to Serve and every router: a request on its way to a model uses the
+    list the gateway has and one refresh runs in the background; listing models and an empty list wait for it."""
+    import asyncio
+
+    from deployments import gateway as gw_module
+    from deployments.gateway import Gateway
+
+    reads = []
+
+    def router_apps(own: str) -> list[str]:  # what Serve's status says: no model application any more
+        reads.append(own)
+        return []
+
+    monkeypatch.setattr(gw_module, "_router_apps", router_apps)
+
+    async def scenario() -> None:
+        gw = Gateway("shardline-gateway")
+        gw.models = {"m": {"app": "shardline-m", "champion": "1", "created": 0.0}}  # read long ago: stale
+        assert await gw._app_for("m") == "shardline-m"  # answered from the list it had
+        first = gw._reloading
+        assert first is not None and not first.done() and gw.models  # the refresh runs beside the request
+        assert await gw._app_for("m") == "shardline-m" and gw._reloading is first  # one refresh at a time
+        await first
+        assert gw.models == {} and reads == ["shardline-gateway"]
+        gw.models, gw.refreshed_at = {"m": {"app": "shardline-m", "champion": "1", "created": 0.0}}, 0.0
+        await gw._refresh()  # /v1/models and /healthz wait for the list they show
+        assert gw.models == {} and len(reads) == 2
+
+    asyncio.run(scenario())
