@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from infra.names import (
@@ -58,7 +59,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
         "tokenizer_sha256": tags.get(TAG_TOKENIZER_SHA256, ""),  # "" for bytes: what turned the texts into ids
         "chat_template_sha256": tags.get(TAG_CHAT_TEMPLATE_SHA256, ""),  # "" for none: how chat becomes a prompt
-        "chat_tokens": tags.get(TAG_CHAT_TOKENS, ""),  # the special tokens it sees, as JSON ("" for none)
+        "chat_tokens": json.loads(tags.get(TAG_CHAT_TOKENS) or "{}"),  # the special tokens it sees ({} for none)
         "data_run_id": data_run_id,
         "train_run_id": mv.run_id or "",
         "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),

@@ -94,7 +94,9 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
 
     Idempotent: a version of `name` with the same source and run id, or made from the same checkpoint (its
     `shardline.checkpoint_uri` tag: a rerun after a crash validates and logs the reused checkpoint again), is
-    reused; its tags are (re)applied.
+    reused; its tags are (re)applied. A version of the same checkpoint whose model carries something else (a
+    changed chat template: infra.names.VERSION_CONTENT_TAGS) is not that model: a new version is registered, so
+    no version's tags describe a model other than its source.
     """
     import mlflow
 
@@ -103,11 +105,13 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
         mlflow.set_tracking_uri(client.tracking_uri)
     ensure_registered_model(client, name)
     tags = {k: str(v)[:_MAX_TAG_VALUE] for k, v in (tags or {}).items() if v not in (None, "")}
-    from infra.names import TAG_CHECKPOINT_URI
+    from infra.names import TAG_CHECKPOINT_URI, VERSION_CONTENT_TAGS
 
     checkpoint = tags.get(TAG_CHECKPOINT_URI)
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
-        if mv.source == model_uri or (checkpoint and (mv.tags or {}).get(TAG_CHECKPOINT_URI) == checkpoint):
+        have = mv.tags or {}
+        same = checkpoint and have.get(TAG_CHECKPOINT_URI) == checkpoint
+        if mv.source == model_uri or (same and all(have.get(k, "") == tags.get(k, "") for k in VERSION_CONTENT_TAGS)):
             for key, value in tags.items():
                 client.set_model_version_tag(name, mv.version, key, value)
             return str(mv.version)

@@ -18,6 +18,9 @@ TAG_CHAT_TEMPLATE_SHA256 = "shardline.chat_template_sha256"  # training.chat_tem
 # the special tokens a chat template (the version's own, or serve.chat_template) renders with for this version, as
 # JSON ({"bos_token", "eos_token"}, those there are; training.servable.served_chat); also without a template
 TAG_CHAT_TOKENS = "shardline.chat_tokens"
+# what a version's logged model carries besides its checkpoint's weights: a version registered from the same
+# checkpoint is reused (deployments.registry.register_version) only when it agrees on each of these ("" = absent)
+VERSION_CONTENT_TAGS = (TAG_TOKENIZER_SHA256, TAG_CHAT_TEMPLATE_SHA256, TAG_CHAT_TOKENS)
 TAG_TOKENIZER_TRAINED_ON = "shardline.tokenizer_trained_on"  # the text set whose training split a BPE learned
 TAG_DATA_RUN_ID = "shardline.data_run_id"
 TAG_TRAIN_RUN_ID = "shardline.train_run_id"

@@ -153,11 +153,11 @@ def validate_checkpoint(
             chat_template=chat_template,
         )
         chat = served_chat(chat_template, tokenizer_json)  # as the logged model carries it
-        template_sha256 = fingerprint(chat.template)  # '' for none
+        template_sha256, chat_tokens = fingerprint(chat.template), chat.tokens()  # '' and {} for none
         if template_sha256:
             mlflow.set_tag(TAG_CHAT_TEMPLATE_SHA256, template_sha256)
-        if chat.tokens():
-            mlflow.set_tag(TAG_CHAT_TOKENS, tokens_tag(chat.tokens()))
+        if chat_tokens:
+            mlflow.set_tag(TAG_CHAT_TOKENS, tokens_tag(chat_tokens))
         check_backend(model_uri, model, train_cfg.seq_len)  # a KV-cached backend decodes as the model computes
         mlflow.set_tag(TAG_MODEL_URI, model_uri)
         return ValidationResult(
@@ -169,7 +169,7 @@ def validate_checkpoint(
             model_uri=model_uri,
             seq_len=train_cfg.seq_len,
             chat_template_sha256=template_sha256,
-            chat_tokens=chat.tokens(),
+            chat_tokens=chat_tokens,
         )
 
 

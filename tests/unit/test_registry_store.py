@@ -19,7 +19,13 @@ from deployments.registry import (
     tag_rejected,
 )
 from deployments.rollout import skip_reason
-from infra.names import TAG_DATASET_DIGEST, TAG_TRAIN_RUN_ID
+from infra.names import (
+    TAG_CHAT_TEMPLATE_SHA256,
+    TAG_CHAT_TOKENS,
+    TAG_CHECKPOINT_URI,
+    TAG_DATASET_DIGEST,
+    TAG_TRAIN_RUN_ID,
+)
 
 NAME = "tiny"
 
@@ -65,6 +71,26 @@ def test_register_attributes_the_version_to_the_training_run(store):
     assert register_version(client, NAME, uri, train, {"extra": "x"}) == "1"
     assert client.get_model_version(NAME, "1").tags["extra"] == "x"
     assert len(client.search_model_versions(f"name = '{NAME}'")) == 1
+
+
+def test_a_rerun_reuses_the_version_of_its_checkpoint_unless_the_model_carries_something_else(store):
+    _, client, exp = store
+    train, first, _ = _train_run_and_model(client, exp)
+    chat = {TAG_CHECKPOINT_URI: "/ck/7", TAG_CHAT_TEMPLATE_SHA256: "a" * 64, TAG_CHAT_TOKENS: '{"eos_token": "<e>"}'}
+    assert register_version(client, NAME, first, train, chat) == "1"
+    # a rerun after a crash validates the same checkpoint again: another logged model, the same content
+    _, again, _ = _train_run_and_model(client, exp)
+    assert register_version(client, NAME, again, train, chat) == "1"
+    # the same checkpoint with another chat template, or with none, is another model: a new version whose tags
+    # describe its own source (no stale template hash left from version 1)
+    _, changed, _ = _train_run_and_model(client, exp)
+    assert register_version(client, NAME, changed, train, {**chat, TAG_CHAT_TEMPLATE_SHA256: "b" * 64}) == "2"
+    _, bare, _ = _train_run_and_model(client, exp)
+    assert register_version(client, NAME, bare, train, {TAG_CHECKPOINT_URI: "/ck/7"}) == "3"
+    three = client.get_model_version(NAME, "3")
+    assert three.source == bare and TAG_CHAT_TEMPLATE_SHA256 not in three.tags and TAG_CHAT_TOKENS not in three.tags
+    assert client.get_model_version(NAME, "1").tags[TAG_CHAT_TEMPLATE_SHA256] == "a" * 64
+    assert register_version(client, NAME, bare, train, {TAG_CHECKPOINT_URI: "/ck/7"}) == "3"  # its own source
 
 
 def test_first_version_becomes_champion_then_next_is_challenger(store):
