@@ -95,30 +95,28 @@ class ChatRequest(BaseModel):
     response_format: Any = None
 
 
-def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]]) -> str:
-    """The prompt a chat template makes of `messages`, ready for the model to answer.
+def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_bytes: int = 0) -> str:
+    """The prompt a chat template makes of `messages`, ready for the model to answer (training.chat_template.render:
+    stopped past `max_bytes`, 0 for no limit, or past its time budget).
 
     Raises:
-        ApiError: 400 when the template refuses the messages (its `raise_exception`, or an error while rendering).
+        ApiError: 400 naming messages when the template refuses them (its `raise_exception`, an error while
+            rendering, or its time budget) or renders them longer than `max_bytes`.
     """
     try:
-        return chat_template.render(source, messages)
+        return chat_template.render(source, messages, max_bytes)
     except chat_template.TemplateRefused as e:
         raise ApiError(400, f"messages: the model's chat template refused them: {e}", param="messages") from None
+    except chat_template.PromptTooLong:
+        what = f"the rendered prompt has more than serve.max_prompt_bytes={max_bytes} bytes"
+        raise ApiError(400, f"messages: {what}", param="messages") from None
 
 
 def render_prompt(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_prompt_bytes: int) -> str:
-    """`render`, and the rendered prompt checked against serve.max_prompt_bytes (ApiError 400 naming messages)."""
-    prompt = render(source, messages)
-    size = len(prompt.encode("utf-8"))
+    """`render` held to serve.max_prompt_bytes, and not empty (ApiError 400 naming messages)."""
+    prompt = render(source, messages, max_prompt_bytes)
     if not prompt:
         raise ApiError(400, "messages: the model's chat template rendered them as an empty prompt", param="messages")
-    if size > max_prompt_bytes:
-        raise ApiError(
-            400,
-            f"messages: the rendered prompt has {size} bytes > serve.max_prompt_bytes={max_prompt_bytes}",
-            param="messages",
-        )
     return prompt
 
 

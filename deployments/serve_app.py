@@ -176,7 +176,8 @@ class Router(EvidenceRecorder, RouterStreams):
             if not template:
                 continue
             try:
-                prompt = render_prompt(template, job.messages, cfg.max_prompt_bytes)
+                # off the event loop: a template slow on these messages holds no other request (its budget ends it)
+                prompt = await asyncio.to_thread(render_prompt, template, job.messages, cfg.max_prompt_bytes)
             except ApiError as e:
                 refusals[v] = e
                 continue

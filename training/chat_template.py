@@ -7,6 +7,13 @@ an empty string where the tokenizer names none), `raise_exception(message)` and
 `strftime_now(format)`, with the `tojson` filter that keeps non-ASCII text and the loop controls (`break`,
 `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and `lstrip_blocks`.
 
+Rendering is bounded, because the endpoint renders every chat request: it stops once the prompt passes the byte
+limit it will be held to (`serve.max_prompt_bytes`), and once it has run for `RENDER_BUDGET_S` (checked at every
+piece of output and every attribute or item the template reads), each a refusal that says which. The sandbox keeps
+a template from reaching out of it; the budget keeps a template that is slow on large inputs from holding a
+replica. Neither bounds a template written to exhaust memory: templates are the operator's and the registry's,
+not the client's.
+
 A model version carries its tokenizer's template (`tokenizer.chat_template`, or found beside a `tokenizer.path`
 the way a Hugging Face tokenizer directory holds it: `chat_template.jinja`, else `tokenizer_config.json`'s
 `chat_template`); the endpoint renders a chat request with the template of the version that answers it
@@ -15,9 +22,11 @@ the way a Hugging Face tokenizer directory holds it: `chat_template.jinja`, else
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -71,8 +80,44 @@ class ChatFormat:
 NO_CHAT = ChatFormat()  # a tokenizer without a chat template or special tokens
 
 
+RENDER_BUDGET_S = 1.0  # the longest one render may run (module docstring)
+
+_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_deadline", default=0.0)
+
+
 class TemplateRefused(ValueError):
-    """The template raised while rendering (its `raise_exception`, or any error): one line."""
+    """The template raised while rendering (its `raise_exception`, or any error), or ran past its time budget:
+    one line."""
+
+
+class PromptTooLong(ValueError):
+    """The rendered prompt passed the byte limit rendering was held to: rendering stopped there."""
+
+
+class _OverBudget(Exception):
+    """A render ran past its budget: raised in the template's frames, turned into TemplateRefused by render."""
+
+
+def _check_deadline() -> None:
+    deadline = _deadline.get()
+    if deadline and time.monotonic() > deadline:
+        raise _OverBudget
+
+
+def _sandbox() -> Any:
+    """Jinja's immutable sandbox, checking the render's deadline at every attribute or item a template reads."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            _check_deadline()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            _check_deadline()
+            return super().getitem(obj, argument)
+
+    return Bounded
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,12 +128,11 @@ def compile_template(source: str) -> Any:
         ValueError: one line with Jinja's message and line, when the source does not parse.
     """
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _sandbox()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -100,25 +144,47 @@ def compile_template(source: str) -> Any:
         raise ValueError(f"not a Jinja template: line {e.lineno}: {e.message}") from None
 
 
-def render(source: str | ChatFormat, messages: list[dict[str, str]]) -> str:
+def render(
+    source: str | ChatFormat, messages: list[dict[str, str]], max_bytes: int = 0, budget_s: float = RENDER_BUDGET_S
+) -> str:
     """The prompt a chat template (with its tokenizer's special tokens, when a ChatFormat) makes of `messages`,
     ready for the model to answer.
 
+    Args:
+        max_bytes: stop once the prompt has more UTF-8 bytes than this (0: no limit).
+        budget_s: stop once rendering has run this long (0: no limit).
+
     Raises:
-        TemplateRefused: the template refused the messages (its `raise_exception`, or an error while rendering).
+        TemplateRefused: the template refused the messages (its `raise_exception`, or an error while rendering), or
+            ran past `budget_s`.
+        PromptTooLong: the prompt passed `max_bytes` (the message says so; rendering stopped there).
     """
     import jinja2
 
     fmt = ChatFormat.given(source)
+    template = compile_template(fmt.template)
+    token = _deadline.set(time.monotonic() + budget_s if budget_s else 0.0)
+    parts: list[str] = []
+    size = 0
     try:
-        return str(
-            compile_template(fmt.template).render(
-                messages=messages, add_generation_prompt=True, bos_token=fmt.bos_token, eos_token=fmt.eos_token
-            )
-        )
+        for part in template.generate(
+            messages=messages, add_generation_prompt=True, bos_token=fmt.bos_token, eos_token=fmt.eos_token
+        ):
+            parts.append(part)
+            size += len(part.encode("utf-8"))
+            if max_bytes and size > max_bytes:
+                raise PromptTooLong(f"the rendered prompt has more than {max_bytes} bytes")
+            _check_deadline()
+    except PromptTooLong:
+        raise
+    except _OverBudget:
+        raise TemplateRefused(f"rendering ran longer than {budget_s:g} s") from None
     except Exception as e:  # noqa: BLE001 - the model's template: whatever it raises is the request's refusal
         cause = first_line(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {first_line(e)}"
         raise TemplateRefused(cause) from None
+    finally:
+        _deadline.reset(token)
+    return "".join(parts)
 
 
 def fingerprint(source: str) -> str:

@@ -64,7 +64,7 @@ def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion
         ),
         (
             {"messages": [{"role": "user", "content": "y" * 90}]},
-            "messages: the rendered prompt has 140 bytes > serve.max_prompt_bytes=100",
+            "messages: the rendered prompt has more than serve.max_prompt_bytes=100 bytes",
             "messages",
         ),
     ],
@@ -275,3 +275,25 @@ def test_the_special_tokens_are_the_ones_transformers_loads(tmp_path, config, to
     theirs = AutoTokenizer.from_pretrained(str(tmp_path))
     expected = {k: getattr(theirs, k) for k in ("bos_token", "eos_token") if getattr(theirs, k)}
     assert ours.tokens() == expected and expected  # every case names at least one
+
+
+def test_rendering_stops_at_the_prompt_limit_and_at_its_time_budget():
+    from training.chat_template import PromptTooLong, TemplateRefused
+    from training.chat_template import render as render_bounded
+
+    # 10^10 pieces of output without the limit: rendering stops just past serve.max_prompt_bytes
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    with pytest.raises(ApiError, match="more than serve.max_prompt_bytes=4096 bytes") as err:
+        validate_chat({"messages": HI}, endless, 4096, 64)
+    assert err.value.status == 400 and err.value.param == "messages"
+    # a template that writes nothing while it loops over the messages is stopped by its budget (8*10^9 reads
+    # of m.content without it)
+    many = [{"role": "user", "content": "x"}] * 2000
+    silent = "{% for a in messages %}{% for b in messages %}{% for c in messages %}{% if c.content == 'y' %}y"
+    silent += "{% endif %}{% endfor %}{% endfor %}{% endfor %}done"
+    with pytest.raises(TemplateRefused, match=r"^rendering ran longer than 0\.05 s$"):
+        render_bounded(silent, many, budget_s=0.05)
+    assert render_bounded(silent, many[:20], budget_s=5.0) == "done"
+    with pytest.raises(PromptTooLong):
+        render_bounded("{{ messages[0].content }}", [{"role": "user", "content": "é" * 3}], max_bytes=5)
+    assert render_bounded("{{ messages[0].content }}", [{"role": "user", "content": "é" * 3}], max_bytes=6) == "ééé"
