@@ -12,9 +12,17 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 MAX_ITEMS = 50000  # far above any step's min_requests; bounds memory if nobody reads
+
+
+def step_observations(
+    items: Iterable[dict[str, Any]], canary_id: str, epoch: int, since: int = 0
+) -> list[dict[str, Any]]:
+    """The observations of step `epoch` of canary `canary_id` numbered >= since (what a driver's read returns)."""
+    return [o for o in items if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
 
 
 class Evidence:
@@ -50,7 +58,7 @@ class Evidence:
     def get(self, canary_id: str, epoch: int, since: int = 0) -> dict[str, Any]:
         """Observations of step `epoch` of canary `canary_id` numbered >= since, and the next number."""
         with self.lock:
-            items = [o for o in self.items if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since]
+            items = step_observations(self.items, canary_id, epoch, since)
             return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
     def routers(self) -> list[str]:

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
+from deployments.evidence import step_observations
 from deployments.router_config import Job
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,7 @@ class EvidenceRecorder:
         replica's, from the application's Evidence deployment (this replica's own when there is none)."""
         if self.evidence is not None:
             return await self.evidence.get.remote(canary_id, epoch, since)
-        items = [
-            o for o in self.observations if o["canary_id"] == canary_id and o["epoch"] == epoch and o["seq"] >= since
-        ]
+        items = step_observations(self.observations, canary_id, epoch, since)
         return {"replica_id": self.replica_id, "next": self.seq, "items": items}
 
     def _record(
