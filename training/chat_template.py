@@ -8,11 +8,11 @@ an empty string where the tokenizer names none), `raise_exception(message)` and
 `continue`). It renders in Jinja's immutable sandbox with `trim_blocks` and `lstrip_blocks`.
 
 Rendering is bounded, because the endpoint renders every chat request: it stops once the prompt passes the byte
-limit it will be held to (`serve.max_prompt_bytes`), and once it has run for `RENDER_BUDGET_S` (checked at every
-piece of output and every attribute or item the template reads), each a refusal that says which. The sandbox keeps
-a template from reaching out of it; the budget keeps a template that is slow on large inputs from holding a
-replica. Neither bounds a template written to exhaust memory: templates are the operator's and the registry's,
-not the client's.
+limit it will be held to (`serve.max_prompt_bytes`), and once it has taken `RENDER_BUDGET_S` of CPU time (checked at
+every piece of output, every attribute or item the template reads, every call and every loop iteration), each a
+refusal that says which. The sandbox keeps a template from reaching out of it; the budget keeps a template that is
+slow on large inputs from holding a replica's thread. Neither bounds one operation written to exhaust memory
+(`'x' * 10**10`): templates are the operator's and the registry's, not the client's.
 
 A model version carries its tokenizer's template (`tokenizer.chat_template`, or found beside a `tokenizer.path`
 the way a Hugging Face tokenizer directory holds it: `chat_template.jinja`, else `tokenizer_config.json`'s
@@ -80,9 +80,21 @@ class ChatFormat:
 NO_CHAT = ChatFormat()  # a tokenizer without a chat template or special tokens
 
 
-RENDER_BUDGET_S = 1.0  # the longest one render may run (module docstring)
+RENDER_BUDGET_S = 1.0  # the most CPU time one render may take (its thread's: waiting for the GIL is not counted)
 
-_deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_deadline", default=0.0)
+_CLOCK_EVERY = 32  # checks between two reads of the thread's CPU clock (a system call, ~1 µs)
+
+
+class _Budget:
+    """The running render's deadline on its thread's CPU clock (0: none), read every `_CLOCK_EVERY` checks."""
+
+    __slots__ = ("deadline", "left")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline, self.left = deadline, 0
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_template_budget", default=None)
 
 
 class TemplateRefused(ValueError):
@@ -99,13 +111,31 @@ class _OverBudget(Exception):
 
 
 def _check_deadline() -> None:
-    deadline = _deadline.get()
-    if deadline and time.monotonic() > deadline:
+    budget = _budget.get()
+    if budget is None or not budget.deadline:
+        return
+    if budget.left > 0:
+        budget.left -= 1
+        return
+    budget.left = _CLOCK_EVERY
+    if time.thread_time() > budget.deadline:
         raise _OverBudget
 
 
+_LOOP_GUARD = "shardline_bounded_loop"  # the global every for loop's iterable passes through (compile_template)
+
+
+def _bounded_loop(iterable: Any) -> Any:
+    """`iterable`'s items, the render's deadline checked before each: a loop that reads and writes nothing (at the
+    top level, or inside a macro, a `set` block or a `filter` block, whose output Jinja collects whole) still ends."""
+    for item in iterable:
+        _check_deadline()
+        yield item
+
+
 def _sandbox() -> Any:
-    """Jinja's immutable sandbox, checking the render's deadline at every attribute or item a template reads."""
+    """Jinja's immutable sandbox, checking the render's deadline at every attribute or item a template reads and
+    every call it makes (functions, methods, macros)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Bounded(ImmutableSandboxedEnvironment):
@@ -117,17 +147,23 @@ def _sandbox() -> Any:
             _check_deadline()
             return super().getitem(obj, argument)
 
+        def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_deadline()
+            return super().call(context, obj, *args, **kwargs)
+
     return Bounded
 
 
 @functools.lru_cache(maxsize=8)
 def compile_template(source: str) -> Any:
-    """The Jinja template of a chat template's source, in the immutable sandbox.
+    """The Jinja template of a chat template's source, in the immutable sandbox, with every `for` loop's iterable
+    passed through `_bounded_loop` (Jinja's own loop object takes any iterable: `loop.length`, `loop.last` work).
 
     Raises:
         ValueError: one line with Jinja's message and line, when the source does not parse.
     """
     import jinja2
+    from jinja2 import nodes
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
@@ -138,10 +174,15 @@ def compile_template(source: str) -> Any:
     )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals[_LOOP_GUARD] = _bounded_loop
     try:
-        return env.from_string(source)
+        tree = env.parse(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"not a Jinja template: line {e.lineno}: {e.message}") from None
+    for loop in tree.find_all(nodes.For):
+        guard = nodes.Call(nodes.Name(_LOOP_GUARD, "load"), [loop.iter], [], None, None)
+        loop.iter = guard.set_lineno(loop.iter.lineno)
+    return env.from_string(tree)
 
 
 def render(
@@ -162,11 +203,11 @@ def render(
     import jinja2
 
     fmt = ChatFormat.given(source)
-    template = compile_template(fmt.template)
-    token = _deadline.set(time.monotonic() + budget_s if budget_s else 0.0)
+    token = _budget.set(_Budget(time.thread_time() + budget_s if budget_s else 0.0))
     parts: list[str] = []
     size = 0
     try:
+        template = compile_template(fmt.template)  # parsed when the version was loaded: a refusal if it is not
         for part in template.generate(
             messages=messages, add_generation_prompt=True, bos_token=fmt.bos_token, eos_token=fmt.eos_token
         ):
@@ -178,12 +219,12 @@ def render(
     except PromptTooLong:
         raise
     except _OverBudget:
-        raise TemplateRefused(f"rendering ran longer than {budget_s:g} s") from None
+        raise TemplateRefused(f"rendering took more than {budget_s:g} s of CPU time") from None
     except Exception as e:  # noqa: BLE001 - the model's template: whatever it raises is the request's refusal
         cause = first_line(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {first_line(e)}"
         raise TemplateRefused(cause) from None
     finally:
-        _deadline.reset(token)
+        _budget.reset(token)
     return "".join(parts)
 
 

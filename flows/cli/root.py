@@ -86,7 +86,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(chain), flush=True)
     else:
-        print(table([(k, json.dumps(v) if isinstance(v, dict) else v) for k, v in chain.items()]))
+        print(table([(k, json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else v) for k, v in chain.items()]))
     return 0
 
 
