@@ -178,3 +178,16 @@ def test_skip_reasons(store):
     assert skip_reason(client, CanaryConfig(), NAME, "1", "2") == ""
     move_alias(client, NAME, "champion", "1", "2")
     assert "already 'champion'" in skip_reason(client, CanaryConfig(), NAME, "1", "2")
+
+
+def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_text(store):
+    from deployments.lineage import describe_lineage
+
+    uri, client, exp = store
+    train, model, _ = _train_run_and_model(client, exp)
+    register_version(client, NAME, model, train, {TAG_CHAT_TOKENS: '{"eos_token": "<|fin|>", "bos_token": "«"}'})
+    assert describe_lineage(NAME, "1", uri)["chat_tokens"] == {"eos_token": "<|fin|>", "bos_token": "«"}
+    client.set_model_version_tag(NAME, "1", TAG_CHAT_TOKENS, '{"eos_token": "<|fi')  # cut short, or set by hand
+    assert describe_lineage(NAME, "1", uri)["chat_tokens"] == {"unparsed": '{"eos_token": "<|fi'}
+    train2, model2, _ = _train_run_and_model(client, exp)
+    assert describe_lineage(NAME, register_version(client, NAME, model2, train2), uri)["chat_tokens"] == {}
