@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from infra.names import (
@@ -19,20 +18,11 @@ from infra.names import (
     TAG_VALIDATION_RUN_ID,
 )
 from infra.tracking import resolve_tracking_uri
+from training.chat_template import tokens_of_tag
 
 
 class LineageError(LookupError):
     """The model, version or alias does not exist, or a link in the chain is missing."""
-
-
-def _tokens(tag: str) -> dict[str, Any]:
-    """A version's chat tokens tag as written (training.chat_template.tokens_tag), or what a tag that is not that
-    JSON holds, kept as text under "unparsed" (a tag set by hand, or cut at MLflow's length limit)."""
-    try:
-        tokens = json.loads(tag) if tag else {}
-    except ValueError:
-        return {"unparsed": tag}
-    return tokens if isinstance(tokens, dict) else {"unparsed": tag}
 
 
 def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str = "") -> dict[str, Any]:
@@ -69,7 +59,7 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "manifest_uri": tags.get(TAG_MANIFEST_URI, ""),
         "tokenizer_sha256": tags.get(TAG_TOKENIZER_SHA256, ""),  # "" for bytes: what turned the texts into ids
         "chat_template_sha256": tags.get(TAG_CHAT_TEMPLATE_SHA256, ""),  # "" for none: how chat becomes a prompt
-        "chat_tokens": _tokens(tags.get(TAG_CHAT_TOKENS, "")),  # the special tokens it sees ({} for none)
+        "chat_tokens": tokens_of_tag(tags.get(TAG_CHAT_TOKENS, "")),  # the special tokens it sees ({} for none)
         "data_run_id": data_run_id,
         "train_run_id": mv.run_id or "",
         "checkpoint_uri": tags.get(TAG_CHECKPOINT_URI, ""),

@@ -238,6 +238,16 @@ def tokens_tag(tokens: dict[str, str]) -> str:
     return json.dumps(tokens, sort_keys=True, ensure_ascii=False) if tokens else ""
 
 
+def tokens_of_tag(tag: str) -> dict[str, Any]:
+    """`tokens_tag` read back ({} for ''); a tag that is not that JSON (set by hand, or cut at MLflow's length
+    limit) is kept as text under "unparsed"."""
+    try:
+        tokens = json.loads(tag) if tag else {}
+    except ValueError:
+        return {"unparsed": tag}
+    return tokens if isinstance(tokens, dict) else {"unparsed": tag}
+
+
 def read(uri: str) -> str:
     """The template in a file: a `.jinja` file's text, or a `tokenizer_config.json`'s "chat_template" (a string).
 
