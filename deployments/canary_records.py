@@ -91,6 +91,14 @@ class OperatorCommand(BaseModel):
     state: CanaryState | None = Field(None, description="The canary's state when the driver acted on it.")
 
 
+class Warmup(BaseModel):
+    """The challenger's warm-up before the first step: what it cost, so a cold start is visible, not judged."""
+
+    requests: int = Field(description="Warm-up requests sent (x-shardline-variant: challenger; never evidence).")
+    failed: int = Field(description="Of them, those that got no 200 answer.")
+    latency_ms: list[float] = Field([], description="Client-side latency of each request, in the order sent.")
+
+
 class CanaryDecision(BaseModel):
     """Compare, then act: the candidate, its baseline, the per-step metrics, the verdict and why."""
 
@@ -103,6 +111,7 @@ class CanaryDecision(BaseModel):
     metrics: list[StepMetrics] = []
     gates: dict[str, float | str] = {}
     commands: list[OperatorCommand] = Field([], description="Operator commands the driver acted on, in order.")
+    warmup: Warmup | None = Field(None, description="The challenger's warm-up; None when none was sent.")
 
 
 class CanaryResult(BaseModel):

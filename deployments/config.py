@@ -211,6 +211,14 @@ class CanaryConfig(BaseModel):
         description="Probe requests per second from held-out text topping up thin live traffic "
         "(0 = off); labelled source=probe in metrics and reports.",
     )
+    warmup_requests: int = Field(
+        8,
+        ge=0,
+        le=1000,
+        description="Requests sent to the challenger alone (x-shardline-variant, never evidence) once its replicas "
+        "are up and before the first step counts, half /v1/score and half /v1/completions: its first calls pay "
+        "one-time costs that would otherwise be judged as its latency (0 = off).",
+    )
     shadow_share: float = Field(
         1.0, gt=0, le=1, description="Share of challenger-served requests also scored by the champion (paired)."
     )

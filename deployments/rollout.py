@@ -1,6 +1,8 @@
 """The rollout driver: takes a challenger through the ramp on the live endpoint and applies the policy's decision.
 
-Per step (deployments/rollout_ramp): a lightweight router update sets the weight and renews the canary's lease;
+Once the challenger's replicas are up, it gets `canary.warmup_requests` requests of its own (never evidence), so
+that its one-time costs are not judged as its latency; their latencies are on the decision. Per step
+(deployments/rollout_ramp): a lightweight router update sets the weight and renews the canary's lease;
 the step bakes on the live requests (topped up by labelled probe traffic when asked) until it has `min_requests`
 challenger requests and `bake_seconds` passed, or fails at `step_timeout_s`; rollout_gates judges it. The
 registry is the desired state: a promotion moves `champion` first (compare-and-set) and then reconciles the
@@ -46,7 +48,7 @@ from deployments.registry import (
 )
 from deployments.rollout_gates import apply_promql, summarize_step
 from deployments.rollout_policy import decide_canary, hold_percent, next_move, ramp_steps
-from deployments.rollout_ramp import Prober, Ramp
+from deployments.rollout_ramp import Prober, Ramp, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ def run_rollout(
             return _finish(
                 client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision, found.url
             )
+        warmup = warm_up(found.url, probe_texts, cfg.warmup_requests, cfg.max_probe_bytes, token)
         prober = (
             Prober(found.url, probe_texts, cfg.probe_rps, cfg.max_probe_bytes, cfg.seed, token)
             if cfg.probe_rps > 0
@@ -152,6 +155,7 @@ def run_rollout(
             if prober is not None:
                 prober.__exit__(None, None, None)
         decision = decide_canary(model_name, challenger, champion, steps, cfg, ended_by, timed_out, control.applied)
+        decision = decision.model_copy(update={"warmup": warmup})
     except BaseException:
         _best_effort(ramp.champion_only)  # undecided: the champion serves everything; the registry is untouched
         raise
@@ -336,6 +340,12 @@ def log_decision(decision: CanaryDecision) -> None:
                 f"{role}.bpb": v.bpb,
             }
         mlflow.log_metrics({f"step{s.percent}.{k}": float(x) for k, x in values.items() if x is not None}, step=i)
+    if decision.warmup is not None and decision.warmup.latency_ms:
+        lat = decision.warmup.latency_ms
+        mlflow.log_metrics(
+            {"warmup.requests": decision.warmup.requests, "warmup.failed": decision.warmup.failed}
+            | {"warmup.first_ms": lat[0], "warmup.last_ms": lat[-1]}
+        )
     mlflow.set_tags(
         {
             "shardline.canary_verdict": decision.verdict,

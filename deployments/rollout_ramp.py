@@ -6,7 +6,8 @@ collects from the routers, and probe traffic that tops it up.
 again; what was seen is kept) while polling the operator's commands (deployments/canary_control) and renewing the
 lease, until the step has `canary.min_requests` challenger requests, `canary.min_paired` of them paired with a
 champion score, and `canary.bake_seconds` passed, or `canary.step_timeout_s` ran out, or (sooner) the challenger's
-errors already fail the error-rate gate on `canary.min_requests` requests. The rollout driver
+errors already fail the error-rate gate on `canary.min_requests` requests. `warm_up` sends the challenger its
+first calls before any step counts. The rollout driver
 (deployments/rollout) decides what to do with each step.
 """
 
@@ -20,22 +21,74 @@ import uuid
 from typing import Any, NamedTuple
 
 from deployments import canary_control
-from deployments.canary_records import OperatorCommand
+from deployments.canary_records import OperatorCommand, Warmup
 from deployments.config import CanaryConfig, ServeConfig
 from deployments.endpoint import apply, router_handle
 from deployments.rollout_gates import errors_already_fail, missing_evidence
-from deployments.router_config import PROBE_HEADER
+from deployments.router_config import PROBE_HEADER, VARIANT_HEADER
 from deployments.serve_build import AppSpec, app_name_for, router_config
 
 log = logging.getLogger(__name__)
+
+
+WARMUP_BUDGET_S = 60.0  # a challenger that hangs holds the canary no longer than this; its steps then judge it
+
+
+def _usable(texts: list[bytes], max_bytes: int) -> list[str]:
+    cut = [t[:max_bytes].decode("utf-8", errors="ignore") for t in texts]
+    return [t for t in cut if len(t.encode()) >= 2]
+
+
+def warm_up(
+    url: str, texts: list[bytes], n: int, max_bytes: int, token: str = "", budget_s: float = WARMUP_BUDGET_S
+) -> Warmup | None:
+    """`n` requests to the challenger alone before the first step counts, one at a time, alternately /v1/score and
+    /v1/completions (2 tokens, greedy) on held-out texts, each with `x-shardline-variant: challenger`, which the
+    router routes past the weight and never records as evidence. They pay the challenger's one-time costs (the
+    routers' first calls to a new deployment, its first forward passes) that the first step would otherwise judge
+    as its latency. Failures are recorded, not judged: the steps judge. None when `n` is 0."""
+    import httpx
+
+    if n <= 0:
+        return None
+    usable = _usable(texts, max_bytes) or ["shardline warm-up"]
+    headers = {VARIANT_HEADER: "challenger", **({"authorization": f"Bearer {token}"} if token else {})}
+    latency: list[float] = []
+    failed = 0
+    deadline = time.monotonic() + budget_s
+    with httpx.Client() as http:
+        for i in range(n):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            text = usable[i % len(usable)]
+            path, body = (
+                ("/v1/score", {"text": text})
+                if i % 2 == 0
+                else ("/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0.0})
+            )
+            t0 = time.perf_counter()
+            try:
+                failed += http.post(url + path, json=body, headers=headers, timeout=min(30.0, left)).status_code != 200
+            except httpx.HTTPError:
+                failed += 1
+            latency.append(round((time.perf_counter() - t0) * 1000, 2))
+    warmup = Warmup(requests=len(latency), failed=failed, latency_ms=latency)
+    log.info(
+        "challenger warm-up: %d requests, %d failed, first %.1f ms, last %.1f ms",
+        warmup.requests,
+        failed,
+        latency[0] if latency else 0.0,
+        latency[-1] if latency else 0.0,
+    )
+    return warmup
 
 
 class Prober:
     """Probe traffic: held-out texts POSTed to /v1/score at a fixed rate, labelled as probe, until stopped."""
 
     def __init__(self, url: str, texts: list[bytes], rps: float, max_bytes: int, seed: int, token: str = ""):
-        usable = [t[:max_bytes].decode("utf-8", errors="ignore") for t in texts]
-        self.texts = [t for t in usable if len(t.encode()) >= 2]
+        self.texts = _usable(texts, max_bytes)
         if not self.texts:
             raise ValueError("no held-out text of at least 2 bytes to probe the endpoint with")
         self.url, self.rps, self.rng = f"{url}/v1/score", rps, random.Random(f"{seed}:probe")

@@ -154,7 +154,18 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
     assert (promoted.version, promoted.champion_version) == ("2", "1")
     url = endpoint.reconcile(world["serve"], NAME, world["uri"]).url
     champion_pid = _describe("1")["pid"]
-    steps_seen = []
+    steps_seen, decisions, variant_seen = [], [], []
+
+    def on_step(i, s):
+        steps_seen.append((s.percent, _describe("1")["pid"]))
+        if i == 0:  # the router that counted the warm-up is still the one answering (lightweight updates only)
+            variant_seen.append(
+                {
+                    e: _metric(url, "shardline_requests_total", version="2", source="variant", endpoint=e)
+                    for e in ("score", "completions")
+                }
+            )
+
     with Load(url, world["texts"], rps=6.0, max_seconds=400) as load:
         time.sleep(1.0)
         result = run_rollout(
@@ -165,7 +176,8 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
             "2",
             world["uri"],
             world["heldout"],
-            on_step=lambda i, s: steps_seen.append((s.percent, _describe("1")["pid"])),
+            on_step=on_step,
+            log_decision=decisions.append,
         )
         time.sleep(1.5)  # a few requests after the promotion
     print(result.model_dump_json(indent=1))
@@ -173,6 +185,16 @@ def test_a_better_challenger_is_released_into_live_traffic_with_zero_failures(wo
     assert result.champion_version == "2" and read_aliases(client, NAME)["champion"] == "2"
     assert client.get_model_version(NAME, "2").tags[TAG_CANARY_DECISION] == "promoted"
     assert [s["percent"] for s in result.steps] == [10, 50, 100]
+    # the challenger was warmed up before the first step, on both endpoints, and not one warm-up call was evidence
+    warmup = decisions[0].warmup
+    print(
+        "warm-up ms",
+        warmup.latency_ms,
+        "first step's paired challenger ms",
+        decisions[0].metrics[0].challenger_paired_ms,
+    )
+    assert (warmup.requests, warmup.failed, len(warmup.latency_ms)) == (CFG.warmup_requests, 0, CFG.warmup_requests)
+    assert variant_seen == [{"score": CFG.warmup_requests / 2, "completions": CFG.warmup_requests / 2}]
     # no ramp step restarted the champion's replica (lightweight updates only)
     assert [pid for _, pid in steps_seen] == [champion_pid] * 3
     for step in result.steps:
