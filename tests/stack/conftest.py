@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.postgres_server import PostgresServer, pg_bin
+from support.requires import missing
 from support.stack_support import REPO, shardline, small_config, stack_env, status
 
 from infra.cluster import free_port
@@ -47,13 +49,26 @@ def serve_of(model_name: str, serve_port: int) -> dict:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """One running stack for the stack tests (session-wide: starting one takes ~50 s):
-    {'env', 'home', 'api', 'tracking_uri', 'status', 'log'}; `shardline down` afterwards."""
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL server for the session (its URL), stopped and removed afterwards."""
+    if pg_bin() is None:
+        missing("no PostgreSQL server binaries (make test installs them)")
+    server = PostgresServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres_url: str) -> Iterator[dict]:
+    """One running stack for the stack tests (session-wide: starting one takes ~50 s), on PostgreSQL as a team runs
+    it (`shardline up --backend`: MLflow's store and Prefect's database): {'env', 'home', 'api', 'tracking_uri',
+    'status', 'log', 'postgres', ...}; `shardline down` afterwards."""
     home = tmp_path_factory.mktemp("stack-home")
     env = stack_env(home)
     serve_port = free_port()
-    proc = shardline(up_args("stack-test", serve_port=serve_port), env, timeout=600)
+    proc = shardline(up_args("stack-test", ["--backend", postgres_url], serve_port=serve_port), env, timeout=600)
     try:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = status(env)
@@ -66,6 +81,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             "log": Path(report["worker"]["log"]),
             "up_output": proc.stdout,
             "serve_port": serve_port,
+            "postgres": postgres_url,
             "config": lambda name, steps=10: small_config(name, steps, serve=serve_of(name, serve_port)),
         }
     finally:

@@ -1,5 +1,6 @@
 """`shardline up --backend postgresql://...`: MLflow's store and Prefect's database on one PostgreSQL server
-(separate databases, created), and two pipeline runs at once against it."""
+(separate databases, created), and two pipeline runs at once against it. The session's stack (tests/stack/conftest)
+is the one on PostgreSQL, so every stack test runs on it; this test checks where the state went."""
 
 from __future__ import annotations
 
@@ -7,92 +8,66 @@ import json
 import subprocess
 
 import pytest
-from conftest import up_args
-from support.postgres_server import PostgresServer, pg_bin
-from support.requires import missing
-from support.stack_support import REPO, SHARDLINE, shardline, stack_env, status
-
-from infra.cluster import free_port
+from support.stack_support import REPO, SHARDLINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
-@pytest.fixture
-def postgres():
-    if pg_bin() is None:
-        missing("no PostgreSQL server binaries (make test installs them)")
-    server = PostgresServer()
-    url = server.start()
-    yield url
-    server.stop()
-
-
-def test_stack_on_postgresql_runs_two_pipelines_at_once(postgres, tmp_path):
+def test_stack_on_postgresql_runs_two_pipelines_at_once(stack):
     import psycopg2
 
-    env = stack_env(tmp_path / "home")
-    serve_port = free_port()
-    # No endpoint, Prometheus or deployments: this test is about the backend (serving is the other stack tests'), and
-    # on 2 cores releases into a live endpoint cost more than the runs' database traffic proves.
-    extra = ["--backend", postgres, "--set", "stack.deploy=false", "--set", "stack.endpoint=false"]
-    up = shardline(up_args("stack-pg", [*extra, "--set", "stack.prometheus=false"], serve_port=serve_port), env)
-    try:
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        report = status(env)
-        assert report["postgres"]["databases"] == "shardline_mlflow,shardline_prefect"
-        assert report["prefect"]["database"].startswith("postgresql://shardline@127.0.0.1:")
-        assert report["mlflow"]["backend"].endswith("/shardline_mlflow")
+    postgres, env = stack["postgres"], stack["env"]
+    report = stack["status"]
+    assert report["postgres"]["databases"] == "shardline_mlflow,shardline_prefect"
+    assert report["prefect"]["database"].startswith("postgresql://shardline@127.0.0.1:")
+    assert report["mlflow"]["backend"].endswith("/shardline_mlflow")
+    # Two `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases of
+    # one model serialising is the release lock's test; these register two models side by side.) Two writers
+    # are what makes SQLite answer "database is locked"; a third cost ~100 s on 2 cores and proved nothing more.
+    cmd = [
+        SHARDLINE,
+        "run",
+        "--config",
+        str(REPO / "configs" / "debug.toml"),
+        "--json",
+        "--set",
+        "train.steps=10",
+        "--set",
+        "train.checkpoint_every=5",
+        "--set",
+        "serve.enabled=false",
+        "--set",
+        "canary.enabled=false",
+    ]
+    models = [f"stack-pg-{i}" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--set", f"registry.model_name={model}"],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for model in models
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=False):
+        assert p.returncode == 0, err[-3000:]
+        assert "database is locked" not in err
+    summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == [
+        (model, "1", "first-champion") for model in models
+    ]
 
-        # Two `shardline run`s at once: they find the stack and use its Prefect and MLflow servers. (Releases of
-        # one model serialising is the release lock's test; these register two models side by side.) Two writers
-        # are what makes SQLite answer "database is locked"; a third cost ~100 s on 2 cores and proved nothing more.
-        cmd = [
-            SHARDLINE,
-            "run",
-            "--config",
-            str(REPO / "configs" / "debug.toml"),
-            "--json",
-            "--set",
-            "train.steps=10",
-            "--set",
-            "train.checkpoint_every=5",
-            "--set",
-            "serve.enabled=false",
-            "--set",
-            "canary.enabled=false",
-        ]
-        models = [f"stack-pg-{i}" for i in range(2)]
-        procs = [
-            subprocess.Popen(
-                [*cmd, "--set", f"registry.model_name={model}"],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for model in models
-        ]
-        outs = [p.communicate(timeout=900) for p in procs]
-        for p, (_out, err) in zip(procs, outs, strict=False):
-            assert p.returncode == 0, err[-3000:]
-            assert "database is locked" not in err
-        summaries = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-        assert sorted((s["model_name"], s["model_version"], s["decision"]) for s in summaries) == [
-            (model, "1", "first-champion") for model in models
-        ]
-
-        # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
-        base = dict(host="127.0.0.1", port=int(postgres.rsplit(":", 1)[1].split("/")[0]), user="shardline")
-        with psycopg2.connect(dbname="shardline_mlflow", **base) as conn, conn.cursor() as cur:
-            cur.execute("SELECT value FROM tags WHERE key = 'shardline.prefect_flow_run_id'")
-            mlflow_flow_runs = {row[0] for row in cur.fetchall()}
-            cur.execute("SELECT name FROM model_versions WHERE name LIKE 'stack-pg-%' ORDER BY name")
-            assert [row[0] for row in cur.fetchall()] == models
-        with psycopg2.connect(dbname="shardline_prefect", **base) as conn, conn.cursor() as cur:
-            cur.execute("SELECT id::text FROM flow_run WHERE state_type = 'COMPLETED'")
-            prefect_flow_runs = {row[0] for row in cur.fetchall()}
-        assert {s["flow_run_id"] for s in summaries} <= mlflow_flow_runs & prefect_flow_runs
-    finally:
-        down = shardline(["down"], env, timeout=300)
-        assert down.returncode == 0, down.stderr
+    # Everything is in PostgreSQL: the MLflow runs of each flow run, and the flow runs in Prefect's database.
+    base = dict(host="127.0.0.1", port=int(postgres.rsplit(":", 1)[1].split("/")[0]), user="shardline")
+    with psycopg2.connect(dbname="shardline_mlflow", **base) as conn, conn.cursor() as cur:
+        cur.execute("SELECT value FROM tags WHERE key = 'shardline.prefect_flow_run_id'")
+        mlflow_flow_runs = {row[0] for row in cur.fetchall()}
+        cur.execute("SELECT name FROM model_versions WHERE name LIKE 'stack-pg-%' ORDER BY name")
+        assert [row[0] for row in cur.fetchall()] == models
+    with psycopg2.connect(dbname="shardline_prefect", **base) as conn, conn.cursor() as cur:
+        cur.execute("SELECT id::text FROM flow_run WHERE state_type = 'COMPLETED'")
+        prefect_flow_runs = {row[0] for row in cur.fetchall()}
+    assert {s["flow_run_id"] for s in summaries} <= mlflow_flow_runs & prefect_flow_runs
