@@ -134,9 +134,9 @@ def run_rollout(
             return _finish(
                 client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env, log_decision, found.url
             )
-        warmup = warm_up(found.url, probe_texts, cfg.warmup_requests, cfg.max_probe_bytes, token)
+        warmup = warm_up(found.url, model_name, probe_texts, cfg, token)
         prober = (
-            Prober(found.url, probe_texts, cfg.probe_rps, cfg.max_probe_bytes, cfg.seed, token)
+            Prober(found.url, probe_texts, cfg.probe_rps, cfg.max_probe_bytes, cfg.seed, token, model_name)
             if cfg.probe_rps > 0
             else None
         )

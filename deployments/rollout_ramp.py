@@ -27,6 +27,7 @@ from deployments.endpoint import apply, router_handle
 from deployments.rollout_gates import errors_already_fail, missing_evidence
 from deployments.router_config import PROBE_HEADER, VARIANT_HEADER
 from deployments.serve_build import AppSpec, app_name_for, router_config
+from infra.redact import first_line
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,22 @@ def _usable(texts: list[bytes], max_bytes: int) -> list[str]:
 
 
 def warm_up(
-    url: str, texts: list[bytes], n: int, max_bytes: int, token: str = "", budget_s: float = WARMUP_BUDGET_S
+    url: str, model: str, texts: list[bytes], cfg: CanaryConfig, token: str = "", budget_s: float = WARMUP_BUDGET_S
 ) -> Warmup | None:
-    """`n` requests to the challenger alone before the first step counts, one at a time, alternately /v1/score and
-    /v1/completions (2 tokens, greedy) on held-out texts, each with `x-shardline-variant: challenger`, which the
-    router routes past the weight and never records as evidence. They pay the challenger's one-time costs (the
-    routers' first calls to a new deployment, its first forward passes) that the first step would otherwise judge
-    as its latency. Failures are recorded, not judged: the steps judge. None when `n` is 0."""
+    """`canary.warmup_requests` requests to `model`'s challenger alone before the first step counts, one at a time,
+    alternately /v1/score and /v1/completions (2 tokens, greedy) on held-out texts, each with `x-shardline-variant:
+    challenger`, which the router routes past the weight and never records as evidence (nor as the version's
+    latency in its metrics). They pay the challenger's one-time costs (the routers' first calls to a new deployment,
+    its first forward passes) that the first step would otherwise judge as its latency. Failures are recorded, not
+    judged: the steps judge. At most `budget_s`, and half the canary's lease (no renewal happens meanwhile). None
+    when there are none to send."""
     import httpx
 
+    n = cfg.warmup_requests
     if n <= 0:
         return None
-    usable = _usable(texts, max_bytes) or ["shardline warm-up"]
+    budget_s = min(budget_s, cfg.lease_s / 2)
+    usable = _usable(texts, cfg.max_probe_bytes) or ["shardline warm-up"]
     headers = {VARIANT_HEADER: "challenger", **({"authorization": f"Bearer {token}"} if token else {})}
     latency: list[float] = []
     failed = 0
@@ -63,15 +68,16 @@ def warm_up(
                 break
             text = usable[i % len(usable)]
             path, body = (
-                ("/v1/score", {"text": text})
+                ("/v1/score", {"model": model, "text": text})
                 if i % 2 == 0
-                else ("/v1/completions", {"prompt": text, "max_tokens": 2, "temperature": 0.0})
+                else ("/v1/completions", {"model": model, "prompt": text, "max_tokens": 2, "temperature": 0.0})
             )
             t0 = time.perf_counter()
             try:
                 failed += http.post(url + path, json=body, headers=headers, timeout=min(30.0, left)).status_code != 200
-            except httpx.HTTPError:
+            except Exception as e:  # noqa: BLE001 - best effort: a bad URL or a dead replica is the steps' to judge
                 failed += 1
+                log.warning("challenger warm-up: %s: %s", type(e).__name__, first_line(e))
             latency.append(round((time.perf_counter() - t0) * 1000, 2))
     warmup = Warmup(requests=len(latency), failed=failed, latency_ms=latency)
     log.info(
@@ -87,11 +93,14 @@ def warm_up(
 class Prober:
     """Probe traffic: held-out texts POSTed to /v1/score at a fixed rate, labelled as probe, until stopped."""
 
-    def __init__(self, url: str, texts: list[bytes], rps: float, max_bytes: int, seed: int, token: str = ""):
+    def __init__(
+        self, url: str, texts: list[bytes], rps: float, max_bytes: int, seed: int, token: str = "", model: str = ""
+    ):
         self.texts = _usable(texts, max_bytes)
         if not self.texts:
             raise ValueError("no held-out text of at least 2 bytes to probe the endpoint with")
         self.url, self.rps, self.rng = f"{url}/v1/score", rps, random.Random(f"{seed}:probe")
+        self.model = model  # the gateway in front of several models routes by it
         self.headers = {PROBE_HEADER: "1", **({"authorization": f"Bearer {token}"} if token else {})}
         self.sent = self.failed = 0
         self._stop = threading.Event()
@@ -112,7 +121,8 @@ class Prober:
             while not self._stop.is_set():
                 t0 = time.monotonic()
                 try:
-                    r = http.post(self.url, json={"text": self.rng.choice(self.texts)}, headers=self.headers)
+                    body = {"text": self.rng.choice(self.texts), **({"model": self.model} if self.model else {})}
+                    r = http.post(self.url, json=body, headers=self.headers)
                     self.failed += r.status_code != 200
                 except httpx.HTTPError:
                     self.failed += 1

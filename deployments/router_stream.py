@@ -158,7 +158,7 @@ class RouterStreams:
     ) -> None:
         out = dict(served)
         out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
-        self.metrics.model_call(out["version"], "served", "complete", out)
+        self.metrics.model_call(out["version"], "variant" if job.variant else "served", "complete", out)
         self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
         if not job.variant:
             self._record(job, to_challenger, out, shadow, failed, (time.perf_counter() - t0) * 1000.0)

@@ -38,7 +38,7 @@ class RouterMetrics:
         )
         self.latency = Histogram(
             "shardline_model_latency_seconds",
-            "Model time inside the replica per call.",
+            "Model time inside the replica per call (x-shardline-variant calls excepted).",
             ["model", "version", "op"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -73,8 +73,11 @@ class RouterMetrics:
         self.requests.labels(self.model, version, endpoint, source, "ok" if ok else "error").inc()
 
     def model_call(self, version: str, kind: str, op: str, out: dict[str, Any]) -> None:
+        """kind: served, shadow (the champion's paired score), mirror (shadow mode's copy) or variant (a tester's or
+        the canary warm-up's x-shardline-variant call: counted here, kept out of the latency and bits a
+        dashboard or a PromQL gate reads as the version's)."""
         self.calls.labels(self.model, version, kind, op, "ok" if out.get("ok") else "error").inc()
-        if out.get("ok"):
+        if out.get("ok") and kind != "variant":
             self.latency.labels(self.model, version, op).observe(out["latency_ms"] / 1000.0)
             self.bits.labels(self.model, version).inc(out["bits"])
             self.bytes.labels(self.model, version).inc(out["bytes"])

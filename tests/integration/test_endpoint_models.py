@@ -252,12 +252,24 @@ def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
         for name in MODELS
     }
     assert {p.version for p in promoted.values()} == {"2"}
-    url = endpoint.reconcile(serve, MODELS[0], world["uri"]).url
+    # both models served before their loads start (run alone, this test would otherwise see the second one's
+    # first requests answered 404, unknown model, until its canary's reconcile deployed it)
+    url = [endpoint.reconcile(serve, name, world["uri"]).url for name in MODELS][0]
     results: dict[str, object] = {}
+    decisions: dict[str, object] = {}
 
     def release(name: str) -> None:  # each release's driver is its own flow process in use; threads here
         try:
-            results[name] = run_rollout(CFG, serve, name, "1", "2", world["uri"], world["heldout"])
+            results[name] = run_rollout(
+                CFG,
+                serve,
+                name,
+                "1",
+                "2",
+                world["uri"],
+                world["heldout"],
+                log_decision=lambda d: decisions.__setitem__(name, d),
+            )
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             results[name] = e
 
@@ -281,6 +293,10 @@ def test_concurrent_canaries_of_two_models_fail_no_request_of_either(world):
         assert client.get_model_version(name, "2").tags[TAG_CANARY_DECISION] == "promoted"
         assert load.answers and not load.failed, (name, load.failed[:5])
         assert {a.version for a in load.answers} == {"1", "2"}  # each model's own traffic moved, and only it
+        # the warm-up and the probes name their model: the gateway in front of both routes them to it
+        warmup = decisions[name].warmup
+        assert (warmup.requests, warmup.failed) == (CFG.warmup_requests, 0), warmup
+        assert all(step["probe_requests"] > 0 for step in result.steps), result.steps
 
 
 def test_an_address_shardline_cannot_host_is_refused_in_one_line(world):
