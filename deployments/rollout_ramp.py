@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 WARMUP_BUDGET_S = 60.0  # a challenger that hangs holds the canary no longer than this; its steps then judge it
 
 
+def _auth(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 def _usable(texts: list[bytes], max_bytes: int) -> list[str]:
     cut = [t[:max_bytes].decode("utf-8", errors="ignore") for t in texts]
     return [t for t in cut if len(t.encode()) >= 2]
@@ -57,7 +61,7 @@ def warm_up(
         return None
     budget_s = min(budget_s, cfg.lease_s / 2)
     usable = _usable(texts, cfg.max_probe_bytes) or ["shardline warm-up"]
-    headers = {VARIANT_HEADER: "challenger", **({"authorization": f"Bearer {token}"} if token else {})}
+    headers = {VARIANT_HEADER: "challenger", **_auth(token)}
     latency: list[float] = []
     failed = 0
     deadline = time.monotonic() + budget_s
@@ -101,7 +105,7 @@ class Prober:
             raise ValueError("no held-out text of at least 2 bytes to probe the endpoint with")
         self.url, self.rps, self.rng = f"{url}/v1/score", rps, random.Random(f"{seed}:probe")
         self.model = model  # the gateway in front of several models routes by it
-        self.headers = {PROBE_HEADER: "1", **({"authorization": f"Bearer {token}"} if token else {})}
+        self.headers = {PROBE_HEADER: "1", **_auth(token)}
         self.sent = self.failed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardline-probe", daemon=True)

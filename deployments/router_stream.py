@@ -47,6 +47,7 @@ class RouterStreams:
     _handle: Callable[[str], Any]
     _record: Callable[..., None]
     _source: Callable[[Job], str]
+    _kind: Callable[[Job], str]
 
     async def _serve_stream(self, job: Job) -> AsyncIterator[Any]:
         """A completion as server-sent events: OpenAI's chunks, a usage chunk when asked, then `data: [DONE]`."""
@@ -158,7 +159,7 @@ class RouterStreams:
     ) -> None:
         out = dict(served)
         out.setdefault("latency_ms", (time.perf_counter() - t0) * 1000.0)
-        self.metrics.model_call(out["version"], "variant" if job.variant else "served", "complete", out)
+        self.metrics.model_call(out["version"], self._kind(job), "complete", out)
         self.metrics.request(out["version"], job.endpoint, self._source(job), ok=bool(out["ok"]))
         if not job.variant:
             self._record(job, to_challenger, out, shadow, failed, (time.perf_counter() - t0) * 1000.0)

@@ -344,7 +344,7 @@ class Router(EvidenceRecorder, RouterStreams):
             # sequential, alternating order: concurrent scoring on a small machine would compare contention
             if paired and self.seq % 2:
                 shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
-            served = await self._call(challenger, op, "variant" if job.variant else "served", *args)
+            served = await self._call(challenger, op, self._kind(job), *args)
             if paired and shadow is None:
                 shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
             if not served["ok"] and not job.variant:
@@ -357,7 +357,7 @@ class Router(EvidenceRecorder, RouterStreams):
                 # else: no champion can answer this chat request; the failure is the challenger's alone
         else:
             op, args = job.at(cfg.champion).op_args()
-            served = await self._call(cfg.champion, op, "variant" if job.variant else "served", *args)
+            served = await self._call(cfg.champion, op, self._kind(job), *args)
         if not job.variant and not (to_challenger and cfg.mode == "shadow"):
             self._record(job, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0)
         version = served["version"]
@@ -408,6 +408,11 @@ class Router(EvidenceRecorder, RouterStreams):
     @staticmethod
     def _source(job: Job) -> str:
         return "variant" if job.variant else "probe" if job.probe else "live"
+
+    @staticmethod
+    def _kind(job: Job) -> str:
+        """The model-call kind of the call that answers `job` (serve_metrics.RouterMetrics.model_call)."""
+        return "variant" if job.variant else "served"
 
     def _completion(self, job: Job, served: dict[str, Any]) -> dict[str, Any]:
         from deployments.generation import merge_logprobs
