@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from infra import process
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
-from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env
+from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env, token_file
 
 
 class HeadInfo(BaseModel):
@@ -120,10 +120,10 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
         return found
     port, dash_port = free_port(cfg.host), free_port(cfg.host)
     gcs = f"{cfg.host}:{port}"
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if not _has_token(token_file):  # a fresh machine has none yet; output (the token) is dropped
+    token = token_file()
+    if not _has_token(token):  # a fresh machine has none yet; output (the token) is dropped
         _run_ray(["get-auth-token", "--generate"])
-    _owner_only(token_file)
+    _owner_only(token)
     args = [
         "start",
         "--head",

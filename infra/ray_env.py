@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +21,12 @@ from infra.config import ClusterConfig
 
 class ClusterError(RuntimeError):
     """Ray could not be started or reached; the message says which address and why."""
+
+
+def token_file(env: Mapping[str, str] = os.environ) -> Path:
+    """The file Ray reads its auth token from when $RAY_AUTH_TOKEN is not set: $RAY_AUTH_TOKEN_PATH, else
+    ~/.ray/auth_token (Ray's token-auth docs)."""
+    return Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,6 +1,6 @@
 """Where the Ray dashboard's token is and how to print it, for `shardline status`: never the token itself.
 
-The local head runs with Ray's token auth (infra.cluster._run_ray), so its dashboard opens on a token prompt. Ray
+The local head runs with Ray's token auth (infra.ray_env._run_ray), so its dashboard opens on a token prompt. Ray
 reads the token from $RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, and
 `ray get-auth-token` prints it (Ray's token-auth docs). The hint names that file and that command, so the token
 stays out of logs and of `status --json` captured elsewhere.
@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from flows.stack.service import bin_path
-
-
-def token_file(env: Mapping[str, str] = os.environ) -> Path:
-    """The file Ray reads the token from when $RAY_AUTH_TOKEN is not set."""
-    return Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+from infra.ray_env import token_file
 
 
 def token_hint(env: Mapping[str, str] = os.environ) -> str:
