@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from infra import process
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
-from infra.ray_env import ClusterError, _run_ray, free_port, loopback_node, node_env, token_file
+from infra.ray_env import ClusterError, _run_ray, free_port, has_token, loopback_node, node_env, token_file
 
 
 class HeadInfo(BaseModel):
@@ -121,7 +121,7 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     port, dash_port = free_port(cfg.host), free_port(cfg.host)
     gcs = f"{cfg.host}:{port}"
     token = token_file()
-    if not _has_token(token):  # a fresh machine has none yet; output (the token) is dropped
+    if not has_token(token):  # a fresh machine has none yet; the `ray` process costs 1.8 s, its output is dropped
         _run_ray(["get-auth-token", "--generate"])
     _owner_only(token)
     args = [
@@ -218,17 +218,6 @@ def head_status() -> dict:
     if info is None:
         return {"up": False, "gcs_address": "", "dashboard_url": "", "pids": []}
     return {"up": True, **json.loads(info.model_dump_json(include={"gcs_address", "dashboard_url", "pids"}))}
-
-
-def _has_token(token_file: Path) -> bool:
-    """True when Ray already has a token where `ray get-auth-token` looks (RAY_AUTH_TOKEN, then the file). Then
-    the `ray` process that would only print it is not started: 1.8 s of a 7.4 s head start on a quiet 2 cores."""
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return True
-    try:
-        return bool(token_file.read_text().strip())
-    except OSError:
-        return False
 
 
 def _owner_only(token_file: Path) -> None:

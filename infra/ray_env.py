@@ -29,6 +29,17 @@ def token_file(env: Mapping[str, str] = os.environ) -> Path:
     return Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
 
 
+def has_token(path: Path, env: Mapping[str, str] = os.environ) -> bool:
+    """True when Ray already has a token where its loader looks: a non-blank $RAY_AUTH_TOKEN, else a non-empty
+    file at `path` (token_file)."""
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    try:
+        return bool(path.read_text().strip())
+    except OSError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
     with socket.socket() as s:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra import head
+from infra.ray_env import has_token
 
 
 @pytest.mark.parametrize(
@@ -23,4 +23,4 @@ def test_a_token_is_generated_only_where_ray_has_none(env_token, file_text, has,
     if file_text is not None:
         token_file.write_text(file_text)
     monkeypatch.setenv("RAY_AUTH_TOKEN", env_token)
-    assert head._has_token(token_file) is has
+    assert has_token(token_file) is has
