@@ -7,8 +7,10 @@ names."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -32,6 +34,29 @@ PROGRAM = "program"
 PROGRAM_DIR = "program"
 # TrainConfig keys an eager form leaves out: where the first weights came from does not rebuild the model
 NOT_FOR_REBUILD = ("hf_weights", "init_from")
+
+
+_LIGHTNING_AUTOLOG = "mlflow.pytorch._lightning_autolog"
+
+
+def mlflow_pytorch() -> ModuleType:
+    """`mlflow.pytorch`, imported without its Lightning autologging.
+
+    Importing `mlflow.pytorch` imports `pytorch_lightning` (with torchmetrics) whenever it is installed, as it is
+    here for `train.loop = "lightning"`, only to offer `MlflowModelCheckpointCallback`: about 2.3 s of a
+    validation stage and 3.2 s of a model replica's cold start on 2 cores, for a module shardline never uses. The
+    first import here sees that submodule as absent (a None in sys.modules, which makes its `from ... import` an
+    ImportError mlflow catches), and the entry is removed at once, so `mlflow.pytorch.autolog()` still imports it
+    when someone calls it. Everything else of `mlflow.pytorch` is the same module."""
+    if "mlflow.pytorch" not in sys.modules and _LIGHTNING_AUTOLOG not in sys.modules:
+        sys.modules[_LIGHTNING_AUTOLOG] = None  # type: ignore[assignment]  # None in sys.modules: "not importable"
+        try:
+            import mlflow.pytorch  # noqa: F401  # registers itself in sys.modules
+        finally:
+            sys.modules.pop(_LIGHTNING_AUTOLOG, None)
+    import mlflow.pytorch
+
+    return mlflow.pytorch
 
 
 def example_ids(seq_len: int) -> torch.Tensor:
@@ -131,14 +156,12 @@ def log_pt2(
     (metadata["program"]). The built-in GPT also gets its weights as an extra file and metadata[EAGER_METADATA] =
     {"config", "weights"}: a program cannot carry a KV cache, so serving rebuilds the eager model from them and
     decodes incrementally."""
-    import mlflow
-
     from training.model import EAGER_METADATA, EAGER_WEIGHTS_FILE, GPT, save_weights
 
     metadata: dict = {"seq_len": seq_len, "vocab_size": vocab, PROGRAM: f"artifacts/{PROGRAM_DIR}"}
     with tempfile.TemporaryDirectory() as tmp:
         program = str(Path(tmp) / PROGRAM_DIR)
-        mlflow.pytorch.save_model(
+        mlflow_pytorch().save_model(
             model.eval(),
             program,
             serialization_format="pt2",

@@ -108,3 +108,26 @@ def test_a_registered_version_predicts_text_from_a_process_that_cannot_import_sh
         assert got["ours"] and all(not f.startswith(CHECKOUT) for f in got["ours"].values())
     else:  # a pt2 program or the transformers flavor: nothing of shardline's was imported at all
         assert got["ours"] == {}
+
+
+LIGHTNING_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from training.served_forms import mlflow_pytorch
+    module = mlflow_pytorch()
+    loaded = {m: m in sys.modules for m in ("pytorch_lightning", "lightning", "torchmetrics")}
+    same = module is sys.modules["mlflow.pytorch"] and callable(module.load_model) and callable(module.save_model)
+    from mlflow.pytorch._lightning_autolog import patched_fit  # what mlflow.pytorch.autolog() imports
+    print(json.dumps({"loaded": loaded, "same": same, "later": "pytorch_lightning" in sys.modules}))
+    """
+)
+
+
+def test_mlflow_pytorch_is_imported_without_lightning_which_autolog_can_still_import():
+    """Validation and every model replica import `mlflow.pytorch` without its Lightning autologging (seconds of
+    pytorch_lightning and torchmetrics), in a fresh interpreter as they do; autologging still imports it later."""
+    done = subprocess.run([sys.executable, "-c", LIGHTNING_CHILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"loaded": {"pytorch_lightning": False, "lightning": False, "torchmetrics": False}, "same": True,
+                   "later": True}  # fmt: skip

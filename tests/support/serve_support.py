@@ -50,6 +50,8 @@ def log_model(
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
+    from training.served_forms import mlflow_pytorch
+
     class ByteModel(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -78,7 +80,7 @@ def log_model(
     )
     train_run = client.create_run(exp, run_name=f"train-{run_name}").info.run_id
     with mlflow.start_run(experiment_id=exp, run_name=f"validate-{run_name}"):
-        info = mlflow.pytorch.log_model(
+        info = mlflow_pytorch().log_model(
             model,
             name="model",
             signature=signature,
