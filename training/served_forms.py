@@ -7,6 +7,7 @@ names."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -44,19 +45,17 @@ def mlflow_pytorch() -> ModuleType:
 
     Importing `mlflow.pytorch` imports `pytorch_lightning` (with torchmetrics) whenever it is installed, as it is
     here for `train.loop = "lightning"`, only to offer `MlflowModelCheckpointCallback`: about 2.3 s of a
-    validation stage and 3.2 s of a model replica's cold start on 2 cores, for a module shardline never uses. The
+    validation stage and 2.4 s of a model replica's cold start on 2 cores, for a module shardline never uses. The
     first import here sees that submodule as absent (a None in sys.modules, which makes its `from ... import` an
     ImportError mlflow catches), and the entry is removed at once, so `mlflow.pytorch.autolog()` still imports it
     when someone calls it. Everything else of `mlflow.pytorch` is the same module."""
-    if "mlflow.pytorch" not in sys.modules and _LIGHTNING_AUTOLOG not in sys.modules:
-        sys.modules[_LIGHTNING_AUTOLOG] = None  # type: ignore[assignment]  # None in sys.modules: "not importable"
-        try:
-            import mlflow.pytorch  # noqa: F401  # registers itself in sys.modules
-        finally:
-            sys.modules.pop(_LIGHTNING_AUTOLOG, None)
-    import mlflow.pytorch
-
-    return mlflow.pytorch
+    if "mlflow.pytorch" in sys.modules:
+        return sys.modules["mlflow.pytorch"]
+    sys.modules[_LIGHTNING_AUTOLOG] = None  # type: ignore[assignment]  # None in sys.modules: "not importable"
+    try:
+        return importlib.import_module("mlflow.pytorch")
+    finally:
+        del sys.modules[_LIGHTNING_AUTOLOG]
 
 
 def example_ids(seq_len: int) -> torch.Tensor:
