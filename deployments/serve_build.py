@@ -8,6 +8,8 @@ only with the replicas' code or their deploy-time settings (`settings_version`),
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import os
 import re
@@ -20,31 +22,38 @@ from deployments.config import ServeConfig
 from deployments.gateway_control import gateway_name
 from deployments.router_config import ROUTER, RouterConfig
 
-_CODE_FILES = (
-    "deployments/serve_app.py",
-    "deployments/router_config.py",
-    "deployments/router_stream.py",
-    "deployments/serve_metrics.py",
-    "deployments/model_server.py",
-    "deployments/engine.py",
-    "deployments/kv_cache.py",
-    "deployments/kv_cache_hf.py",
-    "deployments/generation.py",
-    "deployments/codec.py",
-    "deployments/openai_api.py",
-    "deployments/openai_chat.py",
-    "deployments/http_io.py",
-    "deployments/evidence.py",
-    "deployments/router_evidence.py",
-    "training/bpb.py",
-    "training/model.py",
-    "training/hf_model.py",
-    "training/servable.py",
-    "training/served_forms.py",
-    "training/transformers_form.py",
-    "training/tokenizer.py",
-    "training/chat_template.py",
-)
+# the modules whose classes run in a model application's replicas; every project file they import, at any depth and
+# from inside functions too, is part of the replicas' code (_code_files)
+_REPLICA_ROOTS = ("deployments/serve_app.py", "deployments/model_server.py", "deployments/evidence.py")
+_PACKAGES = ("deployments", "training", "infra")
+
+
+@functools.cache
+def _code_files() -> tuple[str, ...]:
+    """The project's files the replicas import, found by following the import statements from _REPLICA_ROOTS (a
+    hand-kept list drifted: it missed the router's chat mixin, so a change there did not redeploy the routers)."""
+    root = Path(__file__).resolve().parent.parent
+    found: set[str] = set()
+    todo = list(_REPLICA_ROOTS)
+    while todo:
+        rel = todo.pop()
+        if rel in found:
+            continue
+        found.add(rel)
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # a submodule, or a name
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] not in _PACKAGES:
+                    continue
+                packages = [f"{'/'.join(parts[:i])}/__init__.py" for i in range(1, len(parts) + 1)]  # each runs too
+                path = "/".join(parts)
+                todo += [c for c in (f"{path}.py", *packages) if (root / c).is_file()]
+    return tuple(sorted(found))
 
 
 class AppSpec(BaseModel):
@@ -71,7 +80,7 @@ def settings_version(serve: ServeConfig) -> str:
     the router's config, so that reconcile redeploys an application whose settings changed."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in _CODE_FILES:
+    for rel in _code_files():
         h.update((root / rel).read_bytes())
     h.update(
         serve.model_dump_json(
