@@ -2,7 +2,9 @@
 
 One small Serve deployment (`evidence`, one replica) per model application: each router replica sends it the
 observation of every request it routes during a canary (deployments/serve_app.Router._record), and the rollout
-driver reads a step's observations back through any router replica. The class is plain (no Ray at import).
+driver reads a step's observations back through any router replica. It also keeps each router replica's latest
+Prometheus exposition, so that a scrape reaching one router replica carries them all
+(deployments/router_metrics_share.py). The class is plain (no Ray at import).
 Serve runs a deployment's sync methods in a thread pool, so every method holds the store's lock: a read iterating
 the deque while a push appends to it would fail, and two pushes of one request id could both be kept.
 """
@@ -10,6 +12,7 @@ the deque while a push appends to it would fail, and two pushes of one request i
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +37,7 @@ class Evidence:
         self.canary_id = ""
         self.seq = 0
         self.request_ids: set[str] = set()  # of the observations in `items`
+        self.expositions: dict[str, tuple[float, int, str]] = {}  # router replica id -> (time kept, seq, /metrics text)
         self.lock = threading.Lock()
 
     def add(self, observation: dict[str, Any]) -> bool:
@@ -65,3 +69,14 @@ class Evidence:
         """The router replicas that sent observations of the current canary."""
         with self.lock:
             return sorted({o["router_replica"] for o in self.items if "router_replica" in o})
+
+    def put_metrics(self, router_replica: str, seq: int, text: str, max_age_s: float) -> dict[str, str]:
+        """Keep a router replica's exposition unless a later one (higher seq) arrived first, so that what is kept
+        of a replica only grows; answer every replica's sent in the last max_age_s, by replica id (older ones are
+        dropped). deployments/router_metrics_share.py sends them."""
+        with self.lock:
+            now = time.time()
+            if seq > self.expositions.get(router_replica, (0.0, -1, ""))[1]:
+                self.expositions[router_replica] = (now, seq, text)
+            self.expositions = {r: e for r, e in self.expositions.items() if now - e[0] <= max_age_s}
+            return {r: text for r, (_, _, text) in self.expositions.items()}

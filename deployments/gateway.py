@@ -26,6 +26,7 @@ from deployments import openai_api as oai
 from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
 from deployments.openai_api import ApiError
 from deployments.router_config import REQUEST_ID_HEADER, ROUTER
+from deployments.router_metrics_share import REPLICA_LABEL
 from deployments.serve_metrics import RouterMetrics
 from infra.redact import first_line
 
@@ -46,14 +47,17 @@ class GatewayConfig(BaseModel):
     settings: str = ""  # gateway_control.gateway_settings: the deploy-time options it was deployed with
 
 
-def merge_expositions(texts: list[str]) -> bytes:
-    """One Prometheus exposition from several (each router's): families of the same name are joined."""
+def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
+    """One Prometheus exposition from several (the gateway's own, each router replica's), each (text, labels added
+    to its every sample, {} for none): families of the same name are joined."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     families: dict[str, Any] = {}
-    for text in texts:
+    for text, labels in parts:
         for fam in text_string_to_metric_families(text):
+            if labels:
+                fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
             if fam.name in families:
                 families[fam.name].samples.extend(fam.samples)
             else:
@@ -231,11 +235,14 @@ class Gateway:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         await self._refresh()
-        texts = await asyncio.gather(
-            *(_router(d["app"]).metrics_text.remote() for d in self.models.values()), return_exceptions=True
+        replies = await asyncio.gather(
+            *(_router(d["app"]).metrics_texts.remote() for d in self.models.values()), return_exceptions=True
         )
-        own = self.metrics.exposition()[0].decode()
-        merged = merge_expositions([own, *(t for t in texts if isinstance(t, str))])
+        parts: list[tuple[str, dict[str, str]]] = [(self.metrics.exposition()[0].decode(), {})]
+        for texts in replies:  # a model whose router did not answer is missing from this scrape only
+            if isinstance(texts, dict):
+                parts += [(text, {REPLICA_LABEL: replica}) for replica, text in sorted(texts.items())]
+        merged = merge_expositions(parts)
         return to_response(reply(200, merged, media_type=CONTENT_TYPE_LATEST))
 
 

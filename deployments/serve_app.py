@@ -41,6 +41,7 @@ from deployments.router_config import (
     RouterConfig,
 )
 from deployments.router_evidence import EvidenceRecorder
+from deployments.router_metrics_share import MetricsSharing
 from deployments.router_stream import RouterStreams, prompt_piece
 from deployments.serve_metrics import RouterMetrics
 from training.chat_template import ChatFormat
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 BODY_TIMEOUT_S = 10.0  # a body sent to a router directly (an application with its own route) must arrive by then
 
 
-class Router(EvidenceRecorder, RouterStreams, RouterChat):
+class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
     """A model's requests: validates, routes each to champion or challenger, shadow-scores, records."""
 
     def __init__(self, app_name: str, models: dict[str, Any], model_name: str = "", evidence: Any = None):
@@ -61,6 +62,8 @@ class Router(EvidenceRecorder, RouterStreams, RouterChat):
         self.metrics = RouterMetrics(model_name or app_name)
         self.observations: deque[dict[str, Any]] = deque(maxlen=20000)  # without an Evidence deployment only
         self._pushes: set[Any] = set()  # evidence sends in flight (a task nobody holds may be collected)
+        self._metrics_task: asyncio.Task[None] | None = None  # this replica's metrics sends, once it served
+        self._metrics_seq = 0  # numbers this replica's metrics sends, so the Evidence deployment keeps the latest
         self.seq = 0
         self.inflight: Counter[str] = Counter()
         self.rng = random.Random(0)
@@ -95,10 +98,6 @@ class Router(EvidenceRecorder, RouterStreams, RouterChat):
             "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0,
             "now": now,
         }
-
-    def metrics_text(self) -> str:
-        """This replica's Prometheus exposition (the gateway merges every model's into its /metrics)."""
-        return self.metrics.exposition()[0].decode()
 
     def _handle(self, version: str) -> Any:
         if version not in self.handles:
@@ -146,12 +145,14 @@ class Router(EvidenceRecorder, RouterStreams, RouterChat):
 
     async def respond(self, method: str, path: str, headers: dict[str, str], body: bytes) -> dict[str, Any]:
         """The whole reply to one request that is not a stream."""
+        self._share_metrics()
         prepared = self._prepare(method, path, headers, body)
         return prepared if isinstance(prepared, dict) else await self._serve(prepared)
 
     async def respond_stream(self, method: str, path: str, headers: dict[str, str], body: bytes) -> AsyncIterator[Any]:
         """A reply as a head ({"status", "headers", "media_type"}, with "body" when it is whole) and, for a
         stream, its server-sent events as bytes."""
+        self._share_metrics()
         prepared = self._prepare(method, path, headers, body)
         if isinstance(prepared, dict):
             yield prepared

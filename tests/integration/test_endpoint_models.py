@@ -12,6 +12,7 @@ import http.server
 import json
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -362,6 +363,30 @@ def test_a_canary_with_two_autoscaled_router_replicas_counts_the_evidence_of_bot
     routers = rs.get_deployment_handle("evidence", app).routers.remote().result(timeout_s=30)
     assert len(routers) == 2, routers
     assert result.steps[0]["requests"] >= CFG.min_requests
+
+    # A scrape reaches one router replica and still carries both, each series under its replica's label: the one
+    # reached as of now, the other as it last sent (at most router_metrics_share.PUSH_S old). Counters only grow.
+    def live_by_replica() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        got: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+            for s in fam.samples:
+                if s.name == "shardline_requests_total" and (s.labels["model"], s.labels["source"]) == (name, "live"):
+                    replica = s.labels.get("router_replica", "none")
+                    got[replica] = got.get(replica, 0.0) + s.value
+        return got
+
+    scrapes = [live_by_replica()]
+    deadline = time.monotonic() + 30
+    while sum(scrapes[-1].values()) < len(load.answers) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        scrapes.append(live_by_replica())
+    scrapes += [live_by_replica() for _ in range(4)]
+    assert sum(scrapes[-1].values()) >= len(load.answers), scrapes  # every request the load sent is counted
+    assert all(len(s) >= 2 and "none" not in s for s in scrapes[-5:]), scrapes  # both replicas, in every scrape
+    for earlier, later in zip(scrapes, scrapes[1:], strict=False):
+        assert all(later[r] >= v for r, v in earlier.items() if r in later), (earlier, later)
 
 
 def test_overload_gets_fast_503s_with_retry_after_and_a_trickled_body_times_out(world):

@@ -79,3 +79,16 @@ def test_the_router_records_the_gateways_request_id():
     router._record(job, False, served, None, None, 2.0)
     assert router.observations[-1]["request_id"] == "f" * 64
     assert router._prepare("POST", "/v1/score", {}, body).request_id == ""
+
+
+def test_router_replicas_expositions_are_kept_latest_first_until_they_go_quiet():
+    """Each router replica's latest /metrics text, by replica: a send that arrives after a later one of the same
+    replica is not kept (what a scrape reads of a replica only grows); one not heard from for max_age_s drops out."""
+    ev = Evidence()
+    assert ev.put_metrics("r1", 1, "one", 60.0) == {"r1": "one"}
+    ev.put_metrics("r2", 1, "two", 60.0)
+    assert ev.put_metrics("r1", 3, "one, later", 60.0) == {"r1": "one, later", "r2": "two"}
+    assert ev.put_metrics("r1", 2, "one, sent between", 60.0)["r1"] == "one, later"  # arrived late: not kept
+    t, seq, text = ev.expositions["r2"]
+    ev.expositions["r2"] = (t - 61.0, seq, text)  # r2 stopped sending a minute ago
+    assert ev.put_metrics("r1", 4, "one, latest", 60.0) == {"r1": "one, latest"} and "r2" not in ev.expositions

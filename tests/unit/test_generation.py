@@ -106,7 +106,29 @@ def test_the_gateway_peeks_model_and_stream_and_merges_metrics():
     one.request("1", "score", "live", ok=True)
     two.request("4", "score", "live", ok=True)
     two.request("4", "score", "probe", ok=True)
-    merged = merge_expositions([one.exposition()[0].decode(), two.exposition()[0].decode()]).decode()
+    merged = merge_expositions([(one.exposition()[0].decode(), {}), (two.exposition()[0].decode(), {})]).decode()
     lines = [ln for ln in merged.splitlines() if ln.startswith("shardline_requests_total{")]
     assert len(lines) == 3 and sum('model="m2"' in ln for ln in lines) == 2
     assert merged.count("# TYPE shardline_requests_total counter") == 1
+
+
+def test_two_replicas_of_one_router_merge_into_series_told_apart_by_their_replica():
+    """Two router replicas of one model count the same label set: merged, each keeps its own series under its
+    router_replica label (one sample each, not two samples of one series), histograms included."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    a, b = RouterMetrics("m"), RouterMetrics("m")
+    for _ in range(3):
+        a.request("1", "score", "live", ok=True)
+    b.request("1", "score", "live", ok=True)
+    b.model_call("1", "served", "score", {"ok": True, "latency_ms": 20.0, "bits": 8.0, "bytes": 4})
+    parts = [(m.exposition()[0].decode(), {"router_replica": r}) for m, r in ((a, "ra"), (b, "rb"))]
+    merged = merge_expositions(parts).decode()
+    requests = {
+        s.labels["router_replica"]: s.value
+        for fam in text_string_to_metric_families(merged)
+        for s in fam.samples
+        if s.name == "shardline_requests_total"
+    }
+    assert requests == {"ra": 3.0, "rb": 1.0}
+    assert 'shardline_model_latency_seconds_count{model="m",op="score",router_replica="rb",version="1"} 1.0' in merged
