@@ -26,7 +26,7 @@ from deployments import openai_api as oai
 from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
 from deployments.openai_api import ApiError
 from deployments.router_config import REQUEST_ID_HEADER, ROUTER
-from deployments.router_metrics_share import REPLICA_LABEL
+from deployments.router_metrics_share import REPLICA_LABEL, merge_expositions
 from deployments.serve_metrics import RouterMetrics
 from infra.redact import first_line
 
@@ -45,31 +45,6 @@ class GatewayConfig(BaseModel):
     body_timeout_s: float = 10.0
     token_sha256: str = ""
     settings: str = ""  # gateway_control.gateway_settings: the deploy-time options it was deployed with
-
-
-def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
-    """One Prometheus exposition from several (the gateway's own, each router replica's), each (text, labels added
-    to its every sample, {} for none): families of the same name are joined."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Any] = {}
-    for text, labels in parts:
-        for fam in text_string_to_metric_families(text):
-            if labels:
-                fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
-            if fam.name in families:
-                families[fam.name].samples.extend(fam.samples)
-            else:
-                families[fam.name] = fam
-
-    class _Merged:
-        def collect(self) -> list[Any]:
-            return list(families.values())
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged())  # a duck-typed collector, as the registry takes
-    return generate_latest(registry)
 
 
 class Gateway:

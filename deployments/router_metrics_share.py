@@ -32,6 +32,31 @@ STALE_S = 4 * HEARTBEAT_S  # past this without a word from a replica, its series
 REPLICA_LABEL = "router_replica"
 
 
+def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
+    """One Prometheus exposition from several (the gateway's own, each router replica's), each (text, labels added
+    to its every sample, {} for none): families of the same name are joined."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for text, labels in parts:
+        for fam in text_string_to_metric_families(text):
+            if labels:
+                fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
+            if fam.name in families:
+                families[fam.name].samples.extend(fam.samples)
+            else:
+                families[fam.name] = fam
+
+    class _Merged:
+        def collect(self) -> list[Any]:
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())  # a duck-typed collector, as the registry takes
+    return generate_latest(registry)
+
+
 def replica_label(replica_id: str) -> str:
     """The label value of a router replica's series: enough of its id to tell replicas apart."""
     return replica_id[:12]
@@ -83,3 +108,9 @@ class MetricsSharing:
             except Exception as e:  # noqa: BLE001 - the other replicas' series are missing from this scrape only
                 log.warning("other router replicas' metrics not read: %s: %s", type(e).__name__, first_line(e))
         return {replica_label(self.replica_id): self.metrics_text()}
+
+    async def metrics_exposition(self) -> bytes:
+        """The router's own /metrics over HTTP (an application with a route of its own, as on KubeRay): every live
+        replica's series, labelled as the gateway labels them."""
+        texts = await self.metrics_texts()
+        return merge_expositions([(text, {REPLICA_LABEL: replica}) for replica, text in sorted(texts.items())])

@@ -131,6 +131,10 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
 
     # ----- requests: over HTTP (an application with a route of its own) or from the gateway's handle
     async def __call__(self, request: Any) -> Any:
+        if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return to_response(reply(200, await self.metrics_exposition(), media_type=CONTENT_TYPE_LATEST))
         limit = self.cfg.max_request_bytes if self.cfg else 65536
         try:
             body = await read_body(request, limit, BODY_TIMEOUT_S) if request.method == "POST" else b""
@@ -168,9 +172,6 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         try:
             if method == "GET" and path.endswith("/healthz"):
                 return self._healthz()
-            if method == "GET" and path.endswith("/metrics"):
-                body_, content_type = self.metrics.exposition()
-                return reply(200, body_, media_type=content_type)
             endpoint = (
                 "chat"
                 if path.endswith("/v1/chat/completions")

@@ -92,3 +92,27 @@ def test_router_replicas_expositions_are_kept_latest_first_until_they_go_quiet()
     t, seq, text = ev.expositions["r2"]
     ev.expositions["r2"] = (t - 61.0, seq, text)  # r2 stopped sending a minute ago
     assert ev.put_metrics("r1", 4, "one, latest", 60.0) == {"r1": "one, latest"} and "r2" not in ev.expositions
+
+
+def test_a_routers_own_metrics_route_labels_its_series_by_replica():
+    """GET /metrics on a router's own route (a KubeRay application, no gateway) answers the same series the gateway
+    merges, under this replica's router_replica label; without an Evidence deployment, this replica's alone."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.requests import Request
+
+    from deployments.router_metrics_share import replica_label
+
+    router = Router("shardline-m", {}, model_name="m")
+    router.metrics.request("1", "score", "live", ok=True)
+    request = Request({"type": "http", "method": "GET", "path": "/metrics/", "headers": [], "query_string": b""})
+    response = asyncio.run(router(request))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = [
+        s
+        for fam in text_string_to_metric_families(response.body.decode())
+        for s in fam.samples
+        if s.name == "shardline_requests_total"
+    ]
+    assert [(s.labels["router_replica"], s.value) for s in samples] == [(replica_label(router.replica_id), 1.0)]

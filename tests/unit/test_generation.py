@@ -7,9 +7,9 @@ import math
 import torch
 
 from deployments.codec import byte_label as token_text
-from deployments.gateway import merge_expositions
 from deployments.generation import Completion, generate, merge_logprobs, pick, prompt_logprobs
 from deployments.http_io import peek
+from deployments.router_metrics_share import merge_expositions
 from deployments.serve_metrics import RouterMetrics
 
 TEXT = b"abcabcabd"  # after 'c' always 'a'; after 'b', 'c' three times in four
