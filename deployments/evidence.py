@@ -70,13 +70,13 @@ class Evidence:
         with self.lock:
             return sorted({o["router_replica"] for o in self.items if "router_replica" in o})
 
-    def put_metrics(self, router_replica: str, seq: int, text: str, max_age_s: float) -> dict[str, str]:
+    def put_metrics(self, router_replica: str, seq: int, text: str, max_age_s: float, answer: bool) -> dict[str, str]:
         """Keep a router replica's exposition unless a later one (higher seq) arrived first, so that what is kept
-        of a replica only grows; answer every replica's sent in the last max_age_s, by replica id (older ones are
-        dropped). deployments/router_metrics_share.py sends them."""
+        of a replica only grows; drop those not sent for max_age_s. With `answer` (a scrape), every replica's kept,
+        by replica id; without (a replica's periodic send), {}. deployments/router_metrics_share.py sends them."""
         with self.lock:
-            now = time.time()
+            now = time.monotonic()
             if seq > self.expositions.get(router_replica, (0.0, -1, ""))[1]:
                 self.expositions[router_replica] = (now, seq, text)
             self.expositions = {r: e for r, e in self.expositions.items() if now - e[0] <= max_age_s}
-            return {r: text for r, (_, _, text) in self.expositions.items()}
+            return {r: text for r, (_, _, text) in self.expositions.items()} if answer else {}

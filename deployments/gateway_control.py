@@ -27,6 +27,7 @@ PICKLE_RACE = "is not registered for pickle by value"  # the same race with a th
 PICKLE_RACE_TRIES = 5
 MODEL_APP_PREFIX = "shardline-"
 GATEWAY_APP = "shardline-gateway"
+GATEWAY_ROOTS = ("deployments/gateway.py",)  # the gateway's code version follows its imports (code_files.py)
 
 
 class EndpointConflict(ValueError):
@@ -195,23 +196,19 @@ def ensure_gateway(
 
 
 def gateway_settings(serve: ServeConfig) -> str:
-    """The gateway's deploy-time options (replicas, queue, CPUs), hashed into its config: a change to any of them
-    alone redeploys the gateway rather than being skipped as "already up to date"."""
+    """The gateway's deploy-time options (replicas, queue, CPUs) and its code, hashed into its config: a change to any
+    of them alone redeploys the gateway rather than being skipped as "already up to date"."""
     import hashlib
 
     fixed = serve.model_dump_json(include={"gateway_replicas", "max_queued_requests", "router_cpus"})
-    return hashlib.sha256(fixed.encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{fixed}:{_gateway_version()}".encode()).hexdigest()[:12]
 
 
 def _gateway_version() -> str:
-    import hashlib
-    from pathlib import Path
+    """The gateway's code: its module and every project file it imports (deployments/code_files.py)."""
+    from deployments.code_files import code_hash
 
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for rel in ("gateway.py", "http_io.py", "openai_api.py", "router_config.py"):
-        h.update((root / rel).read_bytes())
-    return h.hexdigest()[:12]
+    return code_hash(GATEWAY_ROOTS)
 
 
 def _gateway_config(name: str) -> dict[str, Any] | None:

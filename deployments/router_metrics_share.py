@@ -30,6 +30,7 @@ PUSH_S = 2.0  # how stale another replica's counters can be in a scrape (Prometh
 HEARTBEAT_S = 15.0  # an idle replica still says it is alive this often
 STALE_S = 4 * HEARTBEAT_S  # past this without a word from a replica, its series leave the scrape
 REPLICA_LABEL = "router_replica"
+EVIDENCE_TIMEOUT_S = 2.0  # a send or a scrape's read waits this long for the Evidence deployment, then goes without
 
 
 def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
@@ -57,6 +58,13 @@ def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
     return generate_latest(registry)
 
 
+def _ended(task: asyncio.Task[None]) -> None:
+    """Say why a replica's metrics sends ended (the next request or scrape starts them again)."""
+    e = None if task.cancelled() else task.exception()
+    if e is not None:
+        log.warning("router metrics sends ended: %s: %s", type(e).__name__, first_line(e))
+
+
 def replica_label(replica_id: str) -> str:
     """The label value of a router replica's series: enough of its id to tell replicas apart."""
     return replica_id[:12]
@@ -76,26 +84,31 @@ class MetricsSharing:
         text: bytes = self.metrics.exposition()[0]
         return text.decode()
 
-    async def _put_metrics(self) -> dict[str, str]:
-        """Send this replica's exposition as of now; every live replica's as the Evidence deployment then holds."""
+    async def _put_metrics(self, answer: bool) -> dict[str, str]:
+        """Send this replica's exposition as of now; with `answer`, every live replica's as the Evidence deployment
+        then holds them. Bounded by EVIDENCE_TIMEOUT_S: a scrape must not outwait Prometheus' scrape timeout."""
         self._metrics_seq += 1  # taken with the text, before any await: the order the texts were read in
-        return await self.evidence.put_metrics.remote(self.replica_id, self._metrics_seq, self.metrics_text(), STALE_S)
+        call = self.evidence.put_metrics.remote(
+            self.replica_id, self._metrics_seq, self.metrics_text(), STALE_S, answer
+        )
+        return await asyncio.wait_for(call, EVIDENCE_TIMEOUT_S)
 
     def _share_metrics(self) -> None:
-        """Start this replica's sends once, from a request (where the replica's event loop runs)."""
-        if self.evidence is not None and self._metrics_task is None:
+        """Start this replica's sends, from a request (where the replica's event loop runs); again if they ended."""
+        if self.evidence is not None and (self._metrics_task is None or self._metrics_task.done()):
             self._metrics_task = asyncio.get_running_loop().create_task(self._send_metrics())
+            self._metrics_task.add_done_callback(_ended)
 
     async def _send_metrics(self) -> None:
         sent, sent_at = "", float("-inf")
         while True:
-            text, now = self.metrics_text(), time.monotonic()
-            if text != sent or now - sent_at >= HEARTBEAT_S:
-                try:
-                    await self._put_metrics()
+            try:
+                text, now = self.metrics_text(), time.monotonic()
+                if text != sent or now - sent_at >= HEARTBEAT_S:
+                    await self._put_metrics(answer=False)
                     sent, sent_at = text, now
-                except Exception as e:  # noqa: BLE001 - a scrape missing this replica for a while, never a failed request
-                    log.warning("router metrics not shared: %s: %s", type(e).__name__, first_line(e))
+            except Exception as e:  # noqa: BLE001 - a scrape missing this replica for a while, never a failed request
+                log.warning("router metrics not shared: %s: %s", type(e).__name__, first_line(e))
             await asyncio.sleep(PUSH_S)
 
     async def metrics_texts(self) -> dict[str, str]:
@@ -104,7 +117,7 @@ class MetricsSharing:
         self._share_metrics()
         if self.evidence is not None:
             try:
-                return {replica_label(r): text for r, text in (await self._put_metrics()).items()}
+                return {replica_label(r): text for r, text in (await self._put_metrics(answer=True)).items()}
             except Exception as e:  # noqa: BLE001 - the other replicas' series are missing from this scrape only
                 log.warning("other router replicas' metrics not read: %s: %s", type(e).__name__, first_line(e))
         return {replica_label(self.replica_id): self.metrics_text()}

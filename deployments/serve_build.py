@@ -8,52 +8,20 @@ only with the replicas' code or their deploy-time settings (`settings_version`),
 
 from __future__ import annotations
 
-import ast
-import functools
 import hashlib
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from deployments.code_files import code_hash
 from deployments.config import ServeConfig
 from deployments.gateway_control import gateway_name
 from deployments.router_config import ROUTER, RouterConfig
 
-# the modules whose classes run in a model application's replicas; every project file they import, at any depth and
-# from inside functions too, is part of the replicas' code (_code_files)
-_REPLICA_ROOTS = ("deployments/serve_app.py", "deployments/model_server.py", "deployments/evidence.py")
-_PACKAGES = ("deployments", "training", "infra")
-
-
-@functools.cache
-def _code_files() -> tuple[str, ...]:
-    """The project's files the replicas import, found by following the import statements from _REPLICA_ROOTS (a
-    hand-kept list drifted: it missed the router's chat mixin, so a change there did not redeploy the routers)."""
-    root = Path(__file__).resolve().parent.parent
-    found: set[str] = set()
-    todo = list(_REPLICA_ROOTS)
-    while todo:
-        rel = todo.pop()
-        if rel in found:
-            continue
-        found.add(rel)
-        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # a submodule, or a name
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            for name in names:
-                parts = name.split(".")
-                if parts[0] not in _PACKAGES:
-                    continue
-                packages = [f"{'/'.join(parts[:i])}/__init__.py" for i in range(1, len(parts) + 1)]  # each runs too
-                path = "/".join(parts)
-                todo += [c for c in (f"{path}.py", *packages) if (root / c).is_file()]
-    return tuple(sorted(found))
+# the modules whose classes run in a model application's replicas (deployments/code_files.py follows their imports)
+REPLICA_ROOTS = ("deployments/serve_app.py", "deployments/model_server.py", "deployments/evidence.py")
 
 
 class AppSpec(BaseModel):
@@ -78,10 +46,7 @@ def code_version(tracking_uri: str, serve: ServeConfig) -> str:
 def settings_version(serve: ServeConfig) -> str:
     """The replicas' code and the serve settings fixed at deploy time (replicas, autoscaling, CPUs), hashed: part of
     the router's config, so that reconcile redeploys an application whose settings changed."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in _code_files():
-        h.update((root / rel).read_bytes())
+    h = hashlib.sha256(code_hash(REPLICA_ROOTS).encode())
     h.update(
         serve.model_dump_json(
             include={

@@ -85,13 +85,13 @@ def test_router_replicas_expositions_are_kept_latest_first_until_they_go_quiet()
     """Each router replica's latest /metrics text, by replica: a send that arrives after a later one of the same
     replica is not kept (what a scrape reads of a replica only grows); one not heard from for max_age_s drops out."""
     ev = Evidence()
-    assert ev.put_metrics("r1", 1, "one", 60.0) == {"r1": "one"}
-    ev.put_metrics("r2", 1, "two", 60.0)
-    assert ev.put_metrics("r1", 3, "one, later", 60.0) == {"r1": "one, later", "r2": "two"}
-    assert ev.put_metrics("r1", 2, "one, sent between", 60.0)["r1"] == "one, later"  # arrived late: not kept
+    assert ev.put_metrics("r1", 1, "one", 60.0, True) == {"r1": "one"}
+    assert ev.put_metrics("r2", 1, "two", 60.0, False) == {}  # a periodic send: nobody reads the answer
+    assert ev.put_metrics("r1", 3, "one, later", 60.0, True) == {"r1": "one, later", "r2": "two"}
+    assert ev.put_metrics("r1", 2, "one, sent between", 60.0, True)["r1"] == "one, later"  # arrived late: not kept
     t, seq, text = ev.expositions["r2"]
     ev.expositions["r2"] = (t - 61.0, seq, text)  # r2 stopped sending a minute ago
-    assert ev.put_metrics("r1", 4, "one, latest", 60.0) == {"r1": "one, latest"} and "r2" not in ev.expositions
+    assert ev.put_metrics("r1", 4, "one, latest", 60.0, True) == {"r1": "one, latest"} and "r2" not in ev.expositions
 
 
 def test_a_routers_own_metrics_route_labels_its_series_by_replica():
