@@ -27,8 +27,7 @@ def _imported(rel: str, node: ast.AST) -> list[str]:
         return []
     base = node.module or ""
     if node.level:  # relative: from the file's package, `level - 1` packages up
-        package = Path(rel).parent.parts[: len(Path(rel).parent.parts) - (node.level - 1)]
-        base = ".".join([*package, *([base] if base else [])])
+        base = ".".join([*Path(rel).parents[node.level - 1].parts, *([base] if base else [])])
     return [base, *(f"{base}.{a.name}" for a in node.names)] if base else []
 
 

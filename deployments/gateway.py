@@ -26,7 +26,7 @@ from deployments import openai_api as oai
 from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
 from deployments.openai_api import ApiError
 from deployments.router_config import REQUEST_ID_HEADER, ROUTER
-from deployments.router_metrics_share import REPLICA_LABEL, merge_expositions
+from deployments.router_metrics_share import labelled, merge_expositions
 from deployments.serve_metrics import RouterMetrics
 from infra.redact import first_line
 
@@ -216,7 +216,7 @@ class Gateway:
         parts: list[tuple[str, dict[str, str]]] = [(self.metrics.exposition()[0].decode(), {})]
         for texts in replies:  # a model whose router did not answer is missing from this scrape only
             if isinstance(texts, dict):
-                parts += [(text, {REPLICA_LABEL: replica}) for replica, text in sorted(texts.items())]
+                parts += labelled(texts)
         merged = merge_expositions(parts)
         return to_response(reply(200, merged, media_type=CONTENT_TYPE_LATEST))
 

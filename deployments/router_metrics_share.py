@@ -58,16 +58,14 @@ def merge_expositions(parts: list[tuple[str, dict[str, str]]]) -> bytes:
     return generate_latest(registry)
 
 
-def _ended(task: asyncio.Task[None]) -> None:
-    """Say why a replica's metrics sends ended (the next request or scrape starts them again)."""
-    e = None if task.cancelled() else task.exception()
-    if e is not None:
-        log.warning("router metrics sends ended: %s: %s", type(e).__name__, first_line(e))
-
-
 def replica_label(replica_id: str) -> str:
     """The label value of a router replica's series: enough of its id to tell replicas apart."""
     return replica_id[:12]
+
+
+def labelled(texts: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
+    """metrics_texts' answer as merge_expositions' parts: each replica's text with its REPLICA_LABEL."""
+    return [(text, {REPLICA_LABEL: replica}) for replica, text in sorted(texts.items())]
 
 
 class MetricsSharing:
@@ -84,20 +82,17 @@ class MetricsSharing:
         text: bytes = self.metrics.exposition()[0]
         return text.decode()
 
-    async def _put_metrics(self, answer: bool) -> dict[str, str]:
-        """Send this replica's exposition as of now; with `answer`, every live replica's as the Evidence deployment
-        then holds them. Bounded by EVIDENCE_TIMEOUT_S: a scrape must not outwait Prometheus' scrape timeout."""
+    async def _put_metrics(self, text: str, answer: bool) -> dict[str, str]:
+        """Send this replica's exposition `text`, read just now; with `answer`, every live replica's as the Evidence
+        deployment then holds them. Bounded by EVIDENCE_TIMEOUT_S: a scrape must not outwait Prometheus'."""
         self._metrics_seq += 1  # taken with the text, before any await: the order the texts were read in
-        call = self.evidence.put_metrics.remote(
-            self.replica_id, self._metrics_seq, self.metrics_text(), STALE_S, answer
-        )
+        call = self.evidence.put_metrics.remote(self.replica_id, self._metrics_seq, text, STALE_S, answer)
         return await asyncio.wait_for(call, EVIDENCE_TIMEOUT_S)
 
     def _share_metrics(self) -> None:
         """Start this replica's sends, from a request (where the replica's event loop runs); again if they ended."""
         if self.evidence is not None and (self._metrics_task is None or self._metrics_task.done()):
             self._metrics_task = asyncio.get_running_loop().create_task(self._send_metrics())
-            self._metrics_task.add_done_callback(_ended)
 
     async def _send_metrics(self) -> None:
         sent, sent_at = "", float("-inf")
@@ -105,7 +100,7 @@ class MetricsSharing:
             try:
                 text, now = self.metrics_text(), time.monotonic()
                 if text != sent or now - sent_at >= HEARTBEAT_S:
-                    await self._put_metrics(answer=False)
+                    await self._put_metrics(text, answer=False)
                     sent, sent_at = text, now
             except Exception as e:  # noqa: BLE001 - a scrape missing this replica for a while, never a failed request
                 log.warning("router metrics not shared: %s: %s", type(e).__name__, first_line(e))
@@ -117,7 +112,8 @@ class MetricsSharing:
         self._share_metrics()
         if self.evidence is not None:
             try:
-                return {replica_label(r): text for r, text in (await self._put_metrics(answer=True)).items()}
+                texts = await self._put_metrics(self.metrics_text(), answer=True)
+                return {replica_label(r): text for r, text in texts.items()}
             except Exception as e:  # noqa: BLE001 - the other replicas' series are missing from this scrape only
                 log.warning("other router replicas' metrics not read: %s: %s", type(e).__name__, first_line(e))
         return {replica_label(self.replica_id): self.metrics_text()}
@@ -125,5 +121,4 @@ class MetricsSharing:
     async def metrics_exposition(self) -> bytes:
         """The router's own /metrics over HTTP (an application with a route of its own, as on KubeRay): every live
         replica's series, labelled as the gateway labels them."""
-        texts = await self.metrics_texts()
-        return merge_expositions([(text, {REPLICA_LABEL: replica}) for replica, text in sorted(texts.items())])
+        return merge_expositions(labelled(await self.metrics_texts()))
