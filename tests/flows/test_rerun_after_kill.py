@@ -16,7 +16,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from support.train_support import kill_tree
+from support.procs import alive, kill_tree
 
 from training import checkpoint as ck
 from training import resume
@@ -94,14 +94,6 @@ def _stage_is_running(home: Path, stage: str) -> bool:
     return set(stage.split("+")) <= running
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [
-        p
-        for p in pids
-        if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]
-    ]
-
-
 # With data.engine = "local" the corpus is sharded while Ray starts: one kill while both run covers both stages.
 @pytest.mark.parametrize(
     "stage", ["shard_dataset+provision_cluster", "train_fsdp", "validate_checkpoint", "promote_model"]
@@ -125,7 +117,7 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
     assert pids, f"the run ended before {stage} was seen running: {(tmp_path / 'killed.log').read_text()[-3000:]}"
     at_kill = _complete(home)
     time.sleep(1.0)
-    assert not _alive(pids)
+    assert not [p for p in pids if alive(p)]
     uri = f"sqlite:///{home / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri, registry_uri=uri)
     killed_train = [

@@ -9,7 +9,6 @@ the run's lineage names the job. A credential planted in the driver's environmen
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.train_support import descendants, kill_tree
+from support.procs import kill, kill_tree, tree
 
 REPO = Path(__file__).resolve().parents[2]
 PLANTED = "planted-secret-0f3c9a"
@@ -224,14 +223,12 @@ def test_cancelling_the_run_stops_its_job(bare_head, tmp_path):
     if not job_id:
         kill_tree(follower.pid)
     assert job_id, log_path.read_text()[-3000:]
-    tree = descendants(follower.pid)  # its temporary Prefect server among them
+    below = tree(follower.pid)  # its temporary Prefect server among them
     follower.send_signal(signal.SIGTERM)
     try:
         follower.wait(timeout=120)
     finally:
-        for pid in tree:  # what it left behind, by the PIDs recorded above
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill(below)  # what it left behind: the processes recorded above, each while it is still the one recorded
     assert follower.returncode != 0
     assert f"stopping Ray job {job_id}" in log_path.read_text(), log_path.read_text()[-3000:]
     deadline = time.monotonic() + 60

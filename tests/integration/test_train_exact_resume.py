@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.train_support import TINY_LLAMA, kill_tree, make_shards
+from support.procs import kill_tree
+from support.train_support import TINY_LLAMA, make_shards
 
 from training import checkpoint as ck
 from training.config import TrainConfig, load_object

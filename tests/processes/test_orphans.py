@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from support.procs import alive
+
 from infra import orphans
 
 # A pretend run: it starts a long-lived child (as Prefect's temporary server would be), records its children as
@@ -24,10 +26,6 @@ time.sleep(300)
 """
 
 
-def _alive(pid: int) -> bool:
-    return orphans._identity(pid) is not None
-
-
 def test_children_of_a_killed_run_are_reaped_by_recorded_pid(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -38,9 +36,9 @@ def test_children_of_a_killed_run_are_reaped_by_recorded_pid(tmp_path, monkeypat
         assert orphans.reap_orphans() == []  # the run is alive: its children are its own business
         os.kill(run.pid, signal.SIGKILL)  # only the main process dies, as under the OOM killer
         run.wait(timeout=10)
-        assert _alive(child)
+        assert alive(child)
         assert orphans.reap_orphans() == [child]
-        assert not _alive(child) and _alive(bystander.pid)
+        assert not alive(child) and alive(bystander.pid)
         assert not list((tmp_path / "runs").glob("*.json"))
     finally:
         for p in (bystander,):
@@ -64,6 +62,6 @@ def test_a_recycled_pid_is_not_touched(tmp_path, monkeypatch):
         (tmp_path / "runs" / "1.json").write_text(json.dumps(record))
         assert orphans.reap_orphans() == []
         time.sleep(0.2)
-        assert _alive(other.pid)
+        assert alive(other.pid)
     finally:
         other.kill()

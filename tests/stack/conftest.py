@@ -2,43 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.postgres_server import PostgresServer, pg_bin
-from support.stack_support import REPO, shardline, small_config, stack_env, status
+from support.stack_support import shardline, small_config, stack_env, status, up_args
 
 from infra.cluster import free_port
-
-# The Ray head and endpoint parts call infra.head / flows.cli.serve (the live-endpoint work); until those are
-# on this branch the stack is brought up without them.
-SERVING = importlib.util.find_spec("infra.head") is not None and importlib.util.find_spec("flows.cli.serve") is not None
-
-
-def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int = 0, serve_port: int = 0) -> list[str]:
-    """`shardline up` on free ports with the debug config, its endpoint serving `model_name`. Runs must use the
-    same `serve.port` (one Serve HTTP proxy per Ray cluster)."""
-    return [
-        "up",
-        "--config",
-        str(REPO / "configs" / "debug.toml"),
-        "--prefect-port",
-        str(prefect_port or free_port()),
-        "--mlflow-port",
-        str(free_port()),
-        "--set",
-        f"registry.model_name={model_name}",
-        "--set",
-        f"serve.port={serve_port or free_port()}",
-        "--set",
-        "stack.mlflow_workers=1",
-        "--set",
-        f"stack.prometheus_port={free_port()}",
-        *([] if SERVING else ["--set", "stack.ray=false", "--set", "stack.endpoint=false"]),
-        *(extra or []),
-    ]
 
 
 def serve_of(model_name: str, serve_port: int) -> dict:

@@ -10,34 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import up_args
-from support.stack_support import shardline, stack_env, status
+from support.procs import alive, group_members
+from support.stack_support import shardline, stack_env, status, up_args
 
 from flows.stack.procs import http_ok, port_open
 from infra.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def group_members(pgid: int) -> set[int]:
-    """Every live process of a process group (a server's uvicorn workers, a worker's flow runs)."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                out.add(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
 
 
 def test_up_twice_keeps_everything_and_down_leaves_no_process_and_no_port(tmp_path):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from infra.cluster import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SHARDLINE = str(Path(sys.executable).with_name("shardline"))
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -37,6 +39,31 @@ def stack_env(home: Path) -> dict[str, str]:
 def status(env: dict[str, str]) -> dict:
     proc = shardline(["status", "--json"], env, timeout=60)
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+
+
+def up_args(model_name: str, extra: list[str] | None = None, prefect_port: int = 0, serve_port: int = 0) -> list[str]:
+    """`shardline up` on free ports with the debug config, its endpoint serving `model_name`. Runs must use the
+    same `serve.port` (one Serve HTTP proxy per Ray cluster). Here rather than in tests/stack/conftest.py: a test
+    module's `from conftest import ...` gets whichever conftest pytest imported last, which depends on the paths
+    a run was given."""
+    return [
+        "up",
+        "--config",
+        str(REPO / "configs" / "debug.toml"),
+        "--prefect-port",
+        str(prefect_port or free_port()),
+        "--mlflow-port",
+        str(free_port()),
+        "--set",
+        f"registry.model_name={model_name}",
+        "--set",
+        f"serve.port={serve_port or free_port()}",
+        "--set",
+        "stack.mlflow_workers=1",
+        "--set",
+        f"stack.prometheus_port={free_port()}",
+        *(extra or []),
+    ]
 
 
 def small_config(model_name: str, steps: int = 10, **sections) -> dict:

@@ -1,4 +1,4 @@
-"""Helpers of the training tests: a tiny shard set, plug-in models, and Ray process lookup (no fakes).
+"""Helpers of the training tests: a tiny shard set, plug-in models, a rank killed mid-run (no fakes).
 
 Ray workers import this module by name (`support.train_support:...` in train.model_factory), so the tests put
 the tests directory (TESTS, the parent of the `support` package) on the workers' PYTHONPATH.
@@ -154,37 +154,6 @@ def recording_gpt(cfg) -> nn.Module:
 
 def worker_records(directory: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*-pid*.json"))]
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (Linux /proc), whatever session or process group they moved to."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def kill_tree(pid: int) -> list[int]:
-    """SIGKILL `pid` and all its descendants at once (as an OOM killer or a lost node would); return the PIDs."""
-    import signal
-
-    pids = descendants(pid)
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 def train_and_kill_rank(cfg, shards, uri: str, run_id: str, name: str, records: Path, at_step: int, budget_s=300):
