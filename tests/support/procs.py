@@ -16,9 +16,14 @@ def alive(pid: int) -> bool:
     return process.inspect(pid) is not None
 
 
-def tree(pid: int) -> list[ProcessInfo]:
+def _tree_pids(pid: int) -> list[int]:
     """`pid` first, then every live process below it (whatever session or process group it moved to)."""
-    return [info for p in sorted(process.descendants([pid]), key=lambda p: p != pid) if (info := process.inspect(p))]
+    return sorted(process.descendants([pid]), key=lambda p: p != pid)
+
+
+def tree(pid: int) -> list[ProcessInfo]:
+    """The processes of `_tree_pids(pid)` as read now, to be killed later only while each is still the one read."""
+    return [info for p in _tree_pids(pid) if (info := process.inspect(p))]
 
 
 def group_members(pgid: int) -> set[int]:
@@ -42,6 +47,6 @@ def kill(infos: list[ProcessInfo]) -> None:
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL `pid` and all its descendants at once, the parent first (so it starts nothing more); their PIDs.
     The tree was read just before, so no identity check sits between the signals."""
-    pids = [info.pid for info in tree(pid)]
+    pids = _tree_pids(pid)
     _sigkill(pids)
     return pids
