@@ -1,14 +1,14 @@
 """The stack's one HTTP ingress: every served model behind one route prefix, picked by the request's `model`.
 
-The way OpenAI-compatible servers do it: `GET /v1/models` lists every served model with its champion version,
-`POST /v1/completions`, `/v1/chat/completions` and `/v1/score` go to the router of the model the body names (or to
-`serve.default_model`, or to the only model there is). Each model keeps its own application, router, canary, lock,
-lease and evidence; the gateway only forwards the request (headers and body) to that router's handle and relays its
-reply, streamed or whole. Which models exist is observed, not configured: the gateway lists the applications in
-Serve's status whose shardline router names this gateway (a run chooses it by serve.route_prefix), every REFRESH_S
-and at once when a request names a model it does not know, so a model deployed or removed by any run shows up
-without touching the gateway. The class is plain; gateway_control.ensure_gateway wraps it with `serve.deployment`,
-so importing this needs no Ray.
+The way OpenAI-compatible servers do it: `GET /v1/models` lists every served model with its champion version (`GET
+/v1/models/NAME` is one model's card), `POST /v1/completions`, `/v1/chat/completions` and `/v1/score` go to the
+router of the model the body names (or to `serve.default_model`, or to the only model there is). Each model keeps
+its own application, router, canary, lock, lease and evidence; the gateway only forwards the request (headers and
+body) to that router's handle and relays its reply, streamed or whole. Which models exist is observed, not
+configured: the gateway lists the applications in Serve's status whose shardline router names this gateway (a run
+chooses it by serve.route_prefix), every REFRESH_S and at once when a request names a model it does not know, so a
+model deployed or removed by any run shows up without touching the gateway. The class is plain;
+gateway_control.ensure_gateway wraps it with `serve.deployment`, so importing this needs no Ray.
 """
 
 from __future__ import annotations
@@ -114,19 +114,10 @@ class Gateway:
             if request.method == "GET" and path.endswith("/metrics"):
                 return await self._metrics()
             check_token(dict(request.headers), self.cfg.token_sha256)
-            if path.endswith("/v1/models"):
+            if path.endswith("/v1/models") or "/v1/models/" in path:
                 if request.method != "GET":
                     raise ApiError(405, f"{path} takes GET")
-                await self._refresh()
-                return to_response(
-                    reply(
-                        200,
-                        oai.model_list(
-                            [oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()]
-                        ),
-                        headers,
-                    )
-                )
+                return to_response(reply(200, await self._model_cards(path.partition("/v1/models/")[2]), headers))
             if not path.endswith(("/v1/completions", "/v1/score", "/v1/chat/completions")):
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
@@ -159,6 +150,16 @@ class Gateway:
         )
         return to_response(error_reply(gone, headers))
 
+    async def _model_cards(self, model: str) -> dict[str, Any]:
+        """GET /v1/models: every served model's card; GET /v1/models/NAME (the official client's
+        `models.retrieve`): that model's card, or OpenAI's model_not_found."""
+        await self._refresh()
+        if not model:
+            return oai.model_list([oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()])
+        if model not in self.models:
+            raise _not_served(model, sorted(self.models))
+        return oai.model_card(model, self.models[model]["champion"], self.models[model]["created"])
+
     async def _app_for(self, model: str | None) -> str:
         """The application serving `model` (or the default one), or ApiError naming what is served."""
         await self._refresh(wait=False)
@@ -177,12 +178,7 @@ class Gateway:
                 param="model",
             )
         if model not in self.models:
-            raise ApiError(
-                404,
-                f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
-                param="model",
-                code="model_not_found",
-            )
+            raise _not_served(model, served)
         return str(self.models[model]["app"])
 
     async def _healthz(self, model: str | None, headers: dict[str, str]) -> Any:
@@ -232,6 +228,16 @@ async def _forward(app: str, args: tuple[Any, ...], stream: bool) -> Any:
     if "body" in head:
         return to_response(head)
     return await to_streaming_response(head, _relay(out))
+
+
+def _not_served(model: str, served: list[str]) -> ApiError:
+    """OpenAI's model_not_found, naming what is served."""
+    return ApiError(
+        404,
+        f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -55,16 +55,28 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class StreamOptions(BaseModel):
+class ApiModel(BaseModel):
+    """A request object of the API: strict types, unknown parameters refused, and an explicit `null` for one of its
+    own fields meaning that field's default, as in OpenAI's API, where every optional parameter is nullable (clients
+    and tools built on it send `"max_tokens": null` or `"temperature": null`). A required field sent as null is
+    then "Field required"."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class StreamOptions(ApiModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(ApiModel):
     """POST /v1/completions: OpenAI's parameters the endpoint honours (and the neutral values of the rest)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str = Field(min_length=1)
@@ -93,10 +105,8 @@ class CompletionRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(ApiModel):
     """POST /v1/score: bits per byte of `text` under the model (shardline's own endpoint, not a cross-encoder)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     text: str = Field(min_length=1)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from deployments.openai_api import (
     ApiError,
+    ApiModel,
     CompletionRequest,
     StreamOptions,
     envelope,
@@ -47,9 +48,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(ApiModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str
     name: str | None = None
@@ -66,10 +65,8 @@ class ChatMessage(BaseModel):
         raise ValueError('only a string or text parts ({"type": "text", "text": ...}) are supported')
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(ApiModel):
     """POST /v1/chat/completions: OpenAI's parameters the endpoint honours (and the neutral values of the rest)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)

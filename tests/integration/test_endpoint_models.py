@@ -64,6 +64,15 @@ def test_two_models_answer_by_model_behind_one_route(world):
     done = client.completions.create(model=MODELS[0], prompt="import os", max_tokens=6, temperature=0)
     assert done.model == MODELS[0] and (done.usage.prompt_tokens, done.usage.completion_tokens) == (9, 6)  # bytes
     assert done.choices[0].finish_reason == "length"
+    # what a client leaves unset it may send as null (OpenAI's parameters are nullable): the defaults answer
+    nulls = client.completions.create(
+        model=MODELS[0], prompt="import os", max_tokens=6, temperature=0, top_p=None, seed=None, stop=None, n=None
+    )
+    assert nulls.choices[0].text == done.choices[0].text
+    card = client.models.retrieve(MODELS[1])
+    assert (card.id, card.object, card.owned_by) == (MODELS[1], "model", "shardline")
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("gamma")
     pieces = list(
         client.completions.create(
             model=MODELS[0],

@@ -33,6 +33,12 @@ def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion
         {"messages": HI, "stream": True, "stream_options": {"include_usage": True}}, CHATML, 4096, 64
     )
     assert streamed.stream and streamed.stream_options is not None and streamed.stream_options.include_usage
+    # an explicit null is the parameter's default, as in OpenAI's API (a message's name included)
+    nulls = dict.fromkeys(["max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "logprobs", "tools"])
+    named = [{**HI[0], "name": None}, HI[1]]
+    assert validate_chat({"messages": named, **nulls}, CHATML, 4096, 64) == validate_chat(
+        {"messages": HI}, CHATML, 4096, 64
+    )
 
 
 @pytest.mark.parametrize(

@@ -157,6 +157,19 @@ def test_good_requests_become_request_objects():
     assert (req.model, req.prompt, req.stops(), req.logprobs, req.stream) == ("m", "hi", ["\n"], 2, True)
 
 
+def test_an_explicit_null_is_the_parameters_default_as_in_openais_api():
+    # OpenAI's optional parameters are nullable; tools built on its API send null for what they leave unset
+    nulls = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "echo", "stream"]
+    nulls += ["stream_options", "user", "n", "best_of", "suffix", "logit_bias", "presence_penalty", "model"]
+    assert _parse("completions", {"prompt": "ab", **dict.fromkeys(nulls)}) == CompletionRequest(prompt="ab")
+    req = _parse("completions", {"prompt": "ab", "stream": True, "stream_options": {"include_usage": None}})
+    assert isinstance(req, CompletionRequest) and req.stream_options and req.stream_options.include_usage is False
+    # a required field sent as null is still missing, and an unknown one still unsupported
+    assert _parse("completions", {"prompt": None}) == (400, "prompt: Field required")
+    assert _parse("score", {"text": None}) == (400, "text: Field required")
+    assert _parse("completions", {"prompt": "ab", "functions": None}) == (400, "functions: unsupported parameter")
+
+
 def test_limits_come_from_the_router_config():
     roomy = CFG.model_copy(update={"max_prompt_bytes": 4096, "max_tokens_cap": 256})
     assert isinstance(_parse("completions", {"prompt": "x" * 17, "max_tokens": 200}, roomy), CompletionRequest)
