@@ -35,6 +35,7 @@ class ByteCodec:
     """A byte-level model: its ids are the text's bytes."""
 
     vocab = 256
+    ends: frozenset[int] = frozenset()  # every id is text: generation ends at max_tokens or a stop string
 
     def encode(self, text: bytes) -> list[int]:
         return list(text)
@@ -55,7 +56,11 @@ BYTES = ByteCodec()
 
 class TokenCodec:
     """A model over a tokenizer's ids. Each id's bytes are read once: for a byte-level BPE exactly, from its token
-    string; for another tokenizer, from decoding the id alone. Added (special) tokens stand for no text."""
+    string; for another tokenizer, from decoding the id alone. Added (special) tokens stand for no text, and a
+    model that emits one has ended its text (`ends`): an end of document (a trained BPE's `<|endoftext|>`, between
+    documents in the shards), an end of turn (`<|im_end|>`, `<|eot_id|>`) or the start of another one. Generation
+    stops there with finish_reason "stop", as transformers' `generate` stops at `eos_token_id` and OpenAI's API at
+    the end of the assistant's turn."""
 
     def __init__(self, tokenizer: Any) -> None:
         from tokenizers import decoders
@@ -64,7 +69,9 @@ class TokenCodec:
 
         self.tokenizer = tokenizer
         self.vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-        special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        added = tokenizer.get_added_tokens_decoder()
+        special = {t.content for t in added.values() if t.special}
+        self.ends = frozenset(i for i, t in added.items() if t.special)
         byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         table = byte_level_table() if byte_level else {}
         self.pieces: list[bytes] = []

@@ -157,7 +157,7 @@ class Gateway:
         if not model:
             return oai.model_list([oai.model_card(m, d["champion"], d["created"]) for m, d in self.models.items()])
         if model not in self.models:
-            raise _not_served(model, sorted(self.models))
+            raise oai.model_not_found(model, sorted(self.models))
         return oai.model_card(model, self.models[model]["champion"], self.models[model]["created"])
 
     async def _app_for(self, model: str | None) -> str:
@@ -178,7 +178,7 @@ class Gateway:
                 param="model",
             )
         if model not in self.models:
-            raise _not_served(model, served)
+            raise oai.model_not_found(model, served)
         return str(self.models[model]["app"])
 
     async def _healthz(self, model: str | None, headers: dict[str, str]) -> Any:
@@ -228,16 +228,6 @@ async def _forward(app: str, args: tuple[Any, ...], stream: bool) -> Any:
     if "body" in head:
         return to_response(head)
     return await to_streaming_response(head, _relay(out))
-
-
-def _not_served(model: str, served: list[str]) -> ApiError:
-    """OpenAI's model_not_found, naming what is served."""
-    return ApiError(
-        404,
-        f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
-        param="model",
-        code="model_not_found",
-    )
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:

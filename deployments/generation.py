@@ -39,6 +39,7 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen
         order = torch.argsort(scaled, descending=True)
         probs = torch.softmax(scaled[order], -1)
         keep = torch.cumsum(probs, -1) - probs < top_p  # the token that crosses top_p is kept
+        keep[0] = True  # and the likeliest always (top_p 0 is greedy)
         scaled[order[~keep]] = float("-inf")
     return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
 
@@ -128,6 +129,9 @@ class Completion:
         logits = logits.float()
         token = pick(logits, self.temperature, self.top_k, self.top_p, self.gen)
         self.tokens += 1
+        if token in self.codec.ends:  # a special token: the model ended its text (codec.TokenCodec)
+            self.finish = "stop"
+            return token, []
         if self.logprobs is not None:
             lp = torch.log_softmax(logits, -1)
             label = self.codec.label(token)

@@ -73,6 +73,7 @@ class ApiModel(BaseModel):
 
 class StreamOptions(ApiModel):
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI pads its stream chunks against side channels; these carry no padding
 
 
 class CompletionRequest(ApiModel):
@@ -80,11 +81,11 @@ class CompletionRequest(ApiModel):
 
     model: str | None = None
     prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0, description="0 with echo and logprobs scores the prompt, as in OpenAI's API.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0, description="0 keeps the likeliest token only.")
     top_k: int = Field(0, ge=0, description="vLLM's extension: sample from the k likeliest tokens; 0 = all.")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -180,6 +181,16 @@ def validate(
     if isinstance(req, ScoreRequest) and size < 2:
         raise ApiError(400, "text: needs at least 2 bytes (the first byte is never predicted)", param="text")
     return req
+
+
+def model_not_found(model: str, served: list[str]) -> ApiError:
+    """OpenAI's 404 model_not_found, naming what is served."""
+    return ApiError(
+        404,
+        f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def completion_id() -> str:

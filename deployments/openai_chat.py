@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from deployments.openai_api import (
     ApiError,
@@ -45,13 +45,54 @@ _NEUTRAL: dict[str, Any] = {
     "tools": None,
     "tool_choice": None,
     "response_format": None,
+    "functions": None,
+    "function_call": None,
+    "store": False,
+    "service_tier": None,
+    "reasoning_effort": None,
+    "modalities": None,
+    "prediction": None,
+    "audio": None,
+    "verbosity": None,
+    "web_search_options": None,
+}
+# other values that mean the neutral one, which clients send explicitly (OpenAI's own defaults)
+_ALSO_NEUTRAL: dict[str, list[Any]] = {
+    "response_format": [{"type": "text"}],
+    "tool_choice": ["none"],
+    "function_call": ["none"],
+    "service_tier": ["auto", "default"],
+    "modalities": [["text"]],
+    "verbosity": ["medium"],
 }
 
 
 class ChatMessage(ApiModel):
+    """One message. An assistant's may come back as the endpoint answered it (`refusal`, `tool_calls`,
+    `annotations`, `audio` null or empty, `content` null), since clients append the reply they got to the
+    conversation."""
+
     role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    content: str | None = None
     name: str | None = None
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator("refusal", "tool_calls", "function_call", "audio", "annotations")
+    @classmethod
+    def _null_or_empty(cls, value: Any) -> Any:
+        if value not in ([], {}, ""):  # a null never gets here: it is the default
+            raise ValueError("only null or empty is supported (no tools, refusals or audio here)")
+        return None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: required for a {self.role} message")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -90,6 +131,21 @@ class ChatRequest(ApiModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    store: bool = False
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    audio: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    # accepted, without effect on the answer (like `user`): hints and labels for OpenAI's own services
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # about tools, which are refused
 
 
 def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_bytes: int = 0) -> str:
@@ -133,8 +189,8 @@ def parse_chat(data: Any, max_tokens_cap: int) -> tuple[CompletionRequest, list[
     req = model_or_error(ChatRequest, data)
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
-        if name == "response_format" and value == {"type": "text"}:
-            continue  # OpenAI's own default, sent explicitly by some clients
+        if value in _ALSO_NEUTRAL.get(name, []):
+            continue
         if value is not None and value != neutral and (neutral is not None or value):
             raise ApiError(
                 400, f"{name}: only {neutral!r} is supported, got {value!r}", param=name, code="unsupported_parameter"
@@ -163,7 +219,8 @@ def parse_chat(data: Any, max_tokens_cap: int) -> tuple[CompletionRequest, list[
     }
     out = validate("completions", completion, len(PLACEHOLDER), max_tokens_cap)
     assert isinstance(out, CompletionRequest)  # validate("completions", ...) returns one
-    return out, [m.model_dump(exclude_none=True) for m in req.messages]
+    messages = [m.model_dump(include={"role", "content", "name"}, exclude_none=True) for m in req.messages]
+    return out, [{**m, "content": m.get("content", "")} for m in messages]
 
 
 def chat_id() -> str:

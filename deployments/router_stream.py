@@ -99,17 +99,18 @@ class RouterStreams:
         cid = chat_id() if chat else oai.completion_id()
         # with include_usage, OpenAI's every chunk has a `usage` field: null, and the totals on the last one
         with_usage = req.stream_options is not None and req.stream_options.include_usage
-        nulls = {"usage": None} if with_usage else {}
+        # every chunk carries the stream's one `created` (as OpenAI's do), and with include_usage `"usage": null`
+        common = {"created": int(time.time())} | ({"usage": None} if with_usage else {})
 
         def piece(text: str, finish_reason: str | None, lp: dict[str, Any] | None = None) -> bytes:
             if chat:  # the new text in `delta.content` (the last chunk's delta is empty); never logprobs
                 delta = {"content": text} if text else {}
-                return oai.sse(chat_chunk(cid, model, version, delta, finish_reason) | nulls)
-            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp) | nulls)
+                return oai.sse(chat_chunk(cid, model, version, delta, finish_reason) | common)
+            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp) | common)
 
         served: dict[str, Any] = {**head, "ok": True}
         if chat:  # OpenAI's first chat chunk carries the role
-            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None) | nulls)
+            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None) | common)
         if req.echo:
             head_lp = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
             yield piece(req.prompt, None, merge_logprobs([head_lp]) if head_lp else None)
@@ -136,7 +137,7 @@ class RouterStreams:
             if with_usage:
                 used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
                 kind = "chat.completion.chunk" if chat else "text_completion"
-                yield oai.sse(oai.usage_chunk(cid, model, version, *used, kind=kind))
+                yield oai.sse(oai.usage_chunk(cid, model, version, *used, kind=kind) | {"created": common["created"]})
         finally:
             if not finished:  # the client went away (or the replica failed): stop generating now
                 stream.cancel()

@@ -180,7 +180,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
                 else "score"
                 if path.endswith("/v1/score")
                 else "models"
-                if path.endswith("/v1/models")
+                if path.endswith("/v1/models") or "/v1/models/" in path
                 else ""
             )
             if not endpoint:
@@ -192,7 +192,11 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             if endpoint == "models":
                 if method != "GET":
                     raise ApiError(405, f"{path} takes GET")
-                return reply(200, oai.model_list([oai.model_card(cfg.model_name, cfg.champion)]))
+                card = oai.model_card(cfg.model_name, cfg.champion)
+                named = path.partition("/v1/models/")[2]  # GET /v1/models/NAME: one model's card
+                if named and named != cfg.model_name:
+                    raise oai.model_not_found(named, [cfg.model_name])
+                return reply(200, card if named else oai.model_list([card]))
             if method != "POST":
                 raise ApiError(405, f"{path} takes POST")
             messages = None

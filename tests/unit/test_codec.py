@@ -109,3 +109,53 @@ def test_text_offsets_count_the_characters_a_token_starts():
     pieces = [{"tokens": ["def", " main", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2\\x9c", "bytes:\\x93"]}]
     pieces[0] |= {"token_logprobs": [0.0] * 6, "top_logprobs": [{}] * 6}
     assert merge_logprobs(pieces, offset=10)["text_offset"] == [10, 13, 18, 19, 19, 20]
+
+
+@pytest.mark.parametrize("runner", ["engine", "generate"])
+def test_a_special_token_ends_the_text_with_finish_reason_stop(codec, runner):
+    """A model that emits `<|endoftext|>` (or an end of turn) has ended its text: no more is generated, the token
+    adds no text, and the completion finishes with "stop", not "length" at max_tokens."""
+    eot = codec.tokenizer.token_to_id(tk.END_OF_TEXT)
+    assert codec.ends == {eot} and not BYTES.ends
+    model = _gpt(codec.vocab)
+    with torch.no_grad():
+        model.lm_head.weight[eot] = 0.0  # left alone, greedy never picks it
+    ids = codec.encode(b"def")
+    texts = _greedy_ids(model, ids, 3)  # its first 3 greedy ids; the 4th becomes the end of text
+    ended = _ends_after(model, len(ids) + 3, eot)
+    if runner == "generate":
+        events = list(generate(ended, b"def", SEQ, 12, temperature=0, codec=codec))
+    else:
+        engine = Engine(Recompute(ended, SEQ, slots=1), codec)
+        events = _engine_events(engine, b"def", Completion(12, 0.0, codec=codec))
+    text = "".join(e["text"] for e in events if "text" in e)
+    assert events[-1] == {"finish_reason": "stop", "tokens": 4}
+    assert text == b"".join(codec.piece(i) for i in texts).decode("utf-8", "replace")
+
+
+def _ends_after(model, length: int, eot: int):
+    """`model`, except that from a context of `length` ids on it predicts `eot` above all."""
+
+    def run(idx: torch.Tensor) -> torch.Tensor:
+        logits = model(idx)
+        if idx.shape[1] >= length:
+            logits[:, -1, eot] = logits[:, -1].max() + 10.0
+        return logits
+
+    return run
+
+
+def _greedy_ids(model, ids: list[int], n: int) -> list[int]:
+    context = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            context.append(int(model(torch.tensor([context[-SEQ:]]))[0, -1].argmax()))
+    return context[len(ids) :]
+
+
+def _engine_events(engine: Engine, prompt: bytes, completion: Completion) -> list[dict]:
+    async def run() -> list[dict]:
+        async with aclosing(engine.stream(prompt, completion)) as events:
+            return [e async for e in events if "bits" not in e]
+
+    return asyncio.run(run())

@@ -45,7 +45,7 @@ def test_a_stop_string_ends_generation_and_is_not_returned():
 def test_top_k_one_and_tiny_top_p_are_greedy_at_any_temperature():
     model = _bigram(TEXT)
     greedy, _ = _run(model, b"a", max_tokens=12, temperature=0)
-    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"top_p": 0.0}):
         for seed in range(3):
             assert _run(model, b"a", max_tokens=12, temperature=1.5, seed=seed, **kw)[0] == greedy
 

@@ -41,13 +41,39 @@ def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion
     )
 
 
+def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
+    """Clients append the assistant message they got (with `refusal: null`, and from other servers `tool_calls: []`
+    or `content: null`) and send the conversation again; and they send OpenAI's neutral parameters explicitly."""
+    reply = {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": [], "annotations": []}
+    turns = [*HI, reply, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    neutral = {"store": False, "service_tier": "auto", "tool_choice": "none", "modalities": ["text"]}
+    neutral |= {
+        "parallel_tool_calls": True,
+        "metadata": {"app": "x"},
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+    }
+    req = validate_chat({"messages": turns, **neutral}, CHATML, 4096, 64)
+    plain = [*HI, {"role": "assistant", "content": "hello"}, {"role": "assistant", "content": ""}, turns[-1]]
+    assert req.prompt == render(CHATML, plain)
+
+
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
         ({"messages": HI, "n": 2}, "n: only 1 is supported, got 2", "n"),
         ({"messages": HI, "logprobs": True}, "logprobs: only False is supported, got True", "logprobs"),
         ({"messages": HI, "tools": [{"type": "function"}]}, "tools: only None is supported", "tools"),
-        ({"messages": HI, "functions": []}, "functions: unsupported parameter", "functions"),
+        ({"messages": HI, "functions": [{"name": "f"}]}, "functions: only None is supported", "functions"),
+        ({"messages": HI, "functionz": []}, "functionz: unsupported parameter", "functionz"),
+        ({"messages": HI, "store": True}, "store: only False is supported, got True", "store"),
+        ({"messages": HI, "reasoning_effort": "low"}, "reasoning_effort: only None is supported", "reasoning_effort"),
+        ({"messages": [{"role": "user"}]}, "messages.0: Value error, content: required for a user", "messages.0"),
+        (
+            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+            "messages.0.tool_calls: Value error, only null or empty is supported",
+            "messages.0.tool_calls",
+        ),
         ({"messages": []}, "messages: List should have at least 1 item", "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be", "messages.0.role"),
         (

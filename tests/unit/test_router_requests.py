@@ -77,9 +77,9 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
         ("completions", {"prompt": "ab", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
         (
             "completions",
-            {"prompt": "ab", "max_tokens": 0},
+            {"prompt": "ab", "max_tokens": -1},
             400,
-            "max_tokens: Input should be greater than or equal to 1",
+            "max_tokens: Input should be greater than or equal to 0",
         ),
         ("completions", {"prompt": "ab", "max_tokens": 33}, 400, "max_tokens: 33 > serve.max_tokens_cap=32"),
         (
@@ -88,7 +88,7 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
             400,
             "temperature: Input should be less than or equal to 2",
         ),
-        ("completions", {"prompt": "ab", "top_p": 0}, 400, "top_p: Input should be greater than 0"),
+        ("completions", {"prompt": "ab", "top_p": -0.5}, 400, "top_p: Input should be greater than or equal to 0"),
         ("completions", {"prompt": "ab", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
         ("completions", {"prompt": "ab", "seed": 1.5}, 400, "seed: Input should be a valid integer"),
         ("completions", {"prompt": "ab", "n": 2}, 400, "n: only 1 is supported, got 2"),
@@ -168,6 +168,16 @@ def test_an_explicit_null_is_the_parameters_default_as_in_openais_api():
     assert _parse("completions", {"prompt": None}) == (400, "prompt: Field required")
     assert _parse("score", {"text": None}) == (400, "text: Field required")
     assert _parse("completions", {"prompt": "ab", "functions": None}) == (400, "functions: unsupported parameter")
+
+
+def test_openais_ranges_are_accepted_at_their_edges():
+    # max_tokens 0 with echo and logprobs scores the prompt; top_p 0 is greedy; a seed is any int64
+    req = _parse("completions", {"prompt": "ab", "max_tokens": 0, "echo": True, "logprobs": 1, "top_p": 0})
+    assert isinstance(req, CompletionRequest) and (req.max_tokens, req.top_p) == (0, 0.0)
+    assert _parse("completions", {"prompt": "ab", "seed": -(2**63)}).seed == -(2**63)
+    assert _parse("completions", {"prompt": "ab", "seed": -(2**63) - 1})[0] == 400
+    streamed = {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    assert _parse("completions", {"prompt": "ab", **streamed}).stream_options.include_usage
 
 
 def test_limits_come_from_the_router_config():
