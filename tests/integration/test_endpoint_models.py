@@ -226,6 +226,12 @@ def test_a_version_answers_chat_in_the_template_its_tokenizer_carries(world):
 
         chat, plain = both("<user>def<assistant>")
         assert chat == plain
+        # a conversation goes on as clients keep it: the reply message appended as the client got it (refusal: null)
+        reply = oai.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+        turns = [*messages, reply.choices[0].message, {"role": "user", "content": "and"}]
+        again = oai.chat.completions.create(model=name, messages=turns, max_tokens=2, temperature=0, store=False)
+        rendered = f"<user>def<assistant>{chat}<user>and<assistant>"
+        assert again.usage.prompt_tokens == len(rendered.encode()) and again.choices[0].finish_reason == "length"
         parts = list(
             oai.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0, stream=True)
         )
