@@ -33,8 +33,8 @@ class PipelineConfig(BaseModel):
     data: DataConfig = Field(default_factory=DataConfig, description="shard_dataset: corpus, split, shards.")
     tokenizer: TokenizerConfig = Field(
         default_factory=TokenizerConfig,
-        description="shard_dataset: bytes (the default), or token ids of a tokenizer.json or a trained BPE "
-        "(`shardline shard` only, for now: pipeline runs train byte-level models).",
+        description="shard_dataset: bytes (the default), or token ids of a tokenizer.json or a BPE trained in "
+        "the run; training, validation and serving then use that tokenizer's ids.",
     )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="provision_cluster: which Ray.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="train_fsdp: model and optimisation.")
