@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,7 +115,11 @@ class Completion:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.scanner = _StopScanner(stop or [])
         self.text, self.emitted = "", 0  # decoded completion so far; how much of it has been yielded
-        self.pending: list[tuple[str, float, dict[str, float]]] = []  # decoded, not yet emitted (logprobs)
+        # tokens not yet emitted (logprobs): label, logprob, top alternatives, and where the token starts in the text
+        # (the character its first byte falls in: a token ending inside a character and the one completing it
+        # share that character's start)
+        self.pending: list[_Token] = []
+        self.cut = False  # a stop string ended the text (what was held back after it is dropped)
         self.tokens = 0
         self.finish: str | None = None if max_tokens > 0 else "length"
 
@@ -135,17 +139,18 @@ class Completion:
         if self.logprobs is not None:
             lp = torch.log_softmax(logits, -1)
             label = self.codec.label(token)
-            self.pending.append((label, float(lp[token]), top_entries(lp, self.logprobs, self.codec)))
+            top = top_entries(lp, self.logprobs, self.codec)
+            self.pending.append(_Token(label, float(lp[token]), top, len(self.text)))
         self.text += self.decoder.decode(self.codec.piece(token))
         out: list[dict[str, Any]] = []
         cut = self.scanner.find(self.text)
-        if cut >= 0:
-            self.text, self.finish = self.text[:cut], "stop"
+        if cut >= 0:  # the stop string and the tokens that wrote it are not returned
+            self.text, self.finish, self.cut = self.text[:cut], "stop", True
+            self.pending = [t for t in self.pending if t.start < cut]
             return token, out
         safe = self.scanner.safe(self.text)
         if safe > self.emitted:
-            out.append(_piece(self.text[self.emitted : safe], self.pending, self.logprobs))
-            self.emitted, self.pending = safe, []
+            out.append(self._emit(safe))
         if self.tokens >= self.max_tokens:
             self.finish = "length"
         return token, out
@@ -155,13 +160,21 @@ class Completion:
         self.finish = self.finish or "cancelled"
 
     def close(self) -> list[dict[str, Any]]:
-        """The last events: the held-back text, then {"finish_reason", "tokens"}."""
+        """The last events: the held-back text, then {"finish_reason", "tokens"}. A character left unfinished
+        reads as U+FFFD, unless a stop string cut the text before it."""
         self.finish = self.finish or "length"
-        if self.finish == "length":
+        if not self.cut:
             self.text += self.decoder.decode(b"", final=True)
-        out = [_piece(self.text[self.emitted :], self.pending, self.logprobs)] if len(self.text) > self.emitted else []
-        self.emitted = len(self.text)
+        out = [self._emit(len(self.text))] if len(self.text) > self.emitted else []
         return out + [{"finish_reason": self.finish, "tokens": self.tokens}]
+
+    def _emit(self, end: int) -> dict[str, Any]:
+        """The piece of text up to `end`, with the logprobs of the tokens that start in it."""
+        taken = [t for t in self.pending if t.start < end]
+        self.pending = self.pending[len(taken) :]
+        piece = _piece(self.text[self.emitted : end], taken, self.logprobs)
+        self.emitted = end
+        return piece
 
 
 def generate(
@@ -198,31 +211,45 @@ def generate(
     yield from completion.close()
 
 
-def _piece(text: str, pending: list[tuple[str, float, dict[str, float]]], logprobs: int | None) -> dict[str, Any]:
+class _Token(NamedTuple):
+    label: str
+    logprob: float
+    top: dict[str, float]
+    start: int  # where it starts in the completion's text
+
+
+def _piece(text: str, tokens: list[_Token], logprobs: int | None) -> dict[str, Any]:
     if logprobs is None:
         return {"text": text, "logprobs": None}
     return {
         "text": text,
         "logprobs": {
-            "tokens": [label for label, _, _ in pending],
-            "token_logprobs": [lp for _, lp, _ in pending],
-            "top_logprobs": [top for _, _, top in pending],
+            "tokens": [t.label for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [t.top for t in tokens],
+            "text_offset": [t.start for t in tokens],  # in the completion's text (merge_logprobs places them)
         },
     }
 
 
-def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0) -> dict[str, Any]:
-    """One OpenAI `logprobs` object from the pieces' parts, with `text_offset` counted from `offset`."""
+def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0, start: int | None = None) -> dict[str, Any]:
+    """One OpenAI `logprobs` object from the pieces' parts. A completion's piece says where each of its tokens
+    starts in the completion's text: counted from `start`, where the completion begins in the answer (after an
+    echoed prompt; `offset` unless given). A part without them (the echoed prompt, or a piece from a replica of
+    older code) is counted by its labels, from `offset` on."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    position, start = offset, offset if start is None else start
     for part in pieces:
         if not part:
             continue
         for key in ("tokens", "token_logprobs", "top_logprobs"):
             out[key] += part[key]
-    position = offset
-    for token in out["tokens"]:
-        out["text_offset"].append(position)
-        position += _characters_started(token)
+        if "text_offset" in part:
+            out["text_offset"] += [start + at for at in part["text_offset"]]
+            continue
+        for token in part["tokens"]:
+            out["text_offset"].append(position)
+            position += _characters_started(token)
     return out
 
 

@@ -119,7 +119,9 @@ class RouterStreams:
         try:
             async for event in stream:
                 if "text" in event:
-                    lp = merge_logprobs([event["logprobs"]], offset) if req.logprobs is not None else None
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = merge_logprobs([event["logprobs"]], offset, len(req.prompt) if req.echo else 0)
                     offset += len(event["text"])
                     yield piece(event["text"], None, lp)
                 else:

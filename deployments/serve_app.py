@@ -369,7 +369,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         logprobs = None
         if req.logprobs is not None:
             head = prompt_piece({**served, "prompt": job.text}) if req.echo else None
-            logprobs = merge_logprobs([head, *served["pieces"]])
+            logprobs = merge_logprobs([head, *served["pieces"]], start=len(prompt))
         return oai.completion(
             oai.completion_id(),
             job.cfg.model_name,

@@ -69,6 +69,20 @@ def test_two_models_answer_by_model_behind_one_route(world):
         model=MODELS[0], prompt="import os", max_tokens=6, temperature=0, top_p=None, seed=None, stop=None, n=None
     )
     assert nulls.choices[0].text == done.choices[0].text
+    # logprobs through the router, whole and streamed: one entry per token of the answer, at the same offsets
+    scored = client.completions.create(
+        model=MODELS[0], prompt="import os", max_tokens=6, temperature=0, logprobs=1, echo=True
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == "import os" + done.choices[0].text and len(lp.tokens) == 9 + 6
+    assert lp.text_offset == list(range(15)) and lp.token_logprobs[0] is None  # ASCII bytes: one character each
+    chunks = list(
+        client.completions.create(
+            model=MODELS[0], prompt="import os", max_tokens=6, temperature=0, logprobs=1, echo=True, stream=True
+        )
+    )
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]  # the last chunk has no text
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
     card = client.models.retrieve(MODELS[1])
     assert (card.id, card.object, card.owned_by) == (MODELS[1], "model", "shardline")
     with pytest.raises(openai.NotFoundError, match="is not served here"):

@@ -132,3 +132,55 @@ def test_two_replicas_of_one_router_merge_into_series_told_apart_by_their_replic
     }
     assert requests == {"ra": 3.0, "rb": 1.0}
     assert 'shardline_model_latency_seconds_count{model="m",op="score",router_replica="rb",version="1"} 1.0' in merged
+
+
+def _scripted(prompt: bytes, script: bytes):
+    """A model that writes `script` after `prompt`, whatever it samples."""
+
+    def run(idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*idx.shape, 256)
+        for pos in range(idx.shape[1]):
+            k = pos + 1 - len(prompt)
+            logits[:, pos, script[k] if 0 <= k < len(script) else 0] = 20.0
+        return logits
+
+    return run
+
+
+def _logprobs(prompt: bytes, script: bytes, stop: list[str], echo: bool = False) -> tuple[str, dict, dict]:
+    """The text, its logprobs merged whole (as a completion answers) and merged piece by piece (as a stream)."""
+    events = list(generate(_scripted(prompt, script), prompt, 64, len(script), temperature=0, stop=stop, logprobs=0))
+    pieces = [e for e in events if "text" in e]
+    start = len(prompt.decode()) if echo else 0
+    whole = merge_logprobs([p["logprobs"] for p in pieces], start=start)
+    streamed: dict = {"tokens": [], "text_offset": []}
+    offset = start
+    for p in pieces:
+        part = merge_logprobs([p["logprobs"]], offset, start)
+        streamed["tokens"] += part["tokens"]
+        streamed["text_offset"] += part["text_offset"]
+        offset += len(p["text"])
+    return "".join(p["text"] for p in pieces), whole, streamed
+
+
+def test_logprobs_are_those_of_the_returned_text_where_a_stop_string_was_held_back_or_cut():
+    # "aa" was held back as a possible start of "aab", then returned: each token once, at its own offset
+    text, whole, streamed = _logprobs(b">", b"xaaax", stop=["aab"])
+    assert text == "xaaax" and whole["tokens"] == ["x", "a", "a", "a", "x"]
+    assert whole["text_offset"] == streamed["text_offset"] == [0, 1, 2, 3, 4]
+    # the stop string and the tokens that wrote it are not returned, nor their logprobs
+    text, whole, streamed = _logprobs(b">", b"xaaab", stop=["aab"])
+    assert text == "xa" and whole["tokens"] == streamed["tokens"] == ["x", "a"]
+    text, whole, _ = _logprobs(b">", b"abdzz", stop=["abc", "bd"])
+    assert text == "a" and whole["tokens"] == ["a"] and whole["text_offset"] == [0]
+    # echoed: the completion's offsets follow the prompt's characters
+    _, whole, streamed = _logprobs("é>".encode(), b"xy", stop=[], echo=True)
+    assert whole["text_offset"] == streamed["text_offset"] == [2, 3]
+
+
+def test_text_offsets_follow_the_decoded_text_through_bytes_that_are_not_utf8():
+    # a lone continuation byte decodes to one U+FFFD: the bytes after it start one character later
+    text, whole, _ = _logprobs(b">", b"a\x80bc", stop=[])
+    assert text == "a\ufffdbc" and whole["text_offset"] == [0, 1, 2, 3]
+    text, whole, _ = _logprobs(b">", "aé".encode() + b"z", stop=[])  # the two bytes of é share its start
+    assert text == "aéz" and whole["text_offset"] == [0, 1, 1, 2]
