@@ -15,6 +15,7 @@ from deployments.gateway_control import EndpointConflict, check_endpoint_free
 from flows.stack.config import StackConfig
 from infra.config import ClusterConfig
 from infra.paths import shardline_home
+from infra.redact import redact
 from infra.remote import RemoteConfigError, check_remote_config
 from training.chat_template import ChatFormat
 from training.config import TokenizerConfig, TrainConfig, ValidationConfig
@@ -56,17 +57,18 @@ def _parse_value(text: str) -> Any:
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """Apply one `section.key=value` override to a raw config dict, in place."""
+    shown = redact(assignment)  # a mistyped key's value may be a URI with a password in it
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+        raise ConfigError(f"--set {shown!r}: expected section.key=value")
     dotted, value = assignment.split("=", 1)
     parts = [p for p in dotted.strip().split(".") if p]
     if len(parts) < 2:
-        raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. train.steps=50")
+        raise ConfigError(f"--set {shown!r}: expected section.key=value, e.g. train.steps=50")
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment!r}: {part!r} is not a section")
+            raise ConfigError(f"--set {shown!r}: {part!r} is not a section")
     node[parts[-1]] = _parse_value(value.strip())
 
 
@@ -133,6 +135,8 @@ def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict
             raise ConfigError(f"{path}: no such config file") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        except OSError as e:  # a directory, a file it may not read
+            raise ConfigError(f"{path}: cannot read the config: {e.strerror or type(e).__name__}") from None
     for assignment in overrides or []:
         apply_override(raw, assignment)
     if overrides:

@@ -84,7 +84,11 @@ def install() -> None:
             logger.addFilter(ExpectedFailureFilter())
         if not any(isinstance(f, ThreadTimeoutNotice) for f in logger.filters):
             logger.addFilter(ThreadTimeoutNotice())
-    for name in ("", "prefect", "prefect.extra", *ENGINE_LOGGERS):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-                handler.addFilter(redacting)
+    handlers = [
+        h for name in ("", "prefect", "prefect.extra", *ENGINE_LOGGERS) for h in logging.getLogger(name).handlers
+    ]
+    if logging.lastResort is not None:  # what prints a warning where no handler is configured (a CLI process)
+        handlers.append(logging.lastResort)
+    for handler in handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(redacting)

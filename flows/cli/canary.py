@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from flows.cli._utilities import exit_with_error
+
 ACTIONS = ("status", "pause", "resume", "promote", "abort")
 DONE = {"pause": "paused", "resume": "resumed", "promote": "promoted", "abort": "aborted"}
 
@@ -26,7 +28,8 @@ def describe(status: Any) -> str:
             if status.last_verdict
             else ""
         )
-        return f"{status.model}: no canary running; champion v{status.champion_version}{last}"
+        champion = f"champion v{status.champion_version}" if status.champion_version else "no champion version"
+        return f"{status.model}: no canary running; {champion}{last}"
     line = (
         f"{status.model}: {status.state} at {status.percent}% (step {status.step} of {status.steps}), "
         f"champion v{status.champion_version}, challenger v{status.challenger_version}, mode {status.mode}, "
@@ -60,11 +63,9 @@ def canary_command(
             return 0
         command, status = send_command(client, model_name, action, reason, user, wait_s)
     except CommandRefused as e:
-        print(f"shardline: canary {action}: {e}", file=sys.stderr)
-        return 1
+        return exit_with_error(f"canary {action}: {e}")
     except MlflowException as e:
-        print(f"shardline: canary {action}: MLflow: {str(e.message).splitlines()[0]}", file=sys.stderr)
-        return 1
+        return exit_with_error(f"canary {action}: MLflow: {str(e.message).splitlines()[0]}")
     if as_json:
         print(
             json.dumps({"command": command.model_dump(mode="json"), "status": status.model_dump(mode="json")}),

@@ -16,12 +16,18 @@ def resolve_source(source: str) -> str:
     """The source as a worker will read it: remote URIs as given, local paths absolute and existing.
 
     Raises:
-        ValueError: empty source, or a local path that does not exist (one line naming it).
+        ValueError: empty source, a local path that does not exist, or a remote one with a credential in it (one
+            line naming it).
     """
     source = source.strip()
     if not source:
         raise ValueError("SOURCE is empty; name the corpus location (a path, s3://..., az://...)")
     if source == "stdlib" or source.startswith(REMOTE_SCHEMES):
+        from infra.redact import find_credential, redact
+
+        found = find_credential(source)
+        if found:  # the event, and the run it starts, would carry it: credentials come from the environment
+            raise ValueError(f"SOURCE {redact(source)!r} carries {found}; give the location only")
         return source
     path = Path(source).expanduser().resolve()
     if not path.exists():
@@ -50,7 +56,7 @@ async def _emit(resource: dict[str, str], config: dict) -> str:
 
 
 def _cmd_notify(args: argparse.Namespace) -> int:
-    from flows.cli._utilities import prepare_environment
+    from flows.cli._utilities import exit_with_error, prepare_environment
     from flows.config import ConfigError, load_config, read_raw
 
     try:
@@ -70,11 +76,14 @@ def _cmd_notify(args: argparse.Namespace) -> int:
         return 2
     from prefect.utilities.asyncutils import run_coro_as_sync
 
+    from flows import log_hygiene
+
+    log_hygiene.install()  # Prefect's own lines name the server's URL (a refused websocket): masked like any log
+
     try:
         event_id = run_coro_as_sync(_emit(dataset_resource(source), overrides))
     except Exception as e:  # noqa: BLE001 - unreachable server, refused websocket: one line, not a traceback
-        print(f"shardline: could not emit {EVENT} to {os.environ['PREFECT_API_URL']}: {e}", file=sys.stderr)
-        return 1
+        return exit_with_error(f"could not emit {EVENT} to {os.environ['PREFECT_API_URL']}: {e}")
     print(f"emitted {EVENT} for {source} (event {event_id})", flush=True)
     return 0
 

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from flows.cli._utilities import config_or_none, exit_codes, prepare_environment, table
+from flows.cli._utilities import config_or_none, exit_codes, exit_with_error, prepare_environment, table
 from flows.cli.notify import add_notify_command
 from flows.cli.stack import add_stack_commands
 
@@ -81,8 +81,7 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     try:
         chain = describe_lineage(args.model, args.version or args.alias, args.tracking_uri)
     except LineageError as e:
-        print(f"shardline: {e}", file=sys.stderr)
-        return 2
+        return exit_with_error(str(e), 2)
     if args.json:
         print(json.dumps(chain), flush=True)
     else:
@@ -131,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `shardline` console script."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    # every command's errors are one line with credentials masked, whatever the command itself catches: a command
+    # that maps its own keeps its codes, and anything it lets through is `<command> failed: ...`, exit 1
+    return exit_codes(args.command)(args.func)(args)
 
 
 if __name__ == "__main__":

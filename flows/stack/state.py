@@ -32,6 +32,10 @@ class StackState(BaseModel):
     parts: dict[str, PartState] = Field(default_factory=dict)
 
 
+class StackStateError(RuntimeError):
+    """$SHARDLINE_HOME/stack.json is there but unreadable (damaged, or written by another version)."""
+
+
 def state_path() -> Path:
     return shardline_home() / "stack.json"
 
@@ -41,7 +45,13 @@ def read_state() -> StackState | None:
     path = state_path()
     if not path.exists():
         return None
-    return StackState.model_validate_json(path.read_text())
+    try:
+        return StackState.model_validate_json(path.read_text())
+    except (ValueError, OSError) as e:  # pydantic's ValidationError is a ValueError
+        why = str(e).splitlines()[0]
+        raise StackStateError(
+            f"{path}: not a stack record this shardline can read ({why}); if no stack runs here, remove it"
+        ) from None
 
 
 def write_state(state: StackState) -> None:

@@ -43,3 +43,29 @@ def test_lineage_of_unknown_model_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("shardline: model 'no-such-model'"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_errors_nothing_catches_are_one_line_with_credentials_masked(tmp_path):
+    """Whatever a command lets through is `shardline: <command> failed: ...`, one line, exit 1, masked."""
+    proc = _shardline("lineage", "--tracking-uri", "s3://AKIAFAKE:hunter2@bucket", home=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("shardline: lineage failed: ")
+    assert "hunter2" not in proc.stderr + proc.stdout and "AKIAFAKE:***@bucket" in proc.stderr
+    # a --set mistake repeats the assignment, masked
+    proc = _shardline("run", "--set", "tracking_uri=postgresql://u:hunter2@db/x", home=tmp_path)
+    assert proc.returncode == 2 and "hunter2" not in proc.stderr and "u:***@db" in proc.stderr, proc.stderr
+    # a config path that is a directory
+    proc = _shardline("run", "--config", str(tmp_path), home=tmp_path)
+    assert (
+        proc.returncode == 2 and proc.stderr.strip() == f"shardline: {tmp_path}: cannot read the config: Is a directory"
+    )
+
+
+def test_a_damaged_stack_record_is_one_line_that_says_what_to_do(tmp_path):
+    (tmp_path / "stack.json").write_text("{garbage")
+    for command in ("status", "down"):
+        proc = _shardline(command, home=tmp_path)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"shardline: {command} failed: StackStateError: {tmp_path / 'stack.json'}: not a stack")
+        assert line.endswith("if no stack runs here, remove it")

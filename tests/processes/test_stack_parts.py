@@ -54,6 +54,10 @@ def test_dataset_source_is_absolute_existing_or_remote(tmp_path, monkeypatch):
         resolve_source("  ")
     with pytest.raises(ValueError, match="missing: no such file"):
         resolve_source("missing")
+    # the event, and the run it starts, would carry a credential in the SOURCE: refused, and not repeated
+    with pytest.raises(ValueError, match=r"'s3://AKIAFAKE:\*\*\*@bucket/x' carries a password in the URI") as err:
+        resolve_source("s3://AKIAFAKE:secret@bucket/x")
+    assert "secret" not in str(err.value)
 
 
 def test_on_new_data_trigger_needs_a_source_label():
