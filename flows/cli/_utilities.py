@@ -33,6 +33,14 @@ def prepare_environment() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 
 
+def answer_quickly() -> None:
+    """An interactive command (`canary`, `lineage`) fails in seconds, in one line, against an MLflow server that
+    does not answer, instead of MLflow's default of 7 retries with backoff (about two silent minutes). A user's
+    own MLFLOW_HTTP_REQUEST_* settings win; pipeline runs keep MLflow's defaults."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+
 def table(rows: list[tuple[str, Any]]) -> str:
     kw = max(len(k) for k, _ in rows)
     vw = max(len(str(v)) for _, v in rows)

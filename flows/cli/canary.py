@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from flows.cli._utilities import exit_with_error
+from flows.cli._utilities import answer_quickly, exit_with_error
 
 ACTIONS = ("status", "pause", "resume", "promote", "abort")
 DONE = {"pause": "paused", "resume": "resumed", "promote": "promoted", "abort": "aborted"}
@@ -101,6 +101,7 @@ def _cmd_canary(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
+    answer_quickly()
     return canary_command(
         args.action,
         args.model or config.registry.model_name,

@@ -8,7 +8,14 @@ import json
 import os
 import sys
 
-from flows.cli._utilities import config_or_none, exit_codes, exit_with_error, prepare_environment, table
+from flows.cli._utilities import (
+    answer_quickly,
+    config_or_none,
+    exit_codes,
+    exit_with_error,
+    prepare_environment,
+    table,
+)
 from flows.cli.notify import add_notify_command
 from flows.cli.stack import add_stack_commands
 
@@ -76,6 +83,7 @@ def _where_to_look(model_name: str, endpoint_url: str = "") -> str:
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
     prepare_environment()
+    answer_quickly()
     from deployments.lineage import LineageError, describe_lineage
 
     try:

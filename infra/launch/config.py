@@ -141,8 +141,15 @@ class KubeRayLauncher(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str = Field("default", description="Kubernetes namespace of the manifests.")
-    name: str = Field("shardline", description="Prefix of the RayCluster/RayJob/RayService names.")
+    # Kubernetes names: an RFC 1123 label (lowercase, digits, '-'); `name` leaves room for the suffixes it gets
+    namespace: str = Field(
+        "default", pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", description="Kubernetes namespace of the manifests."
+    )
+    name: str = Field(
+        "shardline",
+        pattern=r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$",
+        description="Prefix of the RayCluster/RayJob/RayService names.",
+    )
     code: str = Field(
         "image",
         pattern="^(image|working_dir)$",
@@ -177,6 +184,14 @@ class KubeRayLauncher(BaseModel):
     cpu_pod_memory_gib: int = Field(32, ge=1, description="Memory of each CPU worker pod in GiB.")
     head_cpus: int = Field(4, ge=1, description="CPUs of the head pod (it runs no training: num-cpus 0).")
     head_memory_gib: int = Field(16, ge=1, description="Memory of the head pod in GiB.")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> KubeRayLauncher:
+        for kind in ("gpu", "cpu"):
+            low, high = getattr(self, f"{kind}_min_replicas"), getattr(self, f"{kind}_max_replicas")
+            if low > high:
+                raise ValueError(f"{kind}_min_replicas={low} > {kind}_max_replicas={high}")
+        return self
 
 
 class LauncherConfig(BaseModel):

@@ -78,6 +78,9 @@ def test_bad_value_names_key_and_value():
     assert "train.workers" in str(e.value) and "0" in str(e.value)
     with pytest.raises(ConfigError, match=r"cluster.mode.*'moon'"):
         load_config(None, ["cluster.mode=moon"])
+    # a size no reader can hold is named here, not an OverflowError deep in the data stage
+    with pytest.raises(ConfigError, match=r"data.max_record_bytes: Input should be less than or equal to 2147483647"):
+        load_config(None, ["data.max_record_bytes=99999999999999999999999"])
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import yaml
 from support.kuberay_schema import spec_errors
 
 from flows.cli.cluster import render_kuberay
-from flows.config import PipelineConfig, load_config
+from flows.config import ConfigError, PipelineConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,6 +102,22 @@ def test_working_dir_without_uri_is_a_clear_error(tmp_path):
     config = load_config(None, ["cluster.launcher.kuberay.code=working_dir"])
     with pytest.raises(ValueError, match="needs working_dir_uri"):
         render_kuberay(config, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["gpu_min_replicas=9", "gpu_max_replicas=1"], "gpu_min_replicas=9 > gpu_max_replicas=1"),
+        (["cpu_min_replicas=5", "cpu_max_replicas=2"], "cpu_min_replicas=5 > cpu_max_replicas=2"),
+        (["name=Bad_Name"], "cluster.launcher.kuberay.name: String should match pattern"),
+        (["namespace=UPPER_ns"], "cluster.launcher.kuberay.namespace: String should match pattern"),
+    ],
+)
+def test_what_kubernetes_would_refuse_is_a_config_error_before_rendering(override, message):
+    """Kubernetes names are RFC 1123 labels, and an autoscaling group's minimum is within its maximum: a mistake
+    is one line at config load, not a manifest the API server (or the autoscaler) refuses later."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"cluster.launcher.kuberay.{o}" for o in override])
 
 
 @pytest.mark.parametrize("name", ["raycluster", "rayjob", "rayservice"])

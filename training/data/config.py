@@ -65,7 +65,10 @@ class DataConfig(BaseModel):
     )
     min_record_bytes: int = Field(1, ge=0, description="Records shorter than this are bad input (empty files).")
     max_record_bytes: int = Field(
-        4 * 1024 * 1024, ge=1, description="Records longer than this are bad input (e.g. a single 200 MB line)."
+        4 * 1024 * 1024,
+        ge=1,
+        le=2**31 - 1,
+        description="Records longer than this are bad input (e.g. a single 200 MB line).",
     )
     on_empty_record: Policy = Field("skip", description="Empty or too-short record: fail the stage or skip and count.")
     on_oversize: Policy = Field("skip", description="Record over max_record_bytes: fail or skip and count.")
