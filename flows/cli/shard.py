@@ -42,6 +42,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.set)
         check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
+        _check_local_source(config.data)
     except (ConfigError, DataError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
@@ -50,6 +51,22 @@ def cmd_shard(args: argparse.Namespace) -> int:
     logging.getLogger("shardline").setLevel(logging.INFO)
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
     return _run_stage(config, args.json)
+
+
+def _check_local_source(data: Any) -> None:
+    """DataError when the corpus is a local path this process reads (engine local) and it does not exist: a typo
+    in data.source is a config mistake, refused before the stage's MLflow run starts (remote stores are read by
+    the stage, which reports a missing prefix itself)."""
+    from pathlib import Path
+
+    from infra import storage
+    from training.data import DataError
+
+    if data.reader or data.engine != "local" or data.source in ("", "stdlib"):
+        return
+    loc = storage.parse(data.source)
+    if loc.scheme == "file" and not Path(loc.key).expanduser().exists():
+        raise DataError(f"data.source: {data.source}: no such file or directory")
 
 
 @exit_codes("shard")

@@ -75,6 +75,11 @@ def test_config_mistakes_exit_2_with_one_line(tmp_path):
     assert "data.output" in proc.stderr and "hunter2" not in proc.stderr
     proc = _shardline("--set", "data.engine=spark", home=tmp_path)
     assert proc.returncode == 2 and "data.engine" in proc.stderr and "spark" in proc.stderr
+    # a corpus path that does not exist is a config mistake too: refused before the stage's MLflow run starts
+    proc = _shardline("--set", f"data.source={tmp_path / 'typo'}", home=tmp_path / "home2")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"shardline: data.source: {tmp_path / 'typo'}: no such file or directory"
+    assert not (tmp_path / "home2" / "mlflow.db").exists()
 
 
 def test_a_failed_stage_exits_1_with_one_line(tmp_path):
