@@ -47,6 +47,7 @@ from training.served_forms import (
     log_hf,
     log_pt2,
     mlflow_pytorch,
+    refusing_pickle,
 )
 from training.transformers_form import end_token, load_causal_lm_form, special_contents
 
@@ -231,9 +232,10 @@ def load_served_model(model_uri: str) -> Any:
         return build_eager(spec, model_file(model_uri, spec["weights"]))
     if (hf := metadata.get(EAGER_HF)) and "weights_dir" in hf:  # the transformers flavor
         return load_causal_lm_form(hf, int(metadata["seq_len"]), model_file(model_uri, hf["weights_dir"]))
-    if program := metadata.get(PROGRAM):
-        return mlflow_pytorch().load_model(model_file(model_uri, program), map_location="cpu")
-    return mlflow_pytorch().load_model(model_uri, map_location="cpu")  # registered before the text form
+    with refusing_pickle():
+        if program := metadata.get(PROGRAM):
+            return mlflow_pytorch().load_model(model_file(model_uri, program), map_location="cpu")
+        return mlflow_pytorch().load_model(model_uri, map_location="cpu")  # registered before the text form
 
 
 def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:

@@ -8,8 +8,11 @@ names."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,6 +41,7 @@ NOT_FOR_REBUILD = ("hf_weights", "init_from")
 
 
 _LIGHTNING_AUTOLOG = "mlflow.pytorch._lightning_autolog"
+_ALLOW_PICKLE = "MLFLOW_ALLOW_PICKLE_DESERIALIZATION"
 
 
 def mlflow_pytorch() -> ModuleType:
@@ -56,6 +60,24 @@ def mlflow_pytorch() -> ModuleType:
         return importlib.import_module("mlflow.pytorch")
     finally:
         del sys.modules[_LIGHTNING_AUTOLOG]
+
+
+@contextmanager
+def refusing_pickle() -> Iterator[None]:
+    """`mlflow.pytorch.load_model` with pickle refused: MLflow 3 unpickles a model saved in pickle format, and does
+    not check a pt2 archive for pickled payloads, unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION is false (its default
+    is true), so a registry entry or artifact store someone could write would run their code in a replica or a
+    validation. shardline's programs are pt2 archives of tensors, which load with the check on. The variable is set
+    for the call and restored after it (a user's own setting elsewhere in the process is theirs)."""
+    before = os.environ.get(_ALLOW_PICKLE)
+    os.environ[_ALLOW_PICKLE] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_ALLOW_PICKLE, None)
+        else:
+            os.environ[_ALLOW_PICKLE] = before
 
 
 def example_ids(seq_len: int) -> torch.Tensor:

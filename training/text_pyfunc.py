@@ -3,8 +3,9 @@ process, `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["def main()
 
 MLflow runs this file to load the model, so nothing is unpickled, and it imports nothing of shardline's:
 - a model torch.export captured (the built-in GPT, a transformers model, most plug-ins) is its pt2 program, logged
-  as an `mlflow.pytorch` model in the artifact `program` and loaded by `mlflow.pytorch.load_model`, which refuses a
-  program with pickled payloads;
+  as an `mlflow.pytorch` model in the artifact `program` and loaded by `mlflow.pytorch.load_model` with
+  MLFLOW_ALLOW_PICKLE_DESERIALIZATION false for the call (MLflow's default allows pickle), so it refuses a program
+  with pickled payloads;
 - a model export cannot capture is rebuilt by its `train.model_factory` from its weights (`weights_only=True`) and
   TrainConfig; the code that needs, shardline's `training` and `infra` packages and the factory's own package,
   travels inside the model as MLflow `code_paths`.
@@ -19,6 +20,7 @@ Input: a string, a list of strings, or a one-column DataFrame of strings. Output
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -101,7 +103,17 @@ with warnings.catch_warnings():
             self.seq_len = int(config["seq_len"])
             self.codec = TextCodec(context.artifacts.get("tokenizer"))
             if "program" in context.artifacts:
-                self.model = mlflow.pytorch.load_model(context.artifacts["program"], map_location="cpu")
+                # MLflow unpickles unless told not to (its default allows it): a program is tensors, loaded with
+                # the check on, and a store someone rewrote cannot run code here (served_forms.refusing_pickle)
+                before = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+                os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "false"
+                try:
+                    self.model = mlflow.pytorch.load_model(context.artifacts["program"], map_location="cpu")
+                finally:
+                    if before is None:
+                        os.environ.pop("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", None)
+                    else:
+                        os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = before
             else:  # the eager form: its code came with the model (code_paths)
                 from training.servable import build_eager
 

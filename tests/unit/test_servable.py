@@ -3,14 +3,18 @@ model, loads it back as serving will and runs it at serving shapes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from mlflow.exceptions import MlflowException
 from support.train_support import build_byte_gru
 from torch import nn
 
 from training.chat_template import ChatFormat
 from training.evaluate import NotServable
-from training.servable import check_servable, eager_spec, log_servable_model, serving_shapes
+from training.servable import check_servable, eager_spec, load_served_model, log_servable_model, serving_shapes
+from training.served_forms import mlflow_pytorch
 
 
 class Causal(nn.Module):
@@ -189,3 +193,24 @@ def _logged_with(
             tokenizer_json=tokenizer_json,
             chat_template=chat_template,
         )
+
+
+class _Payload:
+    """What a pickle can carry: a call run at load time (here it only records that it ran)."""
+
+    ran: list[str] = []
+
+    def __reduce__(self):
+        return (_Payload.ran.append, ("the payload ran",))
+
+
+def test_a_model_in_pickle_format_is_refused_and_runs_nothing(tmp_path, monkeypatch):
+    """MLflow 3 unpickles a pickle-format `mlflow.pytorch` model unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION is false
+    (its default is true): a store someone could rewrite would run their code in a replica. The served form loads
+    with it false, and leaves the variable as it was."""
+    monkeypatch.delenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", raising=False)
+    mlflow_pytorch().save_model(torch.nn.Linear(2, 2), tmp_path / "m", serialization_format="pickle")
+    torch.save(_Payload(), tmp_path / "m" / "data" / "model.pth")
+    with pytest.raises(MlflowException, match="Deserializing model using pickle is disallowed"):
+        load_served_model(str(tmp_path / "m"))
+    assert _Payload.ran == [] and "MLFLOW_ALLOW_PICKLE_DESERIALIZATION" not in os.environ
