@@ -3,7 +3,8 @@
 One function decides what a credential looks like (`find_credential`), one rewrites it (`redact`): the password of
 `scheme://user:password@host` (a bare `scheme://token@host` too), query keys that carry signatures or tokens
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
-`SharedAccessSignature=`, `Password=`).
+`SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`) and
+`Bearer`/`Basic` tokens. `find_credential`, which refuses config values, knows URIs and connection strings only.
 """
 
 from __future__ import annotations
@@ -37,11 +38,44 @@ _SECRET_QUERY_KEYS = {
     "credentials",
     "auth",
     "authorization",
+    "sas",
+    "api-key",
+    "x-api-key",
+    "private_token",
 }
 _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Password", "Pwd", "AccessKey", "Secret")
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 _CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=([^;\s'\"]+)")
+# in text (logs, errors): an environment-style secret (`AWS_SECRET_ACCESS_KEY=...`) and a bearer token
+_ENV_SECRET = re.compile(r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY)[A-Z0-9_]*)=([^\s'\"]+)")
+_BEARER = re.compile(r"\b(Bearer|Basic)\s+(?=[A-Za-z]*[0-9._~+/=-]|[A-Za-z]{12})[A-Za-z0-9._~+/=-]{8,}")
 _QUERY_PAIR = re.compile(r"([?&;])([^=&#\s]+)=([^&#\s]*)")
+# the user of `user:password@`, and the colon after it unless it starts a port (`host:8080/p?mail=a@b` has none)
+_USER = re.compile(r"^([^:/?#@\s]*)(:(?!\d*(?:[/?#]|$)))?")
+
+
+def _userinfo(rest: str) -> tuple[str, str | None, int] | None:
+    """The credential part of a URI's text after `scheme://`: (user, password, where the host starts), the password
+    None for a bare `token@host`; None when there is none. A password may hold '/', '?', '#' or '@' (SQLAlchemy and
+    libpq read `postgresql://u:pa/ss@db/x` as password `pa/ss`), so it runs to the last '@' before the first '/',
+    '?' or '#' after its first '@'."""
+    user = _USER.match(rest)
+    first = rest.find("@")
+    if user is None or first < 0:
+        return None
+
+    def authority_end(start: int) -> int:
+        ends = [i for i in (rest.find(c, start) for c in "/?#") if i >= 0]
+        return min(ends, default=len(rest))
+
+    if user.group(2):  # user:password@
+        at = rest.rfind("@", 0, authority_end(first))
+        return user.group(1), rest[user.end() : at], at + 1
+    end = authority_end(0)
+    if first < end:  # token@host
+        at = rest.rfind("@", 0, end)
+        return rest[:at], None, at + 1
+    return None
 
 
 def _secret_key(key: str) -> bool:
@@ -52,10 +86,10 @@ def _secret_key(key: str) -> bool:
 def find_credential(value: str) -> str | None:
     """What credential `value` holds ("a password in the URI", "query key 'sig'", ...), or None."""
     for uri in _URI.findall(value):
+        found = _userinfo(uri.split("://", 1)[1])
+        if found is not None:
+            return "a password in the URI" if found[1] is not None else "a user/token in the URI"
         parts = urlsplit(uri)
-        if "@" in parts.netloc:
-            userinfo = parts.netloc.rsplit("@", 1)[0]
-            return "a password in the URI" if ":" in userinfo else "a user/token in the URI"
         for key, _ in parse_qsl(parts.query, keep_blank_values=True):
             if _secret_key(key):
                 return f"query key {key!r}"
@@ -67,12 +101,12 @@ def find_credential(value: str) -> str | None:
 
 def _redact_uri(uri: str) -> str:
     scheme, rest = uri.split("://", 1)
-    netloc, sep, tail = rest.partition("/")
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0] if ":" in userinfo else ""
-        netloc = f"{user}:{MASK}@{host}" if user else f"{MASK}@{host}"
-    out = f"{scheme}://{netloc}{sep}{tail}"
+    found = _userinfo(rest)
+    if found is not None:
+        user, password, host = found
+        shown = f"{user}:{MASK}@" if user and password is not None else f"{MASK}@"
+        rest = shown + rest[host:]
+    out = f"{scheme}://{rest}"
     return _QUERY_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}={MASK}" if _secret_key(m.group(2)) else m.group(0), out)
 
 
@@ -83,6 +117,9 @@ def redact(text: Any) -> str:
         s = _URI.sub(lambda m: _redact_uri(m.group(0)), s)
     if "=" in s:
         s = _CONN.sub(lambda m: f"{m.group(1)}={MASK}", s)
+        s = _ENV_SECRET.sub(lambda m: f"{m.group(1)}={MASK}", s)
+    if "Bearer" in s or "Basic" in s:
+        s = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", s)
     return s
 
 

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flows.cli._utilities import exit_with_error
+from infra.redact import first_line
+
 HEADER = """Rendered by `shardline cluster {verb} --provider {provider}` from [cluster.launcher];
 edit the config, not this.
 Ports (head): 6379 GCS (workers join), 8265 dashboard + Jobs API (bound to launcher.dashboard_host),
@@ -94,8 +97,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
             return 0
         path = render_launcher(config, args.provider, out, args.verb)
     except (LauncherError, ValueError) as e:
-        print(f"shardline: cluster: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        return 2
+        return exit_with_error(f"cluster: {first_line(e)}", 2)
     print(path)
     if args.dry_run or args.verb == "render":
         return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from deployments.serving import serve_down, serve_up
 
@@ -12,7 +11,8 @@ __all__ = ["add_parser", "serve_down", "serve_up"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from flows.cli._utilities import config_or_none
+    from flows.cli._utilities import config_or_none, exit_with_error
+    from infra.redact import first_line
 
     config = config_or_none(args)
     if config is None:
@@ -23,8 +23,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         out = serve_down(config) if args.stop else serve_up(config)
     except (ClusterError, EndpointError, OSError) as e:
-        print(f"shardline: serve: {type(e).__name__}: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        return 1
+        return exit_with_error(f"serve: {type(e).__name__}: {first_line(e)}")
     finally:
         teardown(None)
     if args.json:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flows.stack.procs import StackError
 from flows.stack.service import bin_path, service_env
+from infra.redact import find_credential, redact
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,9 +33,15 @@ def deploy_all(api_url: str, repo: Path = REPO, repository: str = "", commit: st
     path and HEAD. Uncommitted changes are not deployed: workers run what git has.
 
     Raises:
-        StackError: the deploy failed (its last output lines are in the message).
+        StackError: the repository URL carries a credential, or the deploy failed (its last output lines are in the
+            message).
     """
     repository = repository or os.environ.get("SHARDLINE_GIT_REPOSITORY") or str(repo)
+    if found := find_credential(repository):  # the pull step is stored by Prefect and shown in its UI
+        raise StackError(
+            f"deploy: the git repository {redact(repository)} carries {found}: Prefect would store it in every "
+            "deployment's pull step; give the URL only and the token as a git_clone credentials block"
+        )
     commit = commit or os.environ.get("SHARDLINE_GIT_COMMIT") or git_head(repo)
     env = service_env(
         {"PREFECT_API_URL": api_url, "SHARDLINE_GIT_REPOSITORY": repository, "SHARDLINE_GIT_COMMIT": commit}

@@ -35,11 +35,30 @@ from infra.tracking import flat_params, resolve_tracking_uri
             "BlobEndpoint=https://a/;SharedAccessSignature=***",
         ),
         ("error talking to https://u:pw@h/x: 401", "error talking to https://u:***@h/x: 401"),
+        # a password holding '/', '#', '?' or '@' is still all of it (SQLAlchemy and libpq read these URIs so)
+        ("postgresql://mlflow:pa/ss@db:5432/mlflow", "postgresql://mlflow:***@db:5432/mlflow"),
+        ("postgresql://mlflow:pa#ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
+        ("postgresql://mlflow:pa?ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
+        ("postgresql://mlflow:p@ss@db/mlflow", "postgresql://mlflow:***@db/mlflow"),
+        ("redis://:hunter2@cache:6379/0", "redis://***@cache:6379/0"),
     ],
 )
 def test_redact_masks_every_kind_of_credential(raw, masked):
     assert redact(raw) == masked
     assert find_credential(raw) is not None
+
+
+def test_text_with_environment_style_secrets_and_bearer_tokens_is_masked():
+    line = (
+        "env AWS_SECRET_ACCESS_KEY=abc123 PREFECT_API_KEY=pnu_x SHARDLINE_HOME=/tmp/h; Authorization: Bearer eyJhb.x.y"
+    )
+    assert (
+        redact(line)
+        == "env AWS_SECRET_ACCESS_KEY=*** PREFECT_API_KEY=*** SHARDLINE_HOME=/tmp/h; Authorization: Bearer ***"
+    )
+    assert redact("https://h/p?api-key=zz&sas=qq&x=1") == "https://h/p?api-key=***&sas=***&x=1"
+    assert redact("Authorization: Basic dXNlcjpwYXNz") == "Authorization: Basic ***"  # base64 of user:pass
+    assert redact("train.steps=50, Basic settings") == "train.steps=50, Basic settings"
 
 
 @pytest.mark.parametrize(
@@ -52,6 +71,8 @@ def test_redact_masks_every_kind_of_credential(raw, masked):
         "models:/shardline-gpt@champion",
         "sqlite:////tmp/x/mlflow.db",
         "plain text",
+        "https://mlflow.example:5000/p?mail=a@b",  # a port, then an '@' in the query: no userinfo
+        "s3://bucket/key@v2",
     ],
 )
 def test_values_without_credentials_are_unchanged(clean):
@@ -133,3 +154,13 @@ def test_log_messages_are_redacted_on_every_handler(task_logger):
     logger, capture = task_logger
     logger.warning("cannot reach %s", "https://bob:hunter2@mlflow.example.com")
     assert capture.lines == ["cannot reach https://bob:***@mlflow.example.com"]
+
+
+def test_a_git_url_with_a_token_is_refused_before_anything_is_deployed():
+    """Prefect stores each deployment's pull step (the repository URL) and shows it in its UI."""
+    from flows.stack.deploy import deploy_all
+    from flows.stack.procs import StackError
+
+    with pytest.raises(StackError, match=r"x-access-token:\*\*\*@github.com/o/r.git carries a password") as err:
+        deploy_all("http://127.0.0.1:9/api", repository="https://x-access-token:ghs_hunter2@github.com/o/r.git")
+    assert "hunter2" not in str(err.value)
