@@ -122,7 +122,7 @@ def ensure_head(cfg: ClusterConfig) -> HeadInfo:
     gcs = f"{cfg.host}:{port}"
     token = token_file()
     if not has_token(token):  # a fresh machine has none yet; the `ray` process costs 1.8 s, its output is dropped
-        _run_ray(["get-auth-token", "--generate"])
+        _run_ray(["get-auth-token", "--generate"], umask=0o077)  # the token file is never readable by others
     _owner_only(token)
     args = [
         "start",

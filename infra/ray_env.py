@@ -98,7 +98,9 @@ def driver_on_loopback(on: bool) -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
-def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, str] | None = None) -> None:
+def _run_ray(
+    args: list[str], new_session: bool = False, extra_env: dict[str, str] | None = None, umask: int = -1
+) -> None:
     # Token authentication on (Ray's default for new local clusters), stated explicitly so that a node joining
     # with `ray start --address` uses the same token file as the head instead of connecting unauthenticated.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
@@ -116,6 +118,7 @@ def _run_ray(args: list[str], new_session: bool = False, extra_env: dict[str, st
         timeout=180,
         start_new_session=new_session,
         stdin=subprocess.DEVNULL,
+        umask=umask,  # -1: this process's
     )
     if proc.returncode != 0:
         # stderr only: stdout of `ray get-auth-token` is the token itself

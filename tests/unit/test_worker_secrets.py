@@ -21,15 +21,22 @@ def test_secrets_are_split_from_plain_settings_by_name_and_by_value():
             "MLFLOW_TRACKING_PASSWORD": "pw",
             "MLFLOW_TRACKING_URI": "https://me:pw@mlflow.example/",
             "SHARDLINE_S3_SECRET_BLOCK": "store-creds",
+            "PREFECT_API_URL": "https://api.prefect.cloud/api/accounts/a/workspaces/w",
+            "PREFECT_API_KEY": "pnu_abc",
+            "PREFECT_API_AUTH_STRING": "admin:pass",
+            "AZURE_STORAGE_KEY": "k==",
         }
     )
-    assert sorted(plain) == ["AWS_ENDPOINT_URL", "MLFLOW_TRACKING_USERNAME"]
+    assert sorted(plain) == ["AWS_ENDPOINT_URL", "MLFLOW_TRACKING_USERNAME", "PREFECT_API_URL"]
     assert sorted(secret) == [
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",
         "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_KEY",
         "MLFLOW_TRACKING_PASSWORD",
         "MLFLOW_TRACKING_URI",
+        "PREFECT_API_AUTH_STRING",
+        "PREFECT_API_KEY",
         "SHARDLINE_S3_SECRET_BLOCK",
     ]
 
