@@ -105,6 +105,20 @@ def test_only_bad_files_is_no_usable_records(tmp_path):
     _fails_with_one_line(config(root, out, on_binary="skip"), out, "no usable records (skipped: binary=1)")
 
 
+def test_no_usable_records_names_the_first_cause(tmp_path):
+    """A typo in data.text_field rejects every record: the message says why, not only how many."""
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "a.jsonl").write_text("\n".join(json.dumps({"content": "x" * 50}) for _ in range(20)))
+    out = tmp_path / "out"
+    _fails_with_one_line(
+        config(root, out, format="jsonl"),
+        out,
+        "no usable records (skipped: undecodable=20); the first: ",
+        "a.jsonl:1: no field 'text' (data.text_field)",
+    )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads chmod-000 files; the FIFO case covers unreadable")
 def test_permission_denied(tmp_path):
     root = _corpus_with(tmp_path, "secret.txt", lambda p: (p.write_text("x"), p.chmod(0)))

@@ -132,6 +132,24 @@ def test_parquet_binary_column_and_integer_keys(tmp_path):
     assert _samples(shards) == {str(100 + i): t.decode() for i, t in enumerate(texts)}
 
 
+def test_what_editors_and_pandas_write_reads_as_the_plain_form(tmp_path):
+    """A JSON Lines file that starts with a UTF-8 byte order mark (Windows editors write one) and a Parquet text
+    column stored dictionary-encoded (pandas' Categorical) give the same set as the plain files."""
+    rows = _rows(40)
+    plain = build_shards(config(write_jsonl(tmp_path / "plain", rows), tmp_path / "o1", format="jsonl", key_field="id"))
+    bom = write_jsonl(tmp_path / "bom", rows)
+    (bom / "part0.jsonl").write_bytes(b"\xef\xbb\xbf" + (bom / "part0.jsonl").read_bytes())
+    with_bom = build_shards(config(bom, tmp_path / "o2", format="jsonl", key_field="id"))
+    assert with_bom.skipped == {} and with_bom.dataset_digest == plain.dataset_digest
+    src = tmp_path / "dict"
+    src.mkdir()
+    texts = pa.array([r["text"] for r in rows]).dictionary_encode()
+    pq.write_table(pa.table({"id": [r["id"] for r in rows], "text": texts}), src / "c.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(src / "c.parquet").field("text").type)
+    encoded = build_shards(config(src, tmp_path / "o3", format="parquet", key_field="id"))
+    assert _samples(encoded) == {r["id"]: r["text"] for r in rows}
+
+
 def test_include_defaults_to_the_format_extension(tmp_path):
     source = write_parquet(tmp_path / "src", _rows())
     (source / "notes.txt").write_text("not parquet")

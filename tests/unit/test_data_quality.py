@@ -45,7 +45,12 @@ def test_every_expectation_reports_its_count_and_example_keys():
     with pytest.raises(QualityError) as err:
         check(rows, DataConfig(val_fraction=0.5, split_tolerance=0.1, max_record_bytes=4096))
     lines = str(err.value).splitlines()
-    assert lines[0].endswith("6 of 6 expectations")
+    # the first line, all a one-line report shows, names the first failure; every one follows on its own line
+    assert lines[0] == (
+        "data quality gate failed (expectations.json): 6 of 6 expectations: expect_column_values_to_be_between"
+        "(n_bytes) [records non-empty]: 1 of 20 records, e.g. keys ['empty-one'] (and 5 more below)"
+    )
+    assert len(lines) == 7
     expected = {
         "expect_column_values_to_be_between(n_bytes) [records non-empty]": "1 of 20 records, e.g. keys ['empty-one']",
         "expect_column_values_to_be_between(n_bytes) [record length": (

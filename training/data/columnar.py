@@ -231,6 +231,8 @@ def _columns(schema: Any, where: str, cfg: DataConfig) -> list[str]:
 def _is_text(kind: Any) -> bool:
     import pyarrow as pa
 
+    if pa.types.is_dictionary(kind):  # a categorical column (pandas' Categorical): strings, stored once each
+        return _is_text(kind.value_type)
     return any(
         check(kind)
         for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
@@ -241,6 +243,8 @@ def _rows(batch: Any, first: int, item: Source, cfg: DataConfig) -> Iterator[Rec
     import pyarrow as pa
 
     text = batch.column(cfg.text_field)
+    if pa.types.is_dictionary(text.type):
+        text = text.dictionary_decode()
     # string -> binary is a zero-copy cast: the bytes are taken as stored, and check_record judges the UTF-8.
     if pa.types.is_string(text.type) or pa.types.is_large_string(text.type):
         text = text.cast(pa.large_binary() if pa.types.is_large_string(text.type) else pa.binary())

@@ -56,7 +56,8 @@ def checked(items: Iterable[Record | Problem], cfg: DataConfig, tally: Tally) ->
 
 def no_usable_records(cfg: DataConfig, tally: Tally) -> DataError:
     counts = ", ".join(f"{k}={v}" for k, v in sorted(tally.skipped.items())) or "none"
-    return DataError(f"{cfg.source}: no usable records (skipped: {counts})")
+    first = f"; the first: {tally.examples[0]}" if tally.examples else ""  # a typo in data.text_field, say
+    return DataError(f"{cfg.source}: no usable records (skipped: {counts}){first}")
 
 
 def read_corpus(cfg: DataConfig, tally: Tally) -> Iterator[Record]:

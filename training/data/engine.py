@@ -10,6 +10,8 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import signal
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -81,9 +83,14 @@ class LocalPool:
 
     def executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-            for _ in range(self.workers):
-                self._pool.submit(warm_up)
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_ignore_interrupts,
+            )
+            with _interrupts_ignored_by_children():
+                for _ in range(self.workers):
+                    self._pool.submit(warm_up)  # starts every worker process
         return self._pool
 
     def close(self) -> None:
@@ -94,8 +101,36 @@ class LocalPool:
     def __enter__(self) -> LocalPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None and issubclass(kind, KeyboardInterrupt) and self._pool is not None:
+            # interrupted: what the workers are writing is staging, never trusted; stop them now rather than wait
+            # for their chunks (ProcessPoolExecutor has no public way to, before Python 3.14's terminate_workers)
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                process.terminate()
         self.close()
+
+
+def _ignore_interrupts() -> None:
+    """A chunk worker ignores Ctrl-C, which a terminal sends to the whole process group: the parent handles it (one
+    line, exit 130, nothing published) and stops the workers (LocalPool.__exit__). A worker that took it itself
+    printed its own KeyboardInterrupt traceback, and its death could reach the parent first as a BrokenProcessPool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _interrupts_ignored_by_children() -> Iterator[None]:
+    """Worker processes started inside start with Ctrl-C ignored (a spawned Python keeps an ignored SIGINT), so one
+    interrupted while it still imports prints no traceback either; the initializer covers what this cannot (a
+    build on a thread other than the main one, where signal handlers cannot be set). The parent itself ignores
+    Ctrl-C only for the moment the processes are forked."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def run_chunks(

@@ -268,7 +268,12 @@ class QualityGate:
         if report["success"]:
             return report
         lines = failures(report)
-        head = f"data quality gate failed ({SUITE_PATH.name}): {len(lines)} of {len(results)} expectations"
+        # the first line is what a one-line report (the CLI, a failed task's state) shows: it names the first failure
+        more = f" (and {len(lines) - 1} more below)" if len(lines) > 1 else ""
+        head = (
+            f"data quality gate failed ({SUITE_PATH.name}): {len(lines)} of {len(results)} expectations: "
+            f"{lines[0] if lines else 'unknown'}{more}"
+        )
         raise QualityError("\n".join([head, *(f"  {line}" for line in lines)]), report)
 
 

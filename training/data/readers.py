@@ -232,6 +232,8 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
             continue
         if not line.strip():
             continue  # blank lines are not records
+        if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]  # a UTF-8 byte order mark (Windows editors write one): not part of the first record
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
