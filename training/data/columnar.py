@@ -74,8 +74,10 @@ def _parquet_rows(path: str, item: Source, cfg: DataConfig) -> Iterator[Record |
             try:
                 table = pf.read_row_group(group, columns=columns)
             except (pa.ArrowException, OSError) as err:
-                yield Problem("undecodable", f"{item.where} row group {group}", f"cannot decode ({_one_line(err)})")
-                row += pf.metadata.row_group(group).num_rows
+                lost = pf.metadata.row_group(group).num_rows  # one skipped item, so its message says how many rows
+                why = f"cannot decode its {lost} rows ({_one_line(err)})"
+                yield Problem("undecodable", f"{item.where} row group {group}", why)
+                row += lost
                 continue
             for batch in table.to_batches(max_chunksize=ROW_BATCH):
                 yield from _rows(batch, row, item, cfg)
