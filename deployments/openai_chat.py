@@ -114,9 +114,9 @@ class ChatRequest(ApiModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

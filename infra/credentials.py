@@ -173,14 +173,28 @@ def arrow_filesystem(uri: str) -> tuple[Any, str] | None:
 # ------------------------------------------------------------------------------------------------------------
 WORKER_SECRETS_ENV = "SHARDLINE_WORKER_SECRETS"
 NO_SECRETS = "-"  # the variable's value when there is no file (an empty value may be dropped by Ray)
-# secret by name: too wide costs nothing (a secret setting still reaches the workers, by the 0600 file), too narrow
-# puts an API key in a runtime env Ray logs in clear (PREFECT_API_KEY, PREFECT_API_AUTH_STRING, AZURE_STORAGE_KEY)
-_SECRET_NAME = ("SECRET", "PASSWORD", "TOKEN", "KEY", "AUTH", "SESSION", "CONNECTION_STRING", "CREDENTIAL", "SAS")
+# secret by name: too narrow puts an API key in a runtime env Ray logs in clear; too wide keeps a plain setting from
+# a remote cluster's job (only plain settings travel there): AZURE_AUTHORITY_HOST and MLFLOW_TRACKING_AUTH (a plugin
+# name) are plain, PREFECT_API_KEY, PREFECT_API_AUTH_STRING and AZURE_STORAGE_KEY are not
+_SECRET_NAME = (
+    "SECRET",
+    "PASSWORD",
+    "TOKEN",
+    "ACCESS_KEY",
+    "API_KEY",
+    "ACCOUNT_KEY",
+    "STORAGE_KEY",
+    "AUTH_STRING",
+    "SESSION",
+    "CONNECTION_STRING",
+    "CREDENTIAL",
+    "SAS",
+)
 
 
 def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(plain, secret) settings: secret by name (…_SECRET…, …PASSWORD…, …TOKEN…, …KEY…, …AUTH…) or by value (a URI
-    password)."""
+    """(plain, secret) settings: secret by name (…_SECRET…, …PASSWORD…, …TOKEN…, …API_KEY…, …AUTH_STRING…, ...)
+    or by value (a URI password)."""
     from infra.redact import find_credential
 
     plain: dict[str, str] = {}

@@ -47,11 +47,12 @@ _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Passwor
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 _CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=([^;\s'\"]+)")
 # in text (logs, errors): an environment-style secret (`AWS_SECRET_ACCESS_KEY=...`) and a bearer token
-_ENV_SECRET = re.compile(r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY)[A-Z0-9_]*)=([^\s'\"]+)")
+_ENV_SECRET = re.compile(r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH)[A-Z0-9_]*)=(['\"]?)[^\s'\"]+\2")
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+(?=[A-Za-z]*[0-9._~+/=-]|[A-Za-z]{12})[A-Za-z0-9._~+/=-]{8,}")
 _QUERY_PAIR = re.compile(r"([?&;])([^=&#\s]+)=([^&#\s]*)")
 # the user of `user:password@`, and the colon after it unless it starts a port (`host:8080/p?mail=a@b` has none)
-_USER = re.compile(r"^([^:/?#@\s]*)(:(?!\d*(?:[/?#]|$)))?")
+# (an IPv6 host `[::1]:8080` starts with '[', which no user does)
+_USER = re.compile(r"^([^:/?#@\[\]\s]*)(:(?!\d*(?:[/?#]|$)))?")
 
 
 def _userinfo(rest: str) -> tuple[str, str | None, int] | None:
@@ -117,7 +118,7 @@ def redact(text: Any) -> str:
         s = _URI.sub(lambda m: _redact_uri(m.group(0)), s)
     if "=" in s:
         s = _CONN.sub(lambda m: f"{m.group(1)}={MASK}", s)
-        s = _ENV_SECRET.sub(lambda m: f"{m.group(1)}={MASK}", s)
+        s = _ENV_SECRET.sub(lambda m: f"{m.group(1)}={m.group(2)}{MASK}{m.group(2)}", s)
     if "Bearer" in s or "Basic" in s:
         s = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", s)
     return s

@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,7 @@ NOT_FOR_REBUILD = ("hf_weights", "init_from")
 
 _LIGHTNING_AUTOLOG = "mlflow.pytorch._lightning_autolog"
 _ALLOW_PICKLE = "MLFLOW_ALLOW_PICKLE_DESERIALIZATION"
+_PICKLE_LOCK = threading.RLock()
 
 
 def mlflow_pytorch() -> ModuleType:
@@ -68,16 +70,18 @@ def refusing_pickle() -> Iterator[None]:
     not check a pt2 archive for pickled payloads, unless MLFLOW_ALLOW_PICKLE_DESERIALIZATION is false (its default
     is true), so a registry entry or artifact store someone could write would run their code in a replica or a
     validation. shardline's programs are pt2 archives of tensors, which load with the check on. The variable is set
-    for the call and restored after it (a user's own setting elsewhere in the process is theirs)."""
-    before = os.environ.get(_ALLOW_PICKLE)
-    os.environ[_ALLOW_PICKLE] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_ALLOW_PICKLE, None)
-        else:
-            os.environ[_ALLOW_PICKLE] = before
+    for the call and restored after it (a user's own setting elsewhere in the process is theirs); such loads take
+    turns (a lock), so one thread's restore never lifts the refusal under another's load."""
+    with _PICKLE_LOCK:
+        before = os.environ.get(_ALLOW_PICKLE)
+        os.environ[_ALLOW_PICKLE] = "false"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(_ALLOW_PICKLE, None)
+            else:
+                os.environ[_ALLOW_PICKLE] = before
 
 
 def example_ids(seq_len: int) -> torch.Tensor:

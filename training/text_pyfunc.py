@@ -21,11 +21,14 @@ Input: a string, a list of strings, or a one-column DataFrame of strings. Output
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any
 
 import mlflow
 from mlflow.pyfunc import PythonModel
+
+_PICKLE_LOCK = threading.RLock()
 
 
 def prompts_of(model_input: Any) -> list[str]:
@@ -105,15 +108,17 @@ with warnings.catch_warnings():
             if "program" in context.artifacts:
                 # MLflow unpickles unless told not to (its default allows it): a program is tensors, loaded with
                 # the check on, and a store someone rewrote cannot run code here (served_forms.refusing_pickle)
-                before = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
-                os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "false"
-                try:
-                    self.model = mlflow.pytorch.load_model(context.artifacts["program"], map_location="cpu")
-                finally:
-                    if before is None:
-                        os.environ.pop("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", None)
-                    else:
-                        os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = before
+                # (loads take turns: one thread's restore never lifts the refusal under another's load)
+                with _PICKLE_LOCK:
+                    before = os.environ.get("MLFLOW_ALLOW_PICKLE_DESERIALIZATION")
+                    os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = "false"
+                    try:
+                        self.model = mlflow.pytorch.load_model(context.artifacts["program"], map_location="cpu")
+                    finally:
+                        if before is None:
+                            os.environ.pop("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", None)
+                        else:
+                            os.environ["MLFLOW_ALLOW_PICKLE_DESERIALIZATION"] = before
             else:  # the eager form: its code came with the model (code_paths)
                 from training.servable import build_eager
 

@@ -37,7 +37,9 @@ def deploy_all(api_url: str, repo: Path = REPO, repository: str = "", commit: st
             message).
     """
     repository = repository or os.environ.get("SHARDLINE_GIT_REPOSITORY") or str(repo)
-    if found := find_credential(repository):  # the pull step is stored by Prefect and shown in its UI
+    found = find_credential(repository)
+    if found and found != "a user/token in the URI":  # the pull step is stored by Prefect and shown in its UI
+        # (a bare user is not refused: ssh://git@github.com/..., https://org@dev.azure.com/...)
         raise StackError(
             f"deploy: the git repository {redact(repository)} carries {found}: Prefect would store it in every "
             "deployment's pull step; give the URL only and the token as a git_clone credentials block"

@@ -32,3 +32,20 @@ def test_chunk_workers_ignore_ctrl_c_and_an_interrupted_parent_stops_them():
     while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
         assert time.monotonic() < deadline, "the workers outlived the interrupted pool"
         time.sleep(0.05)
+
+
+def test_a_pool_built_off_the_main_thread_leaves_ctrl_c_to_its_workers():
+    """In `shardline run` the data stage runs on a Prefect task's thread: the KeyboardInterrupt goes to the main
+    thread, which cannot stop this pool, so its workers keep Ctrl-C and die of it (which stops the stage)."""
+    import threading
+
+    found: list[bool] = []
+
+    def build() -> None:
+        with LocalPool(2, 1 << 20) as pool:
+            found.extend(_ignores_sigint(pid) for pid in pool.executor()._processes)  # noqa: SLF001
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join(timeout=60)
+    assert found == [False, False]

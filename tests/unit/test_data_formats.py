@@ -139,6 +139,7 @@ def test_what_editors_and_pandas_write_reads_as_the_plain_form(tmp_path):
     plain = build_shards(config(write_jsonl(tmp_path / "plain", rows), tmp_path / "o1", format="jsonl", key_field="id"))
     bom = write_jsonl(tmp_path / "bom", rows)
     (bom / "part0.jsonl").write_bytes(b"\xef\xbb\xbf" + (bom / "part0.jsonl").read_bytes())
+    (bom / "part1.jsonl").write_bytes(b"\xef\xbb\xbf\n" + (bom / "part1.jsonl").read_bytes())  # then a blank line
     with_bom = build_shards(config(bom, tmp_path / "o2", format="jsonl", key_field="id"))
     assert with_bom.skipped == {} and with_bom.dataset_digest == plain.dataset_digest
     src = tmp_path / "dict"

@@ -53,9 +53,10 @@ def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
         "prompt_cache_key": "k",
         "safety_identifier": "s",
     }
-    req = validate_chat({"messages": turns, **neutral}, CHATML, 4096, 64)
+    req = validate_chat({"messages": turns, **neutral, "top_p": 0, "seed": -1}, CHATML, 4096, 64)
     plain = [*HI, {"role": "assistant", "content": "hello"}, {"role": "assistant", "content": ""}, turns[-1]]
     assert req.prompt == render(CHATML, plain)
+    assert (req.top_p, req.seed) == (0.0, -1)  # OpenAI's ranges, as on /v1/completions
 
 
 @pytest.mark.parametrize(

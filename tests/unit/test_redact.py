@@ -58,6 +58,9 @@ def test_text_with_environment_style_secrets_and_bearer_tokens_is_masked():
     )
     assert redact("https://h/p?api-key=zz&sas=qq&x=1") == "https://h/p?api-key=***&sas=***&x=1"
     assert redact("Authorization: Basic dXNlcjpwYXNz") == "Authorization: Basic ***"  # base64 of user:pass
+    assert redact("PREFECT_API_AUTH_STRING=admin:pw X_SECRET='q' Y_TOKEN=\"t\"") == (
+        "PREFECT_API_AUTH_STRING=*** X_SECRET='***' Y_TOKEN=\"***\""
+    )
     assert redact("train.steps=50, Basic settings") == "train.steps=50, Basic settings"
 
 
@@ -73,6 +76,7 @@ def test_text_with_environment_style_secrets_and_bearer_tokens_is_masked():
         "plain text",
         "https://mlflow.example:5000/p?mail=a@b",  # a port, then an '@' in the query: no userinfo
         "s3://bucket/key@v2",
+        "http://[::1]:8080/x?mail=a@b.com",  # an IPv6 host, then an '@' in the query
     ],
 )
 def test_values_without_credentials_are_unchanged(clean):

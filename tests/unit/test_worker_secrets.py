@@ -25,9 +25,17 @@ def test_secrets_are_split_from_plain_settings_by_name_and_by_value():
             "PREFECT_API_KEY": "pnu_abc",
             "PREFECT_API_AUTH_STRING": "admin:pass",
             "AZURE_STORAGE_KEY": "k==",
+            "AZURE_AUTHORITY_HOST": "https://login.microsoftonline.com",  # plain: a remote job needs these
+            "MLFLOW_TRACKING_AUTH": "my_auth_plugin",
         }
     )
-    assert sorted(plain) == ["AWS_ENDPOINT_URL", "MLFLOW_TRACKING_USERNAME", "PREFECT_API_URL"]
+    assert sorted(plain) == [
+        "AWS_ENDPOINT_URL",
+        "AZURE_AUTHORITY_HOST",
+        "MLFLOW_TRACKING_AUTH",
+        "MLFLOW_TRACKING_USERNAME",
+        "PREFECT_API_URL",
+    ]
     assert sorted(secret) == [
         "AWS_ACCESS_KEY_ID",
         "AWS_SECRET_ACCESS_KEY",

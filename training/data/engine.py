@@ -86,7 +86,8 @@ class LocalPool:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_ignore_interrupts,
+                # only where the parent is the one that gets Ctrl-C (its main thread) and stops them on it
+                initializer=_ignore_interrupts if _on_main_thread() else None,
             )
             with _interrupts_ignored_by_children():
                 for _ in range(self.workers):
@@ -113,8 +114,14 @@ class LocalPool:
 def _ignore_interrupts() -> None:
     """A chunk worker ignores Ctrl-C, which a terminal sends to the whole process group: the parent handles it (one
     line, exit 130, nothing published) and stops the workers (LocalPool.__exit__). A worker that took it itself
-    printed its own KeyboardInterrupt traceback, and its death could reach the parent first as a BrokenProcessPool."""
+    printed its own KeyboardInterrupt traceback, and its death could reach the parent first as a BrokenProcessPool.
+    Only for a pool built on the main thread: one built on another (a Prefect task's thread in `shardline run`)
+    never sees the KeyboardInterrupt, so its workers keep Ctrl-C and die of it, which stops the stage."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 @contextlib.contextmanager
@@ -123,7 +130,7 @@ def _interrupts_ignored_by_children() -> Iterator[None]:
     interrupted while it still imports prints no traceback either; the initializer covers what this cannot (a
     build on a thread other than the main one, where signal handlers cannot be set). The parent itself ignores
     Ctrl-C only for the moment the processes are forked."""
-    if threading.current_thread() is not threading.main_thread():
+    if not _on_main_thread():
         yield
         return
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)

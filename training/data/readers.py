@@ -230,10 +230,10 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
                     break
             yield Problem("oversize", where, f"line of {total} bytes > data.max_record_bytes={cfg.max_record_bytes}")
             continue
-        if not line.strip():
-            continue  # blank lines are not records
         if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
             line = line[3:]  # a UTF-8 byte order mark (Windows editors write one): not part of the first record
+        if not line.strip():
+            continue  # blank lines are not records
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
