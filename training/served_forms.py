@@ -8,7 +8,6 @@ names."""
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import tempfile
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from infra.environ import overridden
 from training.chat_template import NO_CHAT, ChatFormat
 
 # metadata[EAGER_FACTORY] of an eagerly served model: {"factory", "train_config", "weights", "why"}
@@ -72,16 +72,8 @@ def refusing_pickle() -> Iterator[None]:
     validation. shardline's programs are pt2 archives of tensors, which load with the check on. The variable is set
     for the call and restored after it (a user's own setting elsewhere in the process is theirs); such loads take
     turns (a lock), so one thread's restore never lifts the refusal under another's load."""
-    with _PICKLE_LOCK:
-        before = os.environ.get(_ALLOW_PICKLE)
-        os.environ[_ALLOW_PICKLE] = "false"
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(_ALLOW_PICKLE, None)
-            else:
-                os.environ[_ALLOW_PICKLE] = before
+    with _PICKLE_LOCK, overridden(_ALLOW_PICKLE, "false"):
+        yield
 
 
 def example_ids(seq_len: int) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from infra.cluster import ClusterError
+from infra.environ import overridden
 from infra.paths import shardline_home
 from training.config import TrainConfig
 
@@ -213,16 +213,8 @@ def _start_timeout(seconds: float) -> Iterator[None]:
     if not seconds:
         yield
         return
-    name = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-    before = os.environ.get(name)
-    os.environ[name] = str(seconds)
-    try:
+    with overridden("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(seconds)):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def _cluster_resources() -> dict[str, float]:
