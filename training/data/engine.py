@@ -86,8 +86,6 @@ class LocalPool:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
-                # only where the parent is the one that gets Ctrl-C (its main thread) and stops them on it
-                initializer=_ignore_interrupts if _on_main_thread() else None,
             )
             with _interrupts_ignored_by_children():
                 for _ in range(self.workers):
@@ -111,26 +109,16 @@ class LocalPool:
         self.close()
 
 
-def _ignore_interrupts() -> None:
-    """A chunk worker ignores Ctrl-C, which a terminal sends to the whole process group: the parent handles it (one
-    line, exit 130, nothing published) and stops the workers (LocalPool.__exit__). A worker that took it itself
-    printed its own KeyboardInterrupt traceback, and its death could reach the parent first as a BrokenProcessPool.
-    Only for a pool built on the main thread: one built on another (a Prefect task's thread in `shardline run`)
-    never sees the KeyboardInterrupt, so its workers keep Ctrl-C and die of it, which stops the stage."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _on_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 @contextlib.contextmanager
 def _interrupts_ignored_by_children() -> Iterator[None]:
-    """Worker processes started inside start with Ctrl-C ignored (a spawned Python keeps an ignored SIGINT), so one
-    interrupted while it still imports prints no traceback either; the initializer covers what this cannot (a
-    build on a thread other than the main one, where signal handlers cannot be set). The parent itself ignores
-    Ctrl-C only for the moment the processes are forked."""
-    if not _on_main_thread():
+    """Chunk workers started inside ignore Ctrl-C, which a terminal sends to the whole process group: the parent
+    handles it (one line, exit 130, nothing published) and stops the workers (LocalPool.__exit__). A worker that
+    took it itself printed its own KeyboardInterrupt traceback, and its death could reach the parent first as a
+    BrokenProcessPool. The parent ignores Ctrl-C only while the processes are forked, and a spawned Python keeps
+    the ignored SIGINT from its first instruction. Only on the main thread: a pool built on another (a Prefect
+    task's thread in `shardline run`) never sees the KeyboardInterrupt, so its workers keep Ctrl-C and die of it,
+    which stops the stage."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
