@@ -3,8 +3,12 @@
 One function decides what a credential looks like (`find_credential`), one rewrites it (`redact`): the password of
 `scheme://user:password@host` (a bare `scheme://token@host` too), query keys that carry signatures or tokens
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
-`SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`) and
-`Bearer`/`Basic` tokens. `find_credential`, which refuses config values, knows URIs and connection strings only.
+`SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`),
+secret keys in code, JSON and repr forms (`aws_secret_access_key=...`, `{"password": "..."}`), signed query strings
+printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
+known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
+`find_credential`, which refuses config values, knows URIs and connection strings only. The user part of an Azure
+`abfs[s]://` or `wasb[s]://` URI is its container, not a credential.
 """
 
 from __future__ import annotations
@@ -47,9 +51,26 @@ _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Passwor
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 _CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=([^;\s'\"]+)")
 # in text (logs, errors): an environment-style secret (`AWS_SECRET_ACCESS_KEY=...`) and a bearer token
-_ENV_SECRET = re.compile(r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH)[A-Z0-9_]*)=(['\"]?)[^\s'\"]+\2")
-_BEARER = re.compile(r"\b(Bearer|Basic)\s+(?=[A-Za-z]*[0-9._~+/=-]|[A-Za-z]{12})[A-Za-z0-9._~+/=-]{8,}")
-_QUERY_PAIR = re.compile(r"([?&;])([^=&#\s]+)=([^&#\s]*)")
+_ENV_SECRET = re.compile(
+    r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH|_PWD|_PASS)[A-Z0-9_]*)=(['\"]?)[^\s'\"]+\2"
+)
+_BEARER = re.compile(r"\b((?i:bearer)|Basic)\s+(?=[A-Za-z]*[0-9._~+/=-]|[A-Za-z]*[a-z][A-Z])[A-Za-z0-9._~+/=-]{8,}")
+_QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#\s]+)=([^&#\s]*)")  # `&amp;`: an HTML-escaped one
+# in text: a secret key as code, JSON or a repr writes it (`client_secret=...`, `"password": "..."`,
+# `{'aws_secret_access_key': '...'}`); the `:` form only after a quoted key, so prose ("Password: must be set") stays
+_KV_KEY = (
+    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-])*(?:password|passwd|secret|secret[_-]access[_-]key|api[_-]?key|"
+    r"account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|refresh[_-]token|auth[_-]token))"
+)
+_KV_SECRET = re.compile(
+    r"(?i)" + _KV_KEY + r"""(?:(=)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
+)
+# tokens of a known shape wherever they stand (length floors keep names like `hf_model` or `ghp_x` as they are)
+_TOKEN = re.compile(
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_\w{50,}|glpat-[\w-]{20,}|hf_[A-Za-z0-9]{30,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
+    r"|eyJ[\w-]{8,}\.eyJ[\w-]{8,}\.[\w-]{8,})\b"
+)
+_CONTAINER_USER = ("abfs", "abfss", "wasb", "wasbs")  # container@account.dfs.core.windows.net: no credential
 # the user of `user:password@`, and the colon after it unless it starts a port (`host:8080/p?mail=a@b` has none)
 # (an IPv6 host `[::1]:8080` starts with '[', which no user does)
 _USER = re.compile(r"^([^:/?#@\[\]\s]*)(:(?!\d*(?:[/?#]|$)))?")
@@ -87,7 +108,9 @@ def _secret_key(key: str) -> bool:
 def find_credential(value: str) -> str | None:
     """What credential `value` holds ("a password in the URI", "query key 'sig'", ...), or None."""
     for uri in _URI.findall(value):
-        found = _userinfo(uri.split("://", 1)[1])
+        found = _credential_part(uri)
+        if found is not None and found[1] is None and _TOKEN.fullmatch(found[0]):
+            return "a token in the URI"  # https://ghp_...@github.com: the user is the token
         if found is not None:
             return "a password in the URI" if found[1] is not None else "a user/token in the URI"
         parts = urlsplit(uri)
@@ -100,15 +123,23 @@ def find_credential(value: str) -> str | None:
     return None
 
 
-def _redact_uri(uri: str) -> str:
+def _credential_part(uri: str) -> tuple[str, str | None, int] | None:
+    """_userinfo of `uri`, except an Azure container (`abfss://container@account...`)."""
     scheme, rest = uri.split("://", 1)
     found = _userinfo(rest)
+    if found is not None and found[1] is None and scheme.lower() in _CONTAINER_USER:
+        return None
+    return found
+
+
+def _redact_uri(uri: str) -> str:
+    scheme, rest = uri.split("://", 1)
+    found = _credential_part(uri)
     if found is not None:
         user, password, host = found
         shown = f"{user}:{MASK}@" if user and password is not None else f"{MASK}@"
         rest = shown + rest[host:]
-    out = f"{scheme}://{rest}"
-    return _QUERY_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}={MASK}" if _secret_key(m.group(2)) else m.group(0), out)
+    return _QUERY_PAIR.sub(_masked_pair, f"{scheme}://{rest}")
 
 
 def redact(text: Any) -> str:
@@ -119,9 +150,24 @@ def redact(text: Any) -> str:
     if "=" in s:
         s = _CONN.sub(lambda m: f"{m.group(1)}={MASK}", s)
         s = _ENV_SECRET.sub(lambda m: f"{m.group(1)}={m.group(2)}{MASK}{m.group(2)}", s)
-    if "Bearer" in s or "Basic" in s:
+        s = _QUERY_PAIR.sub(_masked_pair, s)  # a signed path printed without scheme and host
+    if "=" in s or ":" in s:
+        s = _KV_SECRET.sub(_masked_value, s)
+    s = _TOKEN.sub(MASK, s)
+    if "earer" in s or "EARER" in s or "Basic" in s:
         s = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", s)
     return s
+
+
+def _masked_pair(m: re.Match[str]) -> str:
+    return f"{m.group(1)}{m.group(2)}={MASK}" if _secret_key(m.group(2)) else m.group(0)
+
+
+def _masked_value(m: re.Match[str]) -> str:
+    """A _KV_SECRET match with its value masked, quotes kept."""
+    sep, value = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    return f"{m.group(1)}{sep}{quote}{MASK}{quote}"
 
 
 def first_line(err: BaseException, limit: int = 300) -> str:

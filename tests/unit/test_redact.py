@@ -64,6 +64,68 @@ def test_text_with_environment_style_secrets_and_bearer_tokens_is_masked():
     assert redact("train.steps=50, Basic settings") == "train.steps=50, Basic settings"
 
 
+GHP = "ghp_" + "1a2B3c4D5e6F7g8H9i0J1k2L3m4N5o6P7q8R"  # the shapes of real tokens, made up
+JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ1MSJ9.SflKxwRJSMeKKF2QT4fw"
+
+
+@pytest.mark.parametrize(
+    ("raw", "masked"),
+    [
+        # urllib3's words for every failed request: the path and its signed query, no scheme or host
+        (
+            "HTTPSConnectionPool(host='acct.blob.core.windows.net', port=443): Max retries exceeded with url: "
+            "/c/b.parquet?sv=2021-08-06&sig=s9y%2BQ5Z (Caused by ReadTimeoutError)",
+            "HTTPSConnectionPool(host='acct.blob.core.windows.net', port=443): Max retries exceeded with url: "
+            "/c/b.parquet?sv=2021-08-06&sig=*** (Caused by ReadTimeoutError)",
+        ),
+        (
+            '"GET /k?X-Amz-Date=2024&amp;X-Amz-Signature=beef HTTP/1.1" 403',
+            '"GET /k?X-Amz-Date=***&amp;X-Amz-Signature=*** HTTP/1.1" 403',
+        ),
+        # secret keys as code, JSON, reprs and libpq DSNs write them
+        ("aws_secret_access_key=wJalrXUtnFEMI/K7MDENG", "aws_secret_access_key=***"),
+        (
+            '{"aws_access_key_id": "AKIDX", "aws_secret_access_key": "wJalr/K7"}',
+            '{"aws_access_key_id": "AKIDX", "aws_secret_access_key": "***"}',
+        ),
+        ("{'client_secret': 'q~8Q', 'tenant_id': 't'}", "{'client_secret': '***', 'tenant_id': 't'}"),
+        ("host=db user=mlflow password='p w' dbname=x", "host=db user=mlflow password='***' dbname=x"),
+        ("MYSQL_PWD=hunter2 DB_PASS=hunter3", "MYSQL_PWD=*** DB_PASS=***"),
+        # tokens of a known shape, wherever they stand; a bearer token in lower case (HTTP/2 headers)
+        (f"cloning with token {GHP} failed", "cloning with token *** failed"),
+        ("hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345 rejected", "*** rejected"),
+        ("access key AKIAIOSFODNN7EXAMPLE is not valid", "access key *** is not valid"),
+        (f"authorization: bearer {JWT}", "authorization: bearer ***"),
+        (f"token {JWT} expired", "token *** expired"),
+    ],
+    ids=["urllib3", "amp", "snake", "json", "repr", "dsn", "env-pwd", "ghp", "hf", "akia", "bearer", "jwt"],
+)
+def test_secrets_in_log_and_error_text_are_masked(raw, masked):
+    assert redact(raw) == masked
+
+
+def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a_credential():
+    assert find_credential(f"https://{GHP}@github.com/o/r.git") == "a token in the URI"
+    assert find_credential("ssh://git@github.com/o/r.git") == "a user/token in the URI"  # a user deploy_all allows
+    for container in ("abfss://corpus@acct.dfs.core.windows.net/raw", "wasbs://mlflow@acct.blob.core.windows.net/a"):
+        assert redact(container) == container and find_credential(container) is None
+    assert find_credential("abfss://corpus:hunter2@acct.dfs.core.windows.net/raw") == "a password in the URI"
+
+
+@pytest.mark.parametrize(
+    "clean",
+    [
+        "max_tokens=512 pad_token='<pad>' eos_token: </s> tokens_per_s=3400.5",
+        "Password: must be set through PGPASSWORD",
+        "Basic authentication failed",
+        "api_key_env=OPENAI_API_KEY secret_block=shardline-s3 {'api_key_env': 'X'}",
+        "hf_model.py hf_config ghp_short",
+    ],
+)
+def test_words_that_name_secrets_without_holding_one_are_unchanged(clean):
+    assert redact(clean) == clean
+
+
 @pytest.mark.parametrize(
     "clean",
     [
@@ -168,3 +230,6 @@ def test_a_git_url_with_a_token_is_refused_before_anything_is_deployed():
     with pytest.raises(StackError, match=r"x-access-token:\*\*\*@github.com/o/r.git carries a password") as err:
         deploy_all("http://127.0.0.1:9/api", repository="https://x-access-token:ghs_hunter2@github.com/o/r.git")
     assert "hunter2" not in str(err.value)
+    with pytest.raises(StackError, match="carries a token in the URI") as err:
+        deploy_all("http://127.0.0.1:9/api", repository=f"https://{GHP}@github.com/o/r.git")
+    assert GHP not in str(err.value)
