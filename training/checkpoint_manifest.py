@@ -265,4 +265,9 @@ def checked_load_planner(directory: str | os.PathLike) -> Any:
                     f"to disk"
                 )
 
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            # DCP unpickles a bytes entry (torch.load, weights_only=False). checkpoint._no_pickled_leaves refuses a
+            # checkpoint that has one before loading; this refuses one that appeared after that check
+            raise CheckpointError(f"{d}: holds a pickled (non-tensor) entry {read_item.dest_index.fqn}; refusing it")
+
     return CheckedLoadPlanner()

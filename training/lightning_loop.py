@@ -27,6 +27,7 @@ with `weights_only`.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -246,7 +247,12 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     callback = ShardlineCheckpoints(cfg, stream, config, rank, world)
     fsdp = cfg.parallelism == "fsdp"
     bf16 = compute_dtype(cfg, device) == torch.bfloat16
+    # Lightning's own resume (ckpt_path "hpc": SLURM_NTASKS set and an hpc_ckpt_* under default_root_dir, which
+    # would be the worker's working directory) never finds anything: its root is fresh and empty, and fit loads
+    # weights only. Resume is ShardlineCheckpoints' (DCP, checked for pickles).
+    root = tempfile.TemporaryDirectory(prefix="shardline-lightning-")
     trainer = pl.Trainer(
+        default_root_dir=root.name,
         accelerator="gpu" if cfg.use_gpu else "cpu",
         # FSDP2 computes in bf16 through its own mixed-precision policy (shard_model); DDP through autocast
         precision="bf16-mixed" if bf16 and not fsdp else "32-true",
@@ -270,6 +276,9 @@ def train_func(config: dict[str, Any]) -> dict[str, float]:
     # its own generator: a DataLoader draws a base seed from the global RNG at iter(), which here comes after the
     # checkpoint's RNG state was restored; that draw must not move the restored state (dropout would differ)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, generator=torch.Generator())
-    trainer.fit(module, train_dataloaders=loader)
+    try:
+        trainer.fit(module, train_dataloaders=loader, weights_only=True)
+    finally:
+        root.cleanup()
     assert callback.window is not None
     return callback.window.summary(cfg.steps)

@@ -81,6 +81,22 @@ def test_state_holds_tensors_only(saved):
     assert {"train.step", "rank0.rng_cpu", "rank0.data_position"} <= set(md.state_dict_metadata)
 
 
+def test_the_load_planner_refuses_a_pickled_entry_even_after_the_check(saved, tmp_path):
+    """A bytes entry would be unpickled by DCP; one swapped in after _no_pickled_leaves looked is refused too."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    marker = tmp_path / "unpickled"
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("evil"), [0], MetadataIndex("evil"), [0], [0])
+    payload = io.BytesIO(pickle.dumps(marker))
+    with pytest.raises(ck.CheckpointError, match="evil; refusing it"):
+        ck.checked_load_planner(saved[0]).load_bytes(item, payload)
+    assert payload.tell() == 0
+
+
 def test_resume_continues_exactly(saved):
     directory, model, opt = saved
     rng = torch.get_rng_state()
