@@ -232,10 +232,27 @@ def load_served_model(model_uri: str) -> Any:
         return build_eager(spec, model_file(model_uri, spec["weights"]))
     if (hf := metadata.get(EAGER_HF)) and "weights_dir" in hf:  # the transformers flavor
         return load_causal_lm_form(hf, int(metadata["seq_len"]), model_file(model_uri, hf["weights_dir"]))
+    if program := metadata.get(PROGRAM):
+        local = model_file(model_uri, program)
+    else:  # registered before the text form: the model is the pt2 program itself
+        local = str(mlflow.artifacts.download_artifacts(artifact_uri=model_uri))
     with refusing_pickle():
-        if program := metadata.get(PROGRAM):
-            return mlflow_pytorch().load_model(model_file(model_uri, program), map_location="cpu")
-        return mlflow_pytorch().load_model(model_uri, map_location="cpu")  # registered before the text form
+        return mlflow_pytorch().load_model(code_free(local), map_location="cpu")
+
+
+def code_free(local_dir: str) -> str:
+    """`local_dir`, an `mlflow.pytorch` model, when its MLmodel names no code: loading puts a model's `code`
+    folder first on sys.path for the rest of the process, where it would shadow modules imported after it.
+    shardline never logs a pt2 program with code; a store that was rewritten to add some is refused (ValueError)."""
+    from mlflow.models import Model
+
+    code = Model.load(local_dir).flavors.get("pytorch", {}).get("code")
+    if code:
+        raise ValueError(
+            f"{local_dir}: its pytorch flavor names code ({code!r}) that loading would put on sys.path; shardline "
+            "logs none, so this model was changed after it was logged: refusing to load it"
+        )
+    return local_dir
 
 
 def check_servable(model_uri: str, eager: nn.Module, seq_len: int, factory: str = "") -> None:

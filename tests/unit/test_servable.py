@@ -214,3 +214,19 @@ def test_a_model_in_pickle_format_is_refused_and_runs_nothing(tmp_path, monkeypa
     with pytest.raises(MlflowException, match="Deserializing model using pickle is disallowed"):
         load_served_model(str(tmp_path / "m"))
     assert _Payload.ran == [] and "MLFLOW_ALLOW_PICKLE_DESERIALIZATION" not in os.environ
+
+
+def test_a_model_that_names_code_is_refused_before_anything_of_it_is_on_sys_path(tmp_path):
+    """Loading an `mlflow.pytorch` model puts its `code` folder first on sys.path for good; shardline logs none,
+    so a model that names some was changed after it was logged."""
+    import sys
+
+    shadow = tmp_path / "json.py"  # would shadow a module imported after the load
+    shadow.write_text("raise SystemExit('the shadowing module ran')\n")
+    mlflow_pytorch().save_model(
+        torch.nn.Linear(2, 2), tmp_path / "m", serialization_format="pickle", code_paths=[str(shadow)]
+    )
+    before = list(sys.path)
+    with pytest.raises(ValueError, match=r"names code \('code'\) that loading would put on sys.path"):
+        load_served_model(str(tmp_path / "m"))
+    assert sys.path == before
