@@ -20,13 +20,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
 
+log = logging.getLogger(__name__)
 RESULTS_DIR = "results"
+# what a record may be decoded as: Prefect's JSON serializer, its own decoder, and only these classes in the result
+_JSON_SERIALIZER = {
+    "type": "json",
+    "jsonlib": "json",
+    "object_decoder": "prefect.serializers.prefect_json_object_decoder",
+    "loads_kwargs": {},
+}
+RESULT_CLASSES = {"training.evaluate.ValidationResult"}
+
+
+class UntrustedRecord(ValueError):
+    """A persisted result record that Prefect would decode with pickle, or into a class the flow never returns."""
 
 
 def results_dir() -> Path:
@@ -34,6 +48,54 @@ def results_dir() -> Path:
     from infra.paths import shardline_home
 
     return shardline_home() / RESULTS_DIR
+
+
+def screen_record(path: Path) -> None:
+    """Move a persisted record Prefect must not decode out of its way (to PATH.refused, with one warning line).
+
+    Prefect decodes a stored record with the serializer the record itself names, not the task's: a record in the
+    results folder that names Prefect's pickle serializer would be unpickled on a cache hit (even by the check
+    that the record exists), whatever `result_serializer` the task sets. The cache policy screens the record of
+    the key it computed before Prefect reads it; with none there, the task runs and writes a good one.
+    """
+    if not path.is_file():
+        return
+    try:
+        checked_record(str(path), path.read_bytes())
+    except UntrustedRecord as e:
+        path.replace(path.with_name(path.name + ".refused"))
+        log.warning("%s; moved aside, validation runs again", e)
+
+
+def checked_record(path: str, content: bytes) -> bytes:
+    """`content` when it is a result record Prefect will decode as JSON into RESULT_CLASSES only, else
+    UntrustedRecord naming `path` and what is wrong."""
+    try:
+        record = json.loads(content)
+        serializer = dict(record["metadata"]["serializer"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UntrustedRecord(f"{path}: not a result record ({type(e).__name__})") from None
+    wrong = {k: serializer.get(k) for k, v in _JSON_SERIALIZER.items() if serializer.get(k, v) != v}
+    if wrong:
+        raise UntrustedRecord(f"{path}: its serializer {wrong} is not Prefect's JSON; refusing to decode it")
+    try:
+        result = json.loads(record["result"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UntrustedRecord(f"{path}: its result is not JSON ({type(e).__name__})") from None
+    for name in _class_names(result):
+        if name not in RESULT_CLASSES:
+            raise UntrustedRecord(f"{path}: its result names class {name!r}; refusing to decode it")
+    return content
+
+
+def _class_names(value: Any) -> list[str]:
+    """Every class a JSON value asks Prefect's decoder to build (`__class__`, `__exc_type__`), nested ones too."""
+    if isinstance(value, list):
+        return [n for v in value for n in _class_names(v)]
+    if not isinstance(value, dict):
+        return []
+    own = [str(value[k]) for k in ("__class__", "__exc_type__") if k in value]
+    return own + [n for v in value.values() for n in _class_names(v)]
 
 
 def validation_key(
@@ -102,7 +164,9 @@ class ValidationInputs(CachePolicy):
         )
         if key is None:
             return None
-        return f"{key}-{TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters, **kwargs)}"
+        full = f"{key}-{TASK_SOURCE.compute_key(task_ctx, inputs, flow_parameters, **kwargs)}"
+        screen_record(results_dir() / full)
+        return full
 
 
 VALIDATION_CACHE = ValidationInputs()

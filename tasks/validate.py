@@ -175,7 +175,8 @@ def validate_checkpoint(
 
 def cached() -> Task[..., ValidationResult]:
     """validate_checkpoint under Prefect's cache (tasks/cache.py), results persisted as JSON (never pickle) under
-    $SHARDLINE_HOME/results: resolved when a flow calls it, not at import."""
+    $SHARDLINE_HOME/results, where a record of another kind is never decoded (tasks.cache.screen_record): resolved
+    when a flow calls it, not at import."""
     return validate_checkpoint.with_options(
         cache_policy=VALIDATION_CACHE, persist_result=True, result_serializer="json", result_storage=results_dir()
     )

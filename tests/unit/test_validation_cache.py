@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from deployments.config import RegistryConfig
 from tasks.cache import validation_key
 from training.chat_template import ChatFormat
@@ -57,3 +59,56 @@ def test_no_key_without_a_readable_manifest(tmp_path):
     inputs = _inputs(tmp_path)
     inputs["trained"] = SimpleNamespace(checkpoint_uri=str(tmp_path / "missing"), world_size=2)
     assert validation_key(**inputs) is None
+
+
+def _record(result: object, serializer: str = "json") -> bytes:
+    from prefect.results import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import JSONSerializer, PickleSerializer
+
+    chosen = JSONSerializer() if serializer == "json" else PickleSerializer()
+    return ResultRecord(metadata=ResultRecordMetadata(serializer=chosen, storage_key="k"), result=result).serialize()
+
+
+class _Planted:
+    """Unpickling this writes its file: proof that a record was decoded with pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (type(self.path).write_text, (self.path, "unpickled"))
+
+
+def test_a_record_prefect_would_unpickle_is_moved_aside_before_prefect_reads_it(tmp_path):
+    """Prefect decodes a record with the serializer the record names, even to check that it exists: a pickle one
+    planted where the validation cache keeps its results is moved aside once its key is computed, so Prefect finds
+    no record (the task runs again) and nothing of it is unpickled. A JSON record of validation stays and is read."""
+    from prefect.filesystems import LocalFileSystem
+    from prefect.results import ResultStore
+    from prefect.serializers import JSONSerializer
+
+    from tasks.cache import UntrustedRecord, checked_record, screen_record
+    from training.evaluate import ValidationResult
+
+    good = ValidationResult(
+        validation_run_id="r1", checkpoint_uri="ckpt", val_bits_per_byte=2.5, champion_val_bits_per_byte=None,
+        champion_version=None, model_uri="runs:/r1/model", seq_len=64, chat_template_sha256="", chat_tokens={},
+    )  # fmt: skip
+    marker = tmp_path / "marker"
+    (tmp_path / "good").write_bytes(_record(good))
+    (tmp_path / "planted").write_bytes(_record(_Planted(marker), serializer="pickle"))
+    for key in ("good", "planted", "absent"):
+        screen_record(tmp_path / key)
+    store = ResultStore(result_storage=LocalFileSystem(basepath=str(tmp_path)), serializer=JSONSerializer())
+    assert store.exists("good") and store.read("good").result == good
+    assert not store.exists("planted") and not marker.exists()
+    assert (tmp_path / "planted.refused").is_file()
+    with pytest.raises(UntrustedRecord, match=r"x: its serializer \{'type': 'pickle'"):
+        checked_record("x", (tmp_path / "planted.refused").read_bytes())
+    named = _record(good).replace(b"training.evaluate.ValidationResult", b"subprocess.Popen")
+    with pytest.raises(UntrustedRecord, match="its result names class 'subprocess.Popen'"):
+        checked_record("x", named)
+    decoder = _record(good).replace(b"prefect_json_object_decoder", b"evil_decoder")
+    with pytest.raises(UntrustedRecord, match="evil_decoder"):
+        checked_record("x", decoder)
+    assert not marker.exists()
