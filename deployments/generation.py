@@ -25,11 +25,16 @@ from deployments.codec import BYTES, ByteCodec, TokenCodec, label_bytes
 Codec = ByteCodec | TokenCodec
 
 
+# a temperature this close to 0 samples the likeliest token anyway; dividing by it would overflow (1e-40: inf
+# logits, a NaN softmax, and the request failing as the model version's fault)
+GREEDY_BELOW = 1e-5
+
+
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
-    """The next token from one position's logits: greedy at temperature 0, else sampled from the softmax at
-    `temperature` restricted to the `top_k` likeliest tokens (0 = all) and the smallest set whose mass reaches
-    `top_p`."""
-    if temperature == 0:
+    """The next token from one position's logits: greedy at temperature 0 (below GREEDY_BELOW), else sampled from
+    the softmax at `temperature` restricted to the `top_k` likeliest tokens (0 = all) and the smallest set whose
+    mass reaches `top_p`."""
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     scaled = logits.float() / temperature
     if 0 < top_k < scaled.numel():

@@ -37,7 +37,7 @@ async def read_body(request: Any, limit: int, timeout_s: float | None = None) ->
     `timeout_s` (a client trickling its body holds no connection for long)."""
     declared = request.headers.get("content-length")
     too_large = ApiError(413, f"request body over serve.max_request_bytes={limit}", code="request_too_large")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared[-20:]) > limit:
         raise too_large
     chunks, size = [], 0
 
@@ -63,10 +63,11 @@ def check_token(headers: dict[str, str], token_sha256: str) -> None:
     """ApiError(401) unless the bearer token's sha256 is `token_sha256` ("" = no auth)."""
     if not token_sha256:
         return
-    given = headers.get("authorization", "")
-    digest = hashlib.sha256(given.removeprefix("Bearer ").encode()).hexdigest()
-    if not given.startswith("Bearer ") or not hmac.compare_digest(digest, token_sha256):
-        raise ApiError(401, "missing or wrong bearer token", kind="authentication_error", code="invalid_api_key")
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    digest = hashlib.sha256(token.strip().encode()).hexdigest()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(digest, token_sha256):  # the scheme is case-insensitive
+        # as OpenAI answers a wrong key
+        raise ApiError(401, "missing or wrong bearer token", kind="invalid_request_error", code="invalid_api_key")
 
 
 def peek(body: bytes) -> tuple[str | None, bool]:

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -71,6 +71,21 @@ class ApiModel(BaseModel):
         return data
 
 
+def check_stop(value: Any) -> Any:
+    """`stop` as OpenAI takes it, a string or a list of strings, or ValueError saying so."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ValueError(f"a string or a list of at most {MAX_STOP} strings, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: at most 60 characters."""
+    text = json.dumps(value) if isinstance(value, (dict, list, int, float, bool)) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class StreamOptions(ApiModel):
     include_usage: bool = False
     include_obfuscation: bool = True  # OpenAI pads its stream chunks against side channels; these carry no padding
@@ -100,6 +115,11 @@ class CompletionRequest(ApiModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return check_stop(value)
+
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
@@ -114,25 +134,71 @@ class ScoreRequest(ApiModel):
 
 
 def parse_json(body: bytes) -> Any:
-    """The request body as JSON, or ApiError(400) with the parser's position."""
+    """The request body as JSON, or ApiError(400) with the parser's position; a string holding half of a UTF-16
+    surrogate pair (`"\\ud800"`, which no UTF-8 text can hold) is refused naming the field it is in."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"body is not JSON: {getattr(e, 'msg', e)} at position {getattr(e, 'pos', 0)}") from None
+        data = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"body is not JSON: {e.msg} at position {e.pos}") from None
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"body is not UTF-8 JSON: byte {e.start} is not UTF-8") from None
     except RecursionError:
         raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
+    except ValueError as e:  # Python's own limit on a number's digits (4300)
+        raise ApiError(400, f"body is not JSON this endpoint accepts: {str(e).split(';')[0]}") from None
+    if b"\\u" in body and (where := _lone_surrogate(data, "")) is not None:
+        field = where or "body"
+        raise ApiError(400, f"{field}: holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), not text", param=field)
+    return data
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """Where in a JSON value a string (or an object's key) holds an unpaired surrogate, OpenAI-style
+    (`messages[0].content`), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        if isinstance(key, str) and _lone_surrogate(key, "") is not None:
+            return where or "body"
+        if (found := _lone_surrogate(item, inner)) is not None:
+            return found
+    return None
+
+
+def field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as OpenAI writes a param (`messages[0].content`), without pydantic's labels of a
+    union's members (`stop.str`, `stop.list[str]`), shortened past 100 characters (an unknown key is echoed)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in _UNION_LABELS and "[" not in str(part):
+            out += f".{part}" if out else str(part)
+    return out if len(out) <= 100 else out[:97] + "..."
+
+
+_UNION_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def model_or_error(model: type[M], data: Any) -> M:
     """`model` validated from a request body, or ApiError(400) naming the first field that is wrong or unknown."""
+    if not isinstance(data, dict):
+        raise ApiError(400, f"body: must be a JSON object, not {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
+        where = field_path(first["loc"]) or "body"
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") from None
-        raise ApiError(400, f"{where}: {first['msg']}", param=None if where == "body" else where) from None
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {message}", param=None if where == "body" else where) from None
 
 
 def validate(
@@ -187,7 +253,7 @@ def model_not_found(model: str, served: list[str]) -> ApiError:
     """OpenAI's 404 model_not_found, naming what is served."""
     return ApiError(
         404,
-        f"model: {model!r} is not served here; served: {', '.join(served) or 'none'}",
+        f"model: {_shown(model)} is not served here; served: {', '.join(served) or 'none'}",
         param="model",
         code="model_not_found",
     )

@@ -18,13 +18,14 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from deployments.openai_api import (
     ApiError,
     ApiModel,
     CompletionRequest,
     StreamOptions,
+    check_stop,
     envelope,
     model_or_error,
     usage,
@@ -56,6 +57,8 @@ _NEUTRAL: dict[str, Any] = {
     "verbosity": None,
     "web_search_options": None,
 }
+# an empty list or object of these means none (`tools: []`); an empty value of any other is refused as OpenAI does
+_EMPTY_IS_NEUTRAL = {"tools", "functions", "logit_bias"}
 # other values that mean the neutral one, which clients send explicitly (OpenAI's own defaults)
 _ALSO_NEUTRAL: dict[str, list[Any]] = {
     "response_format": [{"type": "text"}],
@@ -73,7 +76,7 @@ class ChatMessage(ApiModel):
     conversation."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | None = None
+    content: str | None = Field(None, validate_default=True)
     name: str | None = None
     refusal: Any = None
     tool_calls: Any = None
@@ -88,11 +91,13 @@ class ChatMessage(ApiModel):
             raise ValueError("only null or empty is supported (no tools, refusals or audio here)")
         return None
 
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content: required for a {self.role} message")
-        return self
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # validated before content (field order); absent when it was refused
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"required for a {role} message")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -100,7 +105,7 @@ class ChatMessage(ApiModel):
         """A content given as text parts is their texts joined by newlines; any other part is refused."""
         if not isinstance(value, list):
             return value
-        if all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text" for p in value):
+        if value and all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text" for p in value):
             if all(isinstance(p["text"], str) for p in value):
                 return "\n".join(p["text"] for p in value)
         raise ValueError('only a string or text parts ({"type": "text", "text": ...}) are supported')
@@ -147,6 +152,11 @@ class ChatRequest(ApiModel):
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None  # about tools, which are refused
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return check_stop(value)
+
 
 def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_bytes: int = 0) -> str:
     """The prompt a chat template makes of `messages`, ready for the model to answer (training.chat_template.render:
@@ -191,7 +201,7 @@ def parse_chat(data: Any, max_tokens_cap: int) -> tuple[CompletionRequest, list[
         value = getattr(req, name)
         if value in _ALSO_NEUTRAL.get(name, []):
             continue
-        if value is not None and value != neutral and (neutral is not None or value):
+        if value is not None and value != neutral and not (name in _EMPTY_IS_NEUTRAL and value in ([], {})):
             raise ApiError(
                 400, f"{name}: only {neutral!r} is supported, got {value!r}", param=name, code="unsupported_parameter"
             )

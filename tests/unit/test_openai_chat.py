@@ -69,18 +69,18 @@ def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
         ({"messages": HI, "functionz": []}, "functionz: unsupported parameter", "functionz"),
         ({"messages": HI, "store": True}, "store: only False is supported, got True", "store"),
         ({"messages": HI, "reasoning_effort": "low"}, "reasoning_effort: only None is supported", "reasoning_effort"),
-        ({"messages": [{"role": "user"}]}, "messages.0: Value error, content: required for a user", "messages.0"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content: required for a user message", "messages[0].content"),
         (
             {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-            "messages.0.tool_calls: Value error, only null or empty is supported",
-            "messages.0.tool_calls",
+            "messages[0].tool_calls: only null or empty is supported",
+            "messages[0].tool_calls",
         ),
         ({"messages": []}, "messages: List should have at least 1 item", "messages"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role: Input should be", "messages.0.role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role: Input should be", "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            'messages.0.content: Value error, only a string or text parts ({"type": "text", "text": ...})',
-            "messages.0.content",
+            'messages[0].content: only a string or text parts ({"type": "text", "text": ...})',
+            "messages[0].content",
         ),
         ({"messages": HI, "max_tokens": 65}, "max_tokens: 65 > serve.max_tokens_cap=64", "max_tokens"),
         (
@@ -90,6 +90,15 @@ def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
         ),
         ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format: only None", "response_format"),
         ({"messages": HI, "max_tokens": 2, "max_completion_tokens": 2}, "give one", "max_completion_tokens"),
+        # an empty value of a parameter that is not a list of things is not its neutral value (OpenAI refuses it)
+        ({"messages": HI, "response_format": {}}, "response_format: only None is supported, got {}", "response_format"),
+        ({"messages": HI, "tool_choice": ""}, "tool_choice: only None is supported, got ''", "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": []}]},
+            "messages[0].content: only a string or text parts",
+            "messages[0].content",
+        ),
+        ({"messages": HI, "stop": {}}, "stop: a string or a list of at most 4 strings, got {}", "stop"),
         (
             {"messages": HI, "stream_options": {"include_usage": True}},
             "stream_options: only allowed with stream: true",
@@ -350,3 +359,12 @@ def test_rendering_stops_at_the_prompt_limit_and_at_its_time_budget():
     with pytest.raises(PromptTooLong):
         render_bounded("{{ messages[0].content }}", [{"role": "user", "content": "é" * 3}], max_bytes=5)
     assert render_bounded("{{ messages[0].content }}", [{"role": "user", "content": "é" * 3}], max_bytes=6) == "ééé"
+
+
+def test_empty_tools_mean_none_and_half_a_surrogate_pair_is_refused_where_it_is():
+    from deployments.openai_api import parse_json
+
+    validate_chat({"messages": HI, "tools": [], "functions": [], "logit_bias": {}}, CHATML, 4096, 64)
+    with pytest.raises(ApiError) as err:
+        parse_json(b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udc00"}]}')
+    assert (err.value.status, err.value.param) == (400, "messages[1].content"), err.value.message

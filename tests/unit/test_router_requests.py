@@ -57,7 +57,7 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
     [
         ("completions", b'{"prompt": ', 400, "body is not JSON: Expecting value at position 11"),
         ("score", b"text=hello", 400, "body is not JSON: Expecting value at position 0"),
-        ("completions", [1, 2], 400, "body: Input should be a valid dictionary or instance of CompletionRequest"),
+        ("completions", [1, 2], 400, "body: must be a JSON object, not list"),
         ("completions", {}, 400, "prompt: Field required"),
         ("completions", {"prompt": 5}, 400, "prompt: Input should be a valid string"),
         ("completions", {"prompt": ""}, 400, "prompt: String should have at least 1 character"),
@@ -116,6 +116,29 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
         ("score", {"text": ["ab"]}, 400, "text: Input should be a valid string"),
         ("score", {"prompt": "ab"}, 400, "text: Field required"),
         ("score", {"text": "ab", "temperature": 1}, 400, "temperature: unsupported parameter"),
+        # what a fuzzer sent: Python's own limit on a number's digits, a non-UTF-8 body, half a surrogate pair,
+        # a stop of the wrong type (named as OpenAI's one field, not pydantic's branch `stop.str`)
+        (
+            "completions",
+            b'{"prompt": "ab", "max_tokens": ' + b"9" * 5000 + b"}",
+            400,
+            "body is not JSON this endpoint accepts: Exceeds the limit (4300 digits) for integer string conversion: "
+            "value has 5000 digits",
+        ),
+        ("completions", b'{"prompt": "\xff"}', 400, "body is not UTF-8 JSON: byte 12 is not UTF-8"),
+        (
+            "completions",
+            b'{"prompt": "a\\ud800b"}',
+            400,
+            "prompt: holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), not text",
+        ),
+        ("completions", {"prompt": "ab", "stop": 5}, 400, "stop: a string or a list of at most 4 strings, got 5"),
+        (
+            "completions",
+            {"prompt": "ab", "stop": ["a", 1]},
+            400,
+            'stop: a string or a list of at most 4 strings, got ["a", 1]',
+        ),
     ],
 )
 def test_bad_requests_get_a_status_and_a_one_line_cause(endpoint, body, status, message):
@@ -192,3 +215,54 @@ def test_deeply_nested_json_is_a_400():
 
 def test_a_seed_the_model_cannot_use_is_a_400():
     assert _parse("completions", {"prompt": "ab", "seed": 2**64})[0] == 400
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-40 would overflow the scaled logits to inf (a NaN softmax: the request failing as the version's fault)."""
+    import torch
+
+    from deployments.generation import pick
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for temperature in (1e-40, 5e-324, 1e-6):
+        assert pick(logits, temperature, 0, 1.0, torch.Generator().manual_seed(0)) == 1
+
+
+def test_the_token_check_takes_the_scheme_in_any_case_and_answers_as_openai_does():
+    import hashlib
+
+    from deployments.http_io import check_token
+
+    digest = hashlib.sha256(b"s3cret").hexdigest()
+    for header in ("Bearer s3cret", "bearer s3cret", "BEARER  s3cret"):
+        check_token({"authorization": header}, digest)
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic s3cret"}):
+        with pytest.raises(ApiError) as err:
+            check_token(headers, digest)
+        assert (err.value.status, err.value.body()["error"]["type"], err.value.code) == (
+            401, "invalid_request_error", "invalid_api_key",
+        )  # fmt: skip
+
+
+def test_a_content_length_that_is_not_ascii_digits_is_read_as_absent():
+    """'²' is a digit to str.isdigit but not to int(): the body is then read and bounded as it streams."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments.http_io import read_body
+
+    async def receive():
+        return {"type": "http.request", "body": b'{"text": "ab"}', "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", "²".encode("latin-1"))]}
+    assert asyncio.run(read_body(Request(scope, receive), 1024)) == b'{"text": "ab"}'
+    with pytest.raises(ApiError, match="request body over serve.max_request_bytes=4"):
+        asyncio.run(read_body(Request(scope, receive), 4))
+
+
+def test_an_unknown_model_is_quoted_short():
+    from deployments.openai_api import model_not_found
+
+    err = model_not_found("m" * 5000, ["alpha"])
+    assert err.status == 404 and err.message == "model: '" + "m" * 56 + "... is not served here; served: alpha"
