@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class RegistryConfig(BaseModel):
     """Where runs and models are tracked, and the registered model's name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     model_name: str = Field("shardline-gpt", min_length=1, description="Registered model name in MLflow.")
     tracking_uri: str = Field(
@@ -23,7 +23,7 @@ class RegistryConfig(BaseModel):
 class Autoscaling(BaseModel):
     """Ray Serve autoscaling of one kind of deployment: replicas follow the requests in flight."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 lets an idle deployment scale to zero).")
     max_replicas: int = Field(4, ge=1, description="Most replicas.")
@@ -33,9 +33,14 @@ class Autoscaling(BaseModel):
         description="Requests in flight per replica that autoscaling aims for.",
     )
 
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Autoscaling:
+        """Refused at config load, before anything trains or registers (Serve would refuse it at deploy)."""
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        return self
+
     def serve_options(self) -> dict:
-        if self.max_replicas < max(1, self.min_replicas):
-            raise ValueError(f"autoscaling: max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
         return {
             "autoscaling_config": {
                 "min_replicas": self.min_replicas,
@@ -49,7 +54,7 @@ class ServeConfig(BaseModel):
     """The live endpoint: one gateway per route prefix in front of one Ray Serve application per registered model,
     each serving the registry's `champion`; a request's `model` picks the model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     enabled: bool = Field(
         True,
@@ -164,7 +169,7 @@ class ServeConfig(BaseModel):
 class PromQLGate(BaseModel):
     """A canary gate on a Prometheus query, read at the end of every step."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     name: str = Field(min_length=1, description="Names the gate in reasons, logs and metrics (step<p>.promql.<name>).")
     query: str = Field(
@@ -190,7 +195,7 @@ class PromQLGate(BaseModel):
 class CanaryConfig(BaseModel):
     """How the challenger is ramped against the champion on the live endpoint, and the gates it must pass."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     enabled: bool = Field(True, description="Run the canary when a champion exists.")
     steps: list[int] = Field(

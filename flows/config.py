@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.gateway_control import EndpointConflict, check_endpoint_free
@@ -18,7 +18,7 @@ from infra.paths import shardline_home
 from infra.redact import redact
 from infra.remote import RemoteConfigError, check_remote_config
 from training.chat_template import ChatFormat
-from training.config import TokenizerConfig, TrainConfig, ValidationConfig
+from training.config import DEFAULT_FACTORY, TokenizerConfig, TrainConfig, ValidationConfig
 from training.data.config import DataConfig
 
 
@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 class PipelineConfig(BaseModel):
     """Everything one pipeline run needs, one section per stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     data: DataConfig = Field(default_factory=DataConfig, description="shard_dataset: corpus, split, shards.")
     tokenizer: TokenizerConfig = Field(
@@ -46,6 +46,34 @@ class PipelineConfig(BaseModel):
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="canary_deploy: ramp and gates.")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="The live endpoint the canary releases into.")
 
+    @model_validator(mode="after")
+    def _train_fits_the_data(self) -> PipelineConfig:
+        """What training would refuse only after the data stage published its shards, refused at load instead: a
+        global batch the workers cannot make, the built-in GPT's heads not dividing its width, and an embedding
+        smaller than the ids the tokenizer gives (bytes: 256; a BPE trained in the run: tokenizer.vocab_size; a
+        tokenizer file is read with the data, and checked there)."""
+        t = self.train
+        derived = t.micro_batch * t.grad_accum * t.workers
+        if t.global_batch and t.global_batch != derived:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} != micro_batch {t.micro_batch} x grad_accum {t.grad_accum} x "
+                f"workers {t.workers} = {derived}; set it to {derived} or 0"
+            )
+        if t.model_factory == DEFAULT_FACTORY and t.d_model % t.n_head:
+            raise ValueError(f"train.d_model={t.d_model} is not divisible by train.n_head={t.n_head}")
+        ids = {"bytes": 256, "train": self.tokenizer.vocab_size}.get(self.tokenizer.kind)
+        if ids is None:
+            return self
+        source = f"tokenizer.kind={self.tokenizer.kind!r} gives {ids} ids"
+        if isinstance(t.hf_config, dict) and t.hf_config:
+            from training.hf_model import embedding_rows
+
+            if (rows := embedding_rows(t.hf_config)) < ids:
+                raise ValueError(f"train.hf_config vocab_size={rows}: {source}; the embedding needs {ids} rows or more")
+        elif t.vocab_size and t.vocab_size < ids:
+            raise ValueError(f"train.vocab_size={t.vocab_size}: {source}; set it to 0 or at least {ids}")
+        return self
+
 
 def _parse_value(text: str) -> Any:
     """Read an override value as TOML (numbers, booleans, arrays, quoted strings), else as a bare string."""
@@ -53,6 +81,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {redact(text)[:60]!r}...: nested too deeply") from None
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -81,11 +111,15 @@ def describe_errors(err: ValidationError, origin: str) -> str:
 
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
+        key = ".".join(str(p) for p in e["loc"])
+        if not key:  # a check across sections: its message names the keys (the input is the whole config)
+            lines.append(f"{origin}: {str(e['msg']).removeprefix('Value error, ')}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"{origin}: unknown key '{key}'")
         else:
-            lines.append(f"{origin}: {key}: {e['msg']} (got {e.get('input')!r})")
+            got = repr(e.get("input"))
+            got = got if len(got) <= 120 else got[:117] + "..."  # a long inline table or string, shortened
+            lines.append(f"{origin}: {key}: {str(e['msg']).removeprefix('Value error, ')} (got {got})")
     return redact("\n".join(lines))
 
 
@@ -96,11 +130,13 @@ _WHERE_INSTEAD = {
 }
 
 
-def check_no_credentials(config: PipelineConfig, origin: str = "config") -> None:
-    """ConfigError when any config value holds a credential (a password in a URI, a signed query, an account key).
+def check_no_credentials(config: PipelineConfig | dict[str, Any], origin: str = "config", prefix: str = "") -> None:
+    """ConfigError when any config value holds a credential (a password in a URI, a signed query, an account key,
+    a token of a known shape).
 
     The config is the Prefect flow parameter (stored in Prefect's database) and is logged to MLflow, so
     credentials come from the environment or Prefect Secret blocks only. The message masks the credential.
+    `config` may also be a plain mapping (the `[stack]` table's values), its keys named under `prefix`.
     """
     from infra.redact import find_credential, redact
 
@@ -120,7 +156,7 @@ def check_no_credentials(config: PipelineConfig, origin: str = "config") -> None
                     f"to MLflow, so give credentials through {instead}"
                 )
 
-    walk("", config.model_dump())
+    walk(prefix, config if isinstance(config, dict) else config.model_dump())
 
 
 def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
@@ -128,15 +164,19 @@ def read_raw(path: str | Path | None, overrides: list[str] | None) -> tuple[dict
     raw: dict[str, Any] = {}
     origin = "config"
     if path is not None:
-        origin = str(path)
+        origin = shown = redact(str(path))  # a mistyped --config may be a URI with a password in it
         try:
+            if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
+                raise ConfigError(f"{shown}: not a regular file (a FIFO or a device would never end)")
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
+            raise ConfigError(f"{shown}: no such config file") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+            raise ConfigError(f"{shown}: not valid TOML: {redact(e)}") from None
+        except RecursionError:
+            raise ConfigError(f"{shown}: not TOML this reads: nested too deeply") from None
         except OSError as e:  # a directory, a file it may not read
-            raise ConfigError(f"{path}: cannot read the config: {e.strerror or type(e).__name__}") from None
+            raise ConfigError(f"{shown}: cannot read the config: {e.strerror or type(e).__name__}") from None
     for assignment in overrides or []:
         apply_override(raw, assignment)
     if overrides:
@@ -162,6 +202,9 @@ def load_stack_config(
         config = PipelineConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(describe_errors(e, origin)) from None
+    # the stack's settings reach `mlflow server`'s command line and `shardline status`; its backend is a database
+    # URI whose password comes from PGPASSWORD, and a bare user there is a database user, not a credential
+    check_no_credentials(stack.model_dump(exclude={"backend"}), origin, prefix="stack")
     check_no_credentials(config, origin)
     check_remote_storage(config, origin)
     check_serving(config, origin)
@@ -276,8 +319,8 @@ def check_remote_storage(config: PipelineConfig, origin: str = "config", trackin
         check_remote_config(
             config.cluster, settings, data_engine=config.data.engine, canary_enabled=config.canary.enabled
         )
-    except RemoteConfigError as e:
-        raise ConfigError(f"{origin}: {e}") from None
+    except RemoteConfigError as e:  # it quotes the settings, $MLFLOW_TRACKING_URI's password among them
+        raise ConfigError(f"{origin}: {redact(e)}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:

@@ -13,7 +13,7 @@ from infra.network import Network
 class ClusterConfig(BaseModel):
     """Which Ray cluster to use: one the pipeline starts on this machine, or an existing one."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     mode: Literal["local", "local-multinode", "remote"] = Field(
         "local",

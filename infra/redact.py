@@ -7,8 +7,8 @@ One function decides what a credential looks like (`find_credential`), one rewri
 secret keys in code, JSON and repr forms (`aws_secret_access_key=...`, `{"password": "..."}`), signed query strings
 printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
 known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
-`find_credential`, which refuses config values, knows URIs and connection strings only. The user part of an Azure
-`abfs[s]://` or `wasb[s]://` URI is its container, not a credential.
+`find_credential`, which refuses config values, knows URIs, connection strings and tokens of a known shape.
+The user part of an Azure `abfs[s]://` or `wasb[s]://` URI is its container, not a credential.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def find_credential(value: str) -> str | None:
     match = _CONN.search(value)
     if match:
         return f"{match.group(1)}= in a connection string"
+    if _TOKEN.search(value):
+        return "a token"  # ghp_..., hf_..., AKIA..., a JWT: pasted where a name or a location belongs
     return None
 
 

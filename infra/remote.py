@@ -63,7 +63,8 @@ def check_remote_config(
         if not Path(shared).expanduser().is_absolute():
             raise RemoteConfigError(f"cluster.shared_paths: {shared!r} is not an absolute path")
     for field, (value, default) in settings.items():
-        scheme = value.partition("://")[0] if "://" in value else ""
+        # SQLAlchemy names a driver after the dialect: postgresql+psycopg2:// is a postgresql server
+        scheme = value.partition("://")[0].partition("+")[0] if "://" in value else ""
         if scheme in SHARED_SCHEMES or scheme in SERVER_SCHEMES:
             continue
         path = _local_path(value or default)

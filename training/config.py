@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -13,7 +13,7 @@ LIGHTNING_FACTORY = "training.lightning_loop:lightning_model"  # a Lightning run
 class TrainConfig(BaseModel):
     """Model size, optimisation, parallelism and checkpointing of the training stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     workers: int = Field(2, ge=1, description="Ray Train workers (= data-parallel ranks).")
     steps: int = Field(300, ge=1, description="Optimizer steps; the run ends at exactly this step, resumes included.")
@@ -100,7 +100,7 @@ class TrainConfig(BaseModel):
         "the cluster to place all workers, e.g. while an autoscaler adds nodes; then the stage fails at once, naming "
         "the demand. 0: wait as long as the stage runs (Ray Train retries the start every 60 s without a limit).",
     )
-    resources_per_worker: dict[str, float] = Field(
+    resources_per_worker: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
         description="Ray resources each training worker asks for; empty: {'GPU': 1} with use_gpu, else {'CPU': 1}. "
         "Name a resource only some node types advertise (e.g. {'CPU': 1, 'trainer': 1}) to keep training off the "
@@ -200,7 +200,7 @@ class TrainConfig(BaseModel):
 class ValidationConfig(BaseModel):
     """The gate a checkpoint must pass before it is registered."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     max_bits_per_byte: float = Field(
         6.0, gt=0, description="Fail the stage when validation bits per byte is above this (uniform bytes = 8)."
@@ -261,7 +261,7 @@ def _shards_itself(cls: type) -> bool:
 class TokenizerConfig(BaseModel):
     """Which tokenizer turns text into the model's token ids."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     kind: Literal["bytes", "file", "train"] = Field(
         "bytes",

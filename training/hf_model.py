@@ -54,10 +54,11 @@ def _transformers_config(spec: dict[str, Any]) -> Any:
     settings = {k: v for k, v in spec.items() if k not in dropped}
     try:
         config = AutoConfig.for_model(kind, **settings)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - a config class refuses settings its own way (strict fields, a division)
         if "Unrecognized model identifier" in str(e):
             raise ValueError(f"model_type {kind!r} is not an architecture transformers knows") from None
-        raise ValueError(f"model_type {kind!r}: {str(e).splitlines()[0][:200]}") from None
+        cause = " ".join(str(e).split())[:200] or type(e).__name__  # its message may span lines
+        raise ValueError(f"model_type {kind!r}: {type(e).__name__}: {cause}") from None
     if type(config) not in AutoModelForCausalLM._model_mapping:  # transformers' own registry of causal LMs
         raise ValueError(f"model_type {kind!r} is not a causal language model (AutoModelForCausalLM cannot build it)")
     if int(getattr(config, "vocab_size", 0) or 0) < VOCAB:
@@ -82,6 +83,9 @@ def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, An
     if isinstance(value, str):
         from infra import storage
 
+        local = Path(value).expanduser() if "://" not in value else None
+        if local is not None and local.exists() and not local.is_file():
+            raise ValueError(f"{value}: not a regular file (a config.json is one)")
         try:
             raw = storage.read_bytes(value)
         except Exception as e:  # noqa: BLE001 - any read failure is this field's problem, said in one line

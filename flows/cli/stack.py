@@ -16,7 +16,8 @@ def _configs(args: argparse.Namespace):
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:
-            overrides.append(f'stack.{key}="{value}"' if isinstance(value, str) else f"stack.{key}={value}")
+            # a JSON string is a TOML basic string: a backslash or a quote in the flag stays what was typed
+            overrides.append(f"stack.{key}={json.dumps(value)}" if isinstance(value, str) else f"stack.{key}={value}")
     return load_stack_config(args.config, overrides)
 
 

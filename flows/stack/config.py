@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class StackConfig(BaseModel):
     """The services `shardline up` starts on this machine. Ports are each service's usual default."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     host: str = Field("127.0.0.1", description="Address every service binds to; 127.0.0.1 unless you mean otherwise.")
     prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server API and UI port.")

@@ -13,7 +13,7 @@ PYTHON_TAG = "py311"
 class NodeType(BaseModel):
     """One kind of machine in the cluster, and the Ray resources it advertises (the autoscaler plans with these)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     instance_type: str = Field(description="The provider's machine type (EC2 instance type, Azure VM size).")
     cpus: int = Field(ge=0, description="vCPUs of the machine type: the node's Ray `CPU` resource.")
@@ -49,7 +49,7 @@ def _over_defaults(data: Any, defaults: dict[str, NodeType]) -> Any:
 class AwsLauncher(BaseModel):
     """Where and on what the AWS cluster runs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     region: str = Field("us-east-1", description="EC2 region.")
     availability_zone: str = Field(
@@ -107,7 +107,7 @@ class AwsLauncher(BaseModel):
 class AzureLauncher(BaseModel):
     """Where and on what the Azure cluster runs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     location: str = Field("eastus", description="Azure region.")
     resource_group: str = Field("shardline-ray", description="Resource group the cluster's VMs live in.")
@@ -139,7 +139,7 @@ class AzureLauncher(BaseModel):
 class KubeRayLauncher(BaseModel):
     """The RayJob (training) and RayService (live endpoint) manifests."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     # Kubernetes names: an RFC 1123 label (lowercase, digits, '-'); `name` leaves room for the suffixes it gets
     namespace: str = Field(
@@ -197,7 +197,7 @@ class KubeRayLauncher(BaseModel):
 class LauncherConfig(BaseModel):
     """Settings shared by every launcher, and one section per provider."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     cluster_name: str = Field(
         "shardline", pattern=r"^[a-z][a-z0-9-]{0,39}$", description="Name of the Ray cluster (tags, resource names)."

@@ -163,3 +163,52 @@ def test_a_tokenizer_path_with_a_credential_is_refused_masked():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["tokenizer.kind=file", "tokenizer.path=s3://AKIAEXAMPLE:hunter2@bucket/tok.json"])
     assert "tokenizer.path" in str(e.value) and "hunter2" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_config_path_that_never_ends_or_nests_too_deep_is_a_one_line_error(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)  # reading it would block until a writer came
+    with pytest.raises(ConfigError, match=r"fifo.toml: not a regular file"):
+        load_config(fifo)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000)
+    with pytest.raises(ConfigError, match=r"deep.toml: not TOML this reads: nested too deeply"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(None, ["data.source=" + "[" * 5000])
+    with pytest.raises(ConfigError, match=r"^s3://u:\*\*\*@b/c.toml: no such config file$"):
+        load_config("s3://u:hunter2@b/c.toml")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.lr=inf"], "train.lr: Input should be a finite number"),
+        (["train.resources_per_worker={GPU=nan}"], "train.resources_per_worker.GPU: Input should be a finite number"),
+        (
+            ['canary.prometheus_url="http://127.0.0.1:9090"', 'canary.promql_gates=[{name="p", query="up", max=nan}]'],
+            "canary.promql_gates.0.max: Input should be a finite number",
+        ),
+        (["serve.autoscaling={min_replicas=5, max_replicas=2}"], "serve.autoscaling: max_replicas 2 < min_replicas 5"),
+        (["train.vocab_size=100"], "train.vocab_size=100: tokenizer.kind='bytes' gives 256 ids"),
+        (['tokenizer.kind="train"', "train.vocab_size=300"], "tokenizer.kind='train' gives 4096 ids"),
+        (["train.n_head=3", "train.d_model=128"], "train.d_model=128 is not divisible by train.n_head=3"),
+        (["train.global_batch=7"], "train.global_batch=7 != micro_batch 8 x grad_accum 1 x workers 2 = 16"),
+        (
+            ['train.hf_config={model_type="llama", hidden_size="abc"}'],
+            "train.hf_config: model_type 'llama': StrictDataclassFieldValidationError",
+        ),
+        (["data.source=hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"], "data.source='\\*\\*\\*' holds a token"),
+        (["stack.artifacts=s3://b/p?X-Amz-Signature=abc"], "stack.artifacts='s3://b/p\\?X-Amz-Signature=\\*\\*\\*'"),
+    ],
+)
+def test_what_would_fail_after_a_stage_published_is_refused_at_load(overrides, message):
+    """NaN passes every bound (`value > nan` is false); the rest would fail in training, after the shards were
+    published, or reach Prefect's database and `mlflow server`'s command line."""
+    from flows.config import load_stack_config
+
+    with pytest.raises(ConfigError, match=message) as err:
+        load_stack_config(None, overrides)
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)

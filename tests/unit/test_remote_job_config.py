@@ -150,3 +150,14 @@ def test_job_runtime_env_carries_code_and_plain_settings_but_no_secret(monkeypat
         if n.startswith((".venv/", "tests/", ".shardline/", ".git/")) or "node_modules/" in n or n.endswith(".pyc")
     ]
     assert package.stat().st_size < 5 * 1024 * 1024
+
+
+def test_a_database_tracking_uri_from_the_environment_passes_with_its_driver_and_is_never_echoed(monkeypatch):
+    """$MLFLOW_TRACKING_URI may carry its password (the README allows it there); SQLAlchemy's `+driver` is the
+    same server."""
+    stored = ["train.storage_path=s3://bucket/ckpt", "data.output=s3://bucket/shards"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql+psycopg2://u:hunter2@db/mlflow")
+    assert load_config("configs/debug.toml", [*JOB_SERVER, *stored]).cluster.job_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "mysqlx://u:hunter2@db/mlflow")  # not a server MLflow speaks
+    message = _error([*JOB_SERVER, *stored])
+    assert "registry.tracking_uri='mysqlx://u:***@db/mlflow'" in message and "hunter2" not in message

@@ -31,9 +31,18 @@ def test_worker_resources_take_a_custom_resource_as_given():
     ],
 )
 def test_worker_resources_refuse_a_demand_that_cannot_be_meant(resources, message):
+    # model_copy skips validation, as a config changed in code would; the config itself refuses a negative amount
     with pytest.raises(ValueError, match=message) as err:
-        worker_resources(TrainConfig(use_gpu=True, resources_per_worker=resources))
+        worker_resources(TrainConfig(use_gpu=True).model_copy(update={"resources_per_worker": resources}))
     assert "train.resources_per_worker=" in str(err.value)
+
+
+def test_a_negative_or_nan_resource_is_refused_with_the_config():
+    from pydantic import ValidationError
+
+    for amount, message in ((-1, "greater than or equal to 0"), (float("nan"), "finite number")):
+        with pytest.raises(ValidationError, match=message):
+            TrainConfig(resources_per_worker={"GPU": amount})
 
 
 def test_placement_lineage_lists_distinct_nodes_in_rank_order_and_counts_them():

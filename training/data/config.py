@@ -12,7 +12,7 @@ Policy = Literal["fail", "skip"]
 class DataConfig(BaseModel):
     """Corpus source, shard destination, split, shard limits and the bad-input policy."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
     source: str = Field(
         "stdlib",
