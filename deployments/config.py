@@ -88,7 +88,8 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(
         512,
         ge=1,
-        description="Requests the gateway queues beyond those in flight; more get a fast 503.",
+        description="Requests a gateway replica holds beyond the 256 it forwards at once; more get a fast 503 "
+        "(OpenAI's error object, Retry-After: 1).",
     )
     max_request_bytes: int = Field(
         65536, ge=256, description="Largest request body accepted; bigger ones get 413 before the body is read."

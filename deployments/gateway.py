@@ -32,6 +32,8 @@ from infra.redact import first_line
 
 log = logging.getLogger(__name__)
 REFRESH_S = 2.0
+# model requests a gateway replica forwards at once; serve.max_queued_requests more wait, and the rest get a 503
+FORWARDING = 256
 GATEWAY_HEADER = "x-shardline-gateway"  # the flow-start check tells shardline's gateway from other servers by it
 
 
@@ -42,6 +44,7 @@ class GatewayConfig(BaseModel):
 
     default_model: str = ""
     max_request_bytes: int = 65536
+    max_queued_requests: int = 512
     body_timeout_s: float = 10.0
     token_sha256: str = ""
     settings: str = ""  # gateway_control.gateway_settings: the deploy-time options it was deployed with
@@ -58,6 +61,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._reloading: asyncio.Future[None] | None = None  # the background refresh in flight, if any
         self.metrics = RouterMetrics("")  # requests the gateway refuses itself (model "" = none chosen yet)
+        self.waiting = 0  # model requests in this replica until their router answers (whole, or a stream's head)
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         self.cfg = GatewayConfig.model_validate(config)
@@ -122,6 +126,34 @@ class Gateway:
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
                 raise ApiError(405, f"{path} takes POST")
+            self._admit()
+        except ApiError as e:
+            self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
+            return to_response(error_reply(e, headers))
+        try:
+            return await self._model_request(request, path, headers)
+        finally:
+            self.waiting -= 1
+
+    def _admit(self) -> None:
+        """Count a model request in, or refuse it with OpenAI's error object (a 503 with Retry-After) when this
+        replica already has FORWARDING + serve.max_queued_requests waiting on their routers' first answer. The
+        gateway queues, not Ray's proxy: the proxy's own backpressure answer is a line of plain text."""
+        limit = FORWARDING + self.cfg.max_queued_requests
+        if self.waiting >= limit:
+            raise ApiError(
+                503,
+                f"overloaded: {self.waiting} requests wait on this gateway replica, at most {FORWARDING} + "
+                f"serve.max_queued_requests={self.cfg.max_queued_requests}; retry",
+                kind="server_error",
+                code="overloaded",
+                retry_after=1,
+            )
+        self.waiting += 1
+
+    async def _model_request(self, request: Any, path: str, headers: dict[str, str]) -> Any:
+        """A counted-in model request: its body read, its model's router found, the request forwarded to it."""
+        try:
             body = await read_body(request, self.cfg.max_request_bytes, self.cfg.body_timeout_s)
             model, stream = peek(body)
             app = await self._app_for(model)

@@ -28,6 +28,8 @@ PICKLE_RACE_TRIES = 5
 MODEL_APP_PREFIX = "shardline-"
 GATEWAY_APP = "shardline-gateway"
 GATEWAY_ROOTS = ("deployments/gateway.py",)  # the gateway's code version follows its imports (code_files.py)
+# requests past what the gateway holds that Ray still lets reach it, so that it refuses them itself (Gateway._admit)
+OVERFLOW = 1024
 
 
 class EndpointConflict(ValueError):
@@ -158,12 +160,13 @@ def ensure_gateway(
     """
     from ray import serve as rs
 
-    from deployments.gateway import Gateway, GatewayConfig
+    from deployments.gateway import FORWARDING, Gateway, GatewayConfig
 
     name = gateway_name(serve)
     want = GatewayConfig(
         default_model=serve.default_model,
         max_request_bytes=serve.max_request_bytes,
+        max_queued_requests=serve.max_queued_requests,
         body_timeout_s=serve.body_timeout_s,
         token_sha256=token_sha256,
         settings=gateway_settings(serve),
@@ -178,9 +181,12 @@ def ensure_gateway(
             num_replicas=serve.gateway_replicas,
             ray_actor_options={"num_cpus": serve.router_cpus, "runtime_env": dict(runtime_env or {})},
             user_config=want,
-            max_ongoing_requests=256,
-            max_queued_requests=serve.max_queued_requests,
-            # over the queue: a fast 503 that tells the client when to come back
+            # the gateway queues and refuses (Gateway._admit: OpenAI's error object); Ray takes in OVERFLOW more
+            # than it holds so that they reach it, and its proxy's own plain-text 503 only answers past that. The
+            # proxy counts a request as queued until it has picked a replica for it, which a burst outruns: its
+            # queue is as deep as what the replica may hold, or it refuses requests the gateway had room for
+            max_ongoing_requests=FORWARDING + serve.max_queued_requests + OVERFLOW,
+            max_queued_requests=FORWARDING + serve.max_queued_requests + OVERFLOW,
             backpressure_config={"status_code": 503, "retry_after_s": 1},
         )
         deployment._version = _gateway_version()  # fixed: a config change is a lightweight update (endpoint._pinned)

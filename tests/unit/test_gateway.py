@@ -47,3 +47,33 @@ def test_a_request_routes_on_the_list_it_has_while_a_stale_one_is_re_read_beside
         assert gw.models == {} and len(reads) == 2
 
     asyncio.run(scenario())
+
+
+def test_past_its_queue_the_gateway_refuses_in_openai_s_error_object_and_counts_every_request_out():
+    """The gateway holds FORWARDING + serve.max_queued_requests model requests; the next gets a 503 with Retry-After
+    and OpenAI's error object. A request refused on its way in (here a body over the limit) is counted out again."""
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    from deployments.gateway import FORWARDING, Gateway
+
+    gw = Gateway("shardline-gateway")
+    gw.reconfigure({"max_queued_requests": 3, "max_request_bytes": 256})
+
+    def post(body: bytes) -> Request:
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        headers = [(b"content-length", str(len(body)).encode())]
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
+
+    too_big = asyncio.run(gw(post(b"x" * 300)))
+    assert too_big.status_code == 413 and gw.waiting == 0
+    gw.waiting = FORWARDING + 3  # as many as it holds wait on their routers
+    refused = asyncio.run(gw(post(b'{"prompt": "hi"}')))
+    error = json.loads(refused.body)["error"]
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert (error["type"], error["code"]) == ("server_error", "overloaded")
+    assert "serve.max_queued_requests=3" in error["message"] and gw.waiting == FORWARDING + 3

@@ -1,5 +1,5 @@
-"""Overload: past the gateway's queue a client gets a fast 503 with Retry-After, and a body sent a byte at a time
-gets a 408 once serve.body_timeout_s has passed."""
+"""Overload: past the gateway's queue a client gets a fast 503 with Retry-After in OpenAI's error object, and a body
+sent a byte at a time gets a 408 once serve.body_timeout_s has passed."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_overload_gets_fast_503s_with_retry_after_and_a_trickled_body_times_out(
     assert all(a.headers.get("retry-after") for a in refused), {
         (a.text[:200], tuple(a.headers)) for a in refused if not a.headers.get("retry-after")
     }
+    # the gateway refuses them itself, in OpenAI's error object (Ray's proxy would answer a line of plain text)
+    assert {(a.json()["error"]["type"], a.json()["error"]["code"]) for a in refused} == {("server_error", "overloaded")}
+    assert "serve.max_queued_requests=40" in refused[0].json()["error"]["message"]
     assert httpx.post(f"{url}/v1/score", json=body, timeout=60).status_code == 200  # and it still serves
 
     # a body sent one byte a second gets 408 once serve.body_timeout_s has passed, not a held connection
