@@ -37,7 +37,12 @@ async def read_body(request: Any, limit: int, timeout_s: float | None = None) ->
     `timeout_s` (a client trickling its body holds no connection for long)."""
     declared = request.headers.get("content-length")
     too_large = ApiError(413, f"request body over serve.max_request_bytes={limit}", code="request_too_large")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared[-20:]) > limit:
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdigit()
+        and (len(declared) > 18 or int(declared) > limit)
+    ):
         raise too_large
     chunks, size = [], 0
 

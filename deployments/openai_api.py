@@ -137,7 +137,8 @@ def parse_json(body: bytes) -> Any:
     """The request body as JSON, or ApiError(400) with the parser's position; a string holding half of a UTF-16
     surrogate pair (`"\\ud800"`, which no UTF-8 text can hold) is refused naming the field it is in."""
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8-sig")  # strictly: raw surrogates or UTF-16 are not the UTF-8 the API takes
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"body is not JSON: {e.msg} at position {e.pos}") from None
     except UnicodeDecodeError as e:
@@ -146,7 +147,7 @@ def parse_json(body: bytes) -> Any:
         raise ApiError(400, "body is not JSON this endpoint accepts: nested too deeply") from None
     except ValueError as e:  # Python's own limit on a number's digits (4300)
         raise ApiError(400, f"body is not JSON this endpoint accepts: {str(e).split(';')[0]}") from None
-    if b"\\u" in body and (where := _lone_surrogate(data, "")) is not None:
+    if "\\u" in text and (where := _lone_surrogate(data, "")) is not None:  # only an escape can make one now
         field = where or "body"
         raise ApiError(400, f"{field}: holds an unpaired UTF-16 surrogate (\\ud800-\\udfff), not text", param=field)
     return data

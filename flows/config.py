@@ -50,8 +50,9 @@ class PipelineConfig(BaseModel):
     def _train_fits_the_data(self) -> PipelineConfig:
         """What training would refuse only after the data stage published its shards, refused at load instead: a
         global batch the workers cannot make, the built-in GPT's heads not dividing its width, and an embedding
-        smaller than the ids the tokenizer gives (bytes: 256; a BPE trained in the run: tokenizer.vocab_size; a
-        tokenizer file is read with the data, and checked there)."""
+        smaller than the ids the tokenizer gives (bytes: 256; a BPE trained in the run: tokenizer.vocab_size, the
+        size asked, although a small corpus may train fewer: a config that fits only then breaks as the corpus grows;
+        a tokenizer file is read with the data, and checked there)."""
         t = self.train
         derived = t.micro_batch * t.grad_accum * t.workers
         if t.global_batch and t.global_batch != derived:

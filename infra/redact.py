@@ -52,14 +52,19 @@ _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 _CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=([^;\s'\"]+)")
 # in text (logs, errors): an environment-style secret (`AWS_SECRET_ACCESS_KEY=...`) and a bearer token
 _ENV_SECRET = re.compile(
-    r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH|_PWD|_PASS)[A-Z0-9_]*)=(['\"]?)[^\s'\"]+\2"
+    r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH|_PWD(?![A-Z])|_PASS(?![A-Z]))[A-Z0-9_]*)"
+    r"=(['\"]?)[^\s'\"]+\2"
 )
-_BEARER = re.compile(r"\b((?i:bearer)|Basic)\s+(?=[A-Za-z]*[0-9._~+/=-]|[A-Za-z]*[a-z][A-Z])[A-Za-z0-9._~+/=-]{8,}")
-_QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#\s]+)=([^&#\s]*)")  # `&amp;`: an HTML-escaped one
+# a token: 8 or more token characters with a digit, a mark inside (not a sentence's last full stop) or a case change
+_BEARER = re.compile(
+    r"\b((?i:bearer)|Basic)\s+"
+    r"(?=[A-Za-z]*[0-9]|[A-Za-z]*[._~+/=-][A-Za-z0-9._~+/=-]|[A-Za-z]*[a-z][A-Z])[A-Za-z0-9._~+/=-]{8,}"
+)
+_QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`: an HTML-escaped one
 # in text: a secret key as code, JSON or a repr writes it (`client_secret=...`, `"password": "..."`,
 # `{'aws_secret_access_key': '...'}`); the `:` form only after a quoted key, so prose ("Password: must be set") stays
 _KV_KEY = (
-    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-])*(?:password|passwd|secret|secret[_-]access[_-]key|api[_-]?key|"
+    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|api[_-]?key|"
     r"account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|refresh[_-]token|auth[_-]token))"
 )
 _KV_SECRET = re.compile(

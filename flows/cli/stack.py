@@ -17,7 +17,11 @@ def _configs(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None:
             # a JSON string is a TOML basic string: a backslash or a quote in the flag stays what was typed
-            overrides.append(f"stack.{key}={json.dumps(value)}" if isinstance(value, str) else f"stack.{key}={value}")
+            overrides.append(
+                f"stack.{key}={json.dumps(value, ensure_ascii=False)}"
+                if isinstance(value, str)
+                else f"stack.{key}={value}"
+            )
     return load_stack_config(args.config, overrides)
 
 

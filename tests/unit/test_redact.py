@@ -118,6 +118,8 @@ def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a
         "max_tokens=512 pad_token='<pad>' eos_token: </s> tokens_per_s=3400.5",
         "Password: must be set through PGPASSWORD",
         "Basic authentication failed",
+        "Basic authentication. bearer authentication.",  # a sentence's full stop is no token's
+        "TESTS_PASSED=3 FOO_PASSTHROUGH=1",
         "api_key_env=OPENAI_API_KEY secret_block=shardline-s3 {'api_key_env': 'X'}",
         "hf_model.py hf_config ghp_short",
     ],

@@ -126,6 +126,8 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
             "value has 5000 digits",
         ),
         ("completions", b'{"prompt": "\xff"}', 400, "body is not UTF-8 JSON: byte 12 is not UTF-8"),
+        ("completions", b'{"prompt": "a\xed\xa0\x80"}', 400, "body is not UTF-8 JSON: byte 13 is not UTF-8"),
+        ("completions", '{"prompt": "ab"}'.encode("utf-16"), 400, "body is not UTF-8 JSON: byte 0 is not UTF-8"),
         (
             "completions",
             b'{"prompt": "a\\ud800b"}',
@@ -259,6 +261,10 @@ def test_a_content_length_that_is_not_ascii_digits_is_read_as_absent():
     assert asyncio.run(read_body(Request(scope, receive), 1024)) == b'{"text": "ab"}'
     with pytest.raises(ApiError, match="request body over serve.max_request_bytes=4"):
         asyncio.run(read_body(Request(scope, receive), 4))
+    huge = {**scope, "headers": [(b"content-length", b"1" + b"0" * 23)]}  # refused before a byte is read
+    with pytest.raises(ApiError, match="request body over serve.max_request_bytes=1024"):
+        asyncio.run(read_body(Request(huge, receive), 1024))
+    assert _parse("score", b'\xef\xbb\xbf{"text": "ab"}') == ScoreRequest(text="ab")  # a UTF-8 BOM is UTF-8
 
 
 def test_an_unknown_model_is_quoted_short():
