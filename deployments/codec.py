@@ -72,8 +72,10 @@ class TokenCodec:
         added = tokenizer.get_added_tokens_decoder()
         special = {t.content for t in added.values() if t.special}
         self.ends = frozenset(i for i, t in added.items() if t.special)
+        self.special_ids = frozenset(i for i, t in added.items() if t.content in special)
         byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         table = byte_level_table() if byte_level else {}
+        fallback = bool(getattr(tokenizer.model, "byte_fallback", False))
         self.pieces: list[bytes] = []
         for i in range(self.vocab):
             token = tokenizer.id_to_token(i)
@@ -81,8 +83,10 @@ class TokenCodec:
                 self.pieces.append(b"")
             elif byte_level and all(c in table for c in token):
                 self.pieces.append(bytes(table[c] for c in token))
+            elif fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                self.pieces.append(bytes([int(token[3:5], 16)]))  # SentencePiece's byte fallback: one raw byte
             else:
-                self.pieces.append(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+                self.pieces.append(_decoded(tokenizer, i))
 
     def encode(self, text: bytes) -> list[int]:
         return self.scored(text)[0]
@@ -105,12 +109,25 @@ class TokenCodec:
         return self.pieces[token] if 0 <= token < len(self.pieces) else b""
 
     def label(self, token: int) -> str:
-        """The id's text when its bytes are whole characters, else its bytes as `bytes:\\xNN...` (OpenAI's form)."""
+        """The id's text when its bytes are whole characters, else its bytes as `bytes:\\xNN...` (OpenAI's form); a
+        special token, which stands for no text, by its own name (`</s>`), so that no two read the same in
+        `top_logprobs`."""
+        if token in self.special_ids:
+            return str(self.tokenizer.id_to_token(token))
         raw = self.piece(token)
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             return raw_label(raw)
+
+
+def _decoded(tokenizer: Any, token: int) -> bytes:
+    """The UTF-8 bytes `token` adds to a text it does not start. A decoder treats a text's first token as its start
+    (Metaspace and a Strip decoder drop its leading space, WordPiece keeps its `##`), so an id decoded alone can lose
+    the space it stands for: decoded after a copy of itself, with that copy's own text cut off, it keeps it."""
+    alone = tokenizer.decode([token], skip_special_tokens=False)
+    twice = tokenizer.decode([token, token], skip_special_tokens=False)
+    return (twice[len(alone) :] if twice.startswith(alone) and len(twice) > len(alone) else alone).encode("utf-8")
 
 
 def codec_for(tokenizer: Any) -> ByteCodec | TokenCodec:

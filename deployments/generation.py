@@ -253,7 +253,11 @@ def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0, start: 
             out["text_offset"] += [start + at for at in part["text_offset"]]
             continue
         for token in part["tokens"]:
-            out["text_offset"].append(position)
+            raw = label_bytes(token)
+            continues = raw is not None and raw[:1] != b"" and 0x80 <= raw[0] < 0xC0
+            # a token that goes on with a character begun before it starts where that character does, as a
+            # completion's own tokens do (Completion: `start`)
+            out["text_offset"].append(position - 1 if continues and position > offset else position)
             position += _characters_started(token)
     return out
 

@@ -108,7 +108,8 @@ def _label_bytes(label: str) -> bytes:
 def test_text_offsets_count_the_characters_a_token_starts():
     pieces = [{"tokens": ["def", " main", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2\\x9c", "bytes:\\x93"]}]
     pieces[0] |= {"token_logprobs": [0.0] * 6, "top_logprobs": [{}] * 6}
-    assert merge_logprobs(pieces, offset=10)["text_offset"] == [10, 13, 18, 19, 19, 20]
+    # a token that goes on with a character begun before it starts where that character does (as a completion's)
+    assert merge_logprobs(pieces, offset=10)["text_offset"] == [10, 13, 18, 18, 19, 19]
 
 
 @pytest.mark.parametrize("runner", ["engine", "generate"])
@@ -159,3 +160,49 @@ def _engine_events(engine: Engine, prompt: bytes, completion: Completion) -> lis
             return [e async for e in events if "bits" not in e]
 
     return asyncio.run(run())
+
+
+def _sentencepiece_style():
+    """A Llama-style tokenizer.json: Metaspace words, byte fallback (`<0xE2>`), a decoder that strips the text's
+    first space, `<unk>`/`<s>`/`</s>` special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "t", "h", "e", "c", "a", "▁t", "he", "▁the", "▁c", "▁ca", "▁cat"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "c"), ("▁c", "a"), ("▁ca", "t")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return tok
+
+
+def test_a_sentencepiece_style_tokenizer_keeps_its_spaces_and_bytes_and_names_its_special_tokens():
+    """Decoded one id at a time, every `▁word` lost its space (the decoder strips a text's first one) and every
+    `<0xNN>` became U+FFFD: a completion read `thecat`, and a stop string ` cat` never matched."""
+    from deployments.generation import top_entries
+
+    tok = _sentencepiece_style()
+    codec = TokenCodec(tok)
+    ids = tok.encode("the ✓ cat", add_special_tokens=False).ids
+    assert b"".join(codec.piece(i) for i in ids).decode() == " the ✓ cat"  # a continuation: its first space kept
+    assert [codec.piece(i) for i in ids[2:5]] == [b"\xe2", b"\x9c", b"\x93"]
+    assert codec.ends == {0, 1, 2} and [codec.label(i) for i in (0, 1, 2)] == ["<unk>", "<s>", "</s>"]
+    logprobs = torch.full((codec.vocab,), -9.0)
+    logprobs[[0, 1, 2, ids[-1]]] = torch.tensor([-1.0, -2.0, -3.0, -0.5])
+    assert top_entries(logprobs, 4, codec) == {" cat": -0.5, "<unk>": -1.0, "<s>": -2.0, "</s>": -3.0}
+    prompt = tok.encode("the", add_special_tokens=False).ids
+    script = [tok.token_to_id(t) for t in ("▁the", "▁cat", "▁the")]  # what the model writes after the prompt
+
+    def scripted(idx: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(idx.shape[0], idx.shape[1], codec.vocab)
+        logits[:, -1, script[min(idx.shape[1] - len(prompt), len(script) - 1)]] = 10.0
+        return logits
+
+    events = list(generate(scripted, b"the", SEQ, 3, temperature=0, codec=codec))
+    assert "".join(e.get("text", "") for e in events) == " the cat the"
+    events = list(generate(scripted, b"the", SEQ, 3, temperature=0, codec=codec, stop=[" cat"]))
+    assert "".join(e.get("text", "") for e in events) == " the" and events[-1]["finish_reason"] == "stop"
