@@ -16,7 +16,8 @@ from pydantic import BaseModel, Field
 Verdict = Literal["promoted", "rejected", "inconclusive", "aborted", "skipped"]
 StepOutcome = Literal["pass", "fail", "inconclusive"]
 Action = Literal["pause", "resume", "promote", "abort"]
-CanaryState = Literal["running", "paused", "awaiting-approval", "none"]
+# deciding: the verdict is in and being applied (registry, then traffic); no command can change it any more
+CanaryState = Literal["running", "paused", "awaiting-approval", "deciding", "none"]
 ACTIONS: tuple[str, ...] = ("pause", "resume", "promote", "abort")
 
 
@@ -62,6 +63,9 @@ class StepMetrics(BaseModel):
     p95_ratio: float | None = None
     p99_ratio: float | None = None
     failed_requests: int = Field(0, description="Requests whose client got no model answer.")
+    challenger_failed_requests: int = Field(
+        0, description="Of those, the ones routed to the challenger (the rest the champion alone answered)."
+    )
     fallbacks: int = Field(0, description="Challenger failures the champion answered instead.")
     error_rate_increase: float = 0.0
     bpb_regression: float | None = Field(None, description="Challenger minus champion bits/byte, paired.")

@@ -128,6 +128,9 @@ def summarize_step(
         challenger_paired_ms=ch_ms,
         champion_paired_ms=base_ms,
         failed_requests=sum(1 for o in observations if not o.get("client_ok", True)),
+        challenger_failed_requests=sum(
+            1 for o in observations if not o.get("client_ok", True) and o.get("role") == "challenger"
+        ),
         fallbacks=sum(1 for o in observations if o.get("fallback")),
         confidence=cfg.confidence,
     )
@@ -176,8 +179,17 @@ def gate_step(
                 f"bits/byte {ch.bpb:.4f} vs champion's {base.bpb:.4f} on the same {step.paired} requests: "
                 f"{point:+.4f}, {cfg.confidence:.0%} upper bound {upper:+.4f} > {cfg.max_bpb_regression}"
             )
-    if step.failed_requests:
-        failures.append(f"{step.failed_requests} of {step.requests} requests got no model answer")
+    if step.challenger_failed_requests:
+        failures.append(
+            f"{step.challenger_failed_requests} of {step.requests} requests routed to the challenger got no model "
+            "answer"
+        )
+    if champion_failed := step.failed_requests - step.challenger_failed_requests:
+        # the champion alone answered these (every request in shadow mode): they say nothing of the challenger,
+        # and a version is not rejected for them; the step cannot be judged while its baseline fails
+        inconclusive.append(
+            f"{champion_failed} of {step.requests} requests the champion alone answered got no model answer"
+        )
     return step.model_copy(
         update={
             "challenger_paired_p95_ms": percentile(ch_lat, 0.95),

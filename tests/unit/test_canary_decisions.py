@@ -193,10 +193,15 @@ def test_p99_is_judged_only_from_enough_pooled_samples():
     ]
 
 
-def test_requests_whose_client_got_no_answer_fail_the_step():
+def test_requests_whose_client_got_no_answer_fail_the_step_when_the_challenger_was_routed_them():
+    """A failure the champion alone served says nothing of the challenger (in shadow mode it serves every client):
+    the step is inconclusive, and the version is not rejected for it."""
     step = step_of(10, noisy(4, 2.0, 2.0) + [to_champion(ok=False)] + [to_champion()] * 2)
-    assert step.failed_requests == 1 and step.champion.errors == 1
-    assert step.failures == ["1 of 7 requests got no model answer"]
+    assert step.failed_requests == 1 and step.champion.errors == 1 and step.failures == []
+    assert step.inconclusive == ["1 of 7 requests the champion alone answered got no model answer"]
+    both_failed = challenger_failed() | {"champion": to_champion(ok=False)["champion"], "client_ok": False}
+    step = step_of(10, noisy(4, 2.0, 2.0) + [both_failed])  # routed to the challenger, its fallback failed too
+    assert step.failures[-1] == "1 of 5 requests routed to the challenger got no model answer"
 
 
 def test_the_first_failing_step_is_the_reason():
