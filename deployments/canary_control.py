@@ -5,7 +5,8 @@ on different machines (the driver in a Prefect worker's flow run, the operator o
 the one thing both already talk to (the release lock may be a file lock on one machine, and Ray may not be
 reachable from the laptop), and the challenger version is where the canary's outcome is recorded anyway.
 - `shardline.canary_state` (JSON, written by the driver at every state change and with every lease renewal):
-  canary_id, state (running, paused, awaiting-approval; none once decided, with the verdict), step, percent,
+  canary_id, state (running, paused, awaiting-approval; deciding while a verdict is applied, when no command is
+  taken any more; none once decided, with the verdict), step, percent,
   lease_expires_at, the id of the last command it acted on (`ack`). A state not renewed for a whole lease past
   its expiry is read as `none`: the driver died, and the router went back to the champion by itself when the
   lease ran out (the lease, not this tag, is the dead man's switch; the extra lease of slack keeps a renewal that
@@ -77,7 +78,7 @@ def status_of(model: str, aliases: dict[str, str], state: dict[str, Any] | None,
     if challenger is None or not state:
         return base
     alive = (
-        state.get("state") in ("running", "paused", "awaiting-approval")
+        state.get("state") in ("running", "paused", "awaiting-approval", "deciding")
         and float(state.get("lease_expires_at") or 0) + float(state.get("lease_s") or 0) > now
     )
     fields = {

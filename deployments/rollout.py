@@ -51,6 +51,8 @@ from deployments.rollout_policy import decide_canary, hold_percent, next_move, r
 from deployments.rollout_ramp import Prober, Ramp, warm_up
 
 log = logging.getLogger(__name__)
+# how long `canary status` shows a decided canary as being applied before it reads as abandoned (its driver died)
+DECIDING_S = 600.0
 
 
 class CanaryDecided(RuntimeError):
@@ -218,6 +220,11 @@ def _finish(
     log_decision: Callable[[CanaryDecision], None] | None,
     url: str,
 ) -> CanaryResult:
+    if ramp.control is not None:  # a command sent from now on is refused, not taken and then silently dropped
+        ramp.control.state = "deciding"  # also in whatever the ramp publishes while the decision is applied
+        ramp.control.publish(
+            ramp.percent, time.time() + DECIDING_S, ramp.attempt, state="deciding", verdict=decision.verdict
+        )
     try:
         final = apply_decision(client, decision, ramp, serve, tracking_uri, token_sha256, runtime_env)
     except Exception as e:

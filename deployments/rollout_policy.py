@@ -46,6 +46,8 @@ def command_error(state: CanaryState, action: str, model_name: str) -> str:
         return f"unknown action {action!r}: expected one of {', '.join(ACTIONS)}"
     if state == "none":
         return f"no canary of {model_name} is running; nothing to {action}"
+    if state == "deciding":
+        return f"the canary of {model_name} has been decided and the decision is being applied; too late to {action}"
     if action == "pause" and state != "running":
         return f"the canary of {model_name} is {state}; only a running canary can be paused"
     if action == "resume" and state != "paused":

@@ -109,6 +109,9 @@ def test_an_operator_abort_or_early_promote_decides_whatever_the_steps_say():
         ("none", "pause", "no canary of m is running; nothing to pause"),
         ("none", "abort", "no canary of m is running; nothing to abort"),
         ("running", "stop", "unknown action 'stop': expected one of pause, resume, promote, abort"),
+        # decided, being applied: a command now would be acknowledged and then never acted on
+        ("deciding", "abort", "the canary of m has been decided and the decision is being applied; too late to abort"),
+        ("deciding", "pause", "the canary of m has been decided and the decision is being applied; too late to pause"),
     ],
 )
 def test_which_commands_a_canary_accepts_in_each_state(state, action, error):

@@ -35,6 +35,12 @@ def test_a_live_canary_reports_its_state_step_and_weight():
     assert (status.step, status.steps, status.percent, status.canary_id, status.ack) == (2, 3, 50, "k", "c1")
 
 
+def test_a_canary_whose_decision_is_being_applied_reads_as_deciding_not_abandoned():
+    """Applying a verdict (registry, then a redeploy) can outlast two leases; its driver published how long."""
+    status = status_of("m", ALIASES, _state(state="deciding", lease_expires_at=NOW + 500), NOW)
+    assert status.state == "deciding" and status.last_verdict is None
+
+
 def test_a_canary_whose_lease_lapsed_a_whole_lease_ago_is_no_canary():
     # a renewal late by less than a lease (a loaded machine) is still a live driver
     assert status_of("m", ALIASES, _state(lease_expires_at=NOW - 19.9), NOW).state == "running"
