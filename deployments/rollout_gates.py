@@ -20,6 +20,9 @@ from deployments.canary_records import GateReading, StepMetrics, VersionStats
 from deployments.canary_stats import p95, paired_upper_bound, percentile
 from deployments.config import CanaryConfig, PromQLGate
 
+# a gate is breached past its limit, not by float rounding at it (8/20 - 6/20 is 0.10000000000000003 > 0.1)
+EPSILON = 1e-9
+
 # A tail percentile over fewer samples is its maximum, i.e. one scheduling hiccup: p99 is judged from this many
 # pooled paired calls on (p95 from canary.min_paired, as every step that passes has that many).
 MIN_SAMPLES_P99 = 100
@@ -58,9 +61,16 @@ def errors_already_fail(observations: Iterable[dict[str, Any]], cfg: CanaryConfi
     if len(ch_calls) < cfg.min_requests:
         return ""
     ch_rate = _error_rate(ch_calls)
-    if ch_rate - _error_rate(base_calls) <= cfg.max_error_rate_increase:
+    if ch_rate - _error_rate(base_calls) <= cfg.max_error_rate_increase + EPSILON:
         return ""
     return f"error rate {ch_rate:.3f} on {len(ch_calls)} challenger requests already fails the gate"
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b; a 0 ms baseline (latency_floor_ms = 0) makes a slower challenger infinitely slower, not a crash."""
+    if b > 0:
+        return a / b
+    return 1.0 if a <= 0 else math.inf
 
 
 def _calls_by_side(observations: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -146,7 +156,7 @@ def gate_step(
     failures: list[str] = []
     inconclusive: list[str] = [evidence_failure] if evidence_failure else []
     increase = ch.error_rate - base.error_rate
-    if increase > cfg.max_error_rate_increase:
+    if increase > cfg.max_error_rate_increase + EPSILON:
         failures.append(
             f"error rate {ch.error_rate:.3f} (n={ch.n}) exceeds champion's {base.error_rate:.3f} "
             f"(n={base.n}) by {increase:.3f} > {cfg.max_error_rate_increase}"
@@ -160,8 +170,8 @@ def gate_step(
         if a is None or b is None or (q == 0.99 and len(ch_lat) < MIN_SAMPLES_P99):
             continue
         # same requests on both sides (request size drives latency); below the floor it is scheduling noise
-        ratio = ratios[q] = max(a, cfg.latency_floor_ms) / max(b, cfg.latency_floor_ms)
-        if ratio > limit:
+        ratio = ratios[q] = _ratio(max(a, cfg.latency_floor_ms), max(b, cfg.latency_floor_ms))
+        if ratio > limit + EPSILON:
             failures.append(
                 f"p{round(q * 100)} latency {a:.1f} ms is {ratio:.2f}x champion's {b:.1f} ms on the "
                 f"same {len(ch_lat)} requests > {limit}x"

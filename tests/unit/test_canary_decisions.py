@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from support.canary_steps import CFG, challenger_failed, noisy, step_of, to_challenger, to_champion
+from support.canary_steps import CFG, call, challenger_failed, noisy, ob, step_of, to_challenger, to_champion
 
 from deployments.canary_records import StepMetrics, VersionStats, result_of, skipped, steps_table
 from deployments.canary_stats import p95, paired_upper_bound
@@ -257,3 +257,18 @@ def test_a_skipped_canary_keeps_the_champion():
     result = result_of(skipped("m", "2", "1", "canary.enabled is false"), 0)
     assert (result.decision, result.champion_version, result.reason) == ("skipped", "1", "canary.enabled is false")
     assert result_of(skipped("m", "1", None, "first run"), 0).champion_version == "1"
+
+
+def test_evidence_exactly_at_a_limit_passes_and_a_zero_ms_baseline_is_no_crash():
+    """8/20 - 6/20 is 0.10000000000000003 in floats, and 15.3 / 5.1 is 3.0000000000000004: at the limit, not past it."""
+    at_limit = CFG.model_copy(update={"max_error_rate_increase": 0.1, "max_p95_latency_ratio": 3.0})
+    errors = [ob("score", "challenger", challenger=call("2", ok=ok)) for ok in [False] * 8 + [True] * 12]
+    errors += [ob("score", "champion", champion=call("1", ok=ok)) for ok in [False] * 6 + [True] * 14]
+    step = step_of(10, errors, cfg=at_limit)
+    assert (step.challenger.error_rate, step.champion.error_rate) == (0.4, 0.3)
+    assert step.error_rate_increase > 0.1 and not any("error rate" in f for f in step.failures)
+    no_floor = at_limit.model_copy(update={"latency_floor_ms": 0.0})
+    slow = step_of(10, [to_challenger(ch_ms=15.3, base_ms=5.1)] * 6, cfg=no_floor)
+    assert slow.p95_ratio > 3.0 and slow.failures == []
+    zero = step_of(10, [to_challenger(ch_ms=1.0, base_ms=0.0)] * 6, cfg=no_floor)
+    assert zero.p95_ratio == float("inf") and zero.failures[0].startswith("p95 latency 1.0 ms is infx")
