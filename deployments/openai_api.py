@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -80,6 +80,11 @@ def check_stop(value: Any) -> Any:
     raise ValueError(f"a string or a list of at most {MAX_STOP} strings, got {_shown(value)}")
 
 
+# OpenAI's `stop`, on completions and chat alike: checked before its union's members, so a wrong type is named
+# `stop`, not pydantic's `stop.str`
+Stop = Annotated[str | list[str] | None, BeforeValidator(check_stop)]
+
+
 def _shown(value: Any) -> str:
     """A value as an error message quotes it: at most 60 characters."""
     text = json.dumps(value) if isinstance(value, (dict, list, int, float, bool)) else repr(value)
@@ -101,7 +106,7 @@ class CompletionRequest(ApiModel):
     top_p: float = Field(1.0, ge=0.0, le=1.0, description="0 keeps the likeliest token only.")
     top_k: int = Field(0, ge=0, description="vLLM's extension: sample from the k likeliest tokens; 0 = all.")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     stream: bool = False
@@ -114,11 +119,6 @@ class CompletionRequest(ApiModel):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> Any:
-        return check_stop(value)
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -24,8 +24,8 @@ from deployments.openai_api import (
     ApiError,
     ApiModel,
     CompletionRequest,
+    Stop,
     StreamOptions,
-    check_stop,
     envelope,
     model_or_error,
     usage,
@@ -122,7 +122,7 @@ class ChatRequest(ApiModel):
     top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -151,11 +151,6 @@ class ChatRequest(ApiModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None  # about tools, which are refused
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop(cls, value: Any) -> Any:
-        return check_stop(value)
 
 
 def render(source: str | chat_template.ChatFormat, messages: list[dict[str, str]], max_bytes: int = 0) -> str:
