@@ -18,7 +18,7 @@ from infra.paths import shardline_home
 from infra.redact import redact
 from infra.remote import RemoteConfigError, check_remote_config
 from training.chat_template import ChatFormat
-from training.config import DEFAULT_FACTORY, TokenizerConfig, TrainConfig, ValidationConfig
+from training.config import DEFAULT_FACTORY, TokenizerConfig, TrainConfig, ValidationConfig, check_global_batch
 from training.data.config import DataConfig
 
 
@@ -54,12 +54,7 @@ class PipelineConfig(BaseModel):
         size asked, although a small corpus may train fewer: a config that fits only then breaks as the corpus grows;
         a tokenizer file is read with the data, and checked there)."""
         t = self.train
-        derived = t.micro_batch * t.grad_accum * t.workers
-        if t.global_batch and t.global_batch != derived:
-            raise ValueError(
-                f"train.global_batch={t.global_batch} != micro_batch {t.micro_batch} x grad_accum {t.grad_accum} x "
-                f"workers {t.workers} = {derived}; set it to {derived} or 0"
-            )
+        check_global_batch(t, t.workers)
         if t.model_factory == DEFAULT_FACTORY and t.d_model % t.n_head:
             raise ValueError(f"train.d_model={t.d_model} is not divisible by train.n_head={t.n_head}")
         ids = {"bytes": 256, "train": self.tokenizer.vocab_size}.get(self.tokenizer.kind)

@@ -44,7 +44,7 @@ def train_as_job(
         infra.jobs.JobFailed: the job ended FAILED or STOPPED (a retry submits a new one, which resumes from the
             training's checkpoints: the Ray Train run is named by the training key).
     """
-    from training.loop import check_global_batch
+    from training.config import check_global_batch
 
     check_global_batch(cfg, cfg.workers)
     storage = storage_root(cfg)

@@ -197,6 +197,18 @@ class TrainConfig(BaseModel):
         self.model_factory = LIGHTNING_FACTORY
 
 
+def check_global_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per optimizer step; raises ValueError when train.global_batch disagrees with the product. One check
+    for both places that make it: the config at load (world = train.workers) and training on the world it got."""
+    derived = cfg.micro_batch * cfg.grad_accum * world_size
+    if cfg.global_batch and cfg.global_batch != derived:
+        raise ValueError(
+            f"train.global_batch={cfg.global_batch} != micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum} x "
+            f"workers {world_size} = {derived}; set it to {derived} or 0"
+        )
+    return derived
+
+
 class ValidationConfig(BaseModel):
     """The gate a checkpoint must pass before it is registered."""
 

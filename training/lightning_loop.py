@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from training import placement, prom_metrics
 from training.checkpointer import Checkpointer, RayHooks
-from training.config import TrainConfig, lightning_class
-from training.loop import check_global_batch, data_stream, init_weights
+from training.config import TrainConfig, check_global_batch, lightning_class
+from training.loop import data_stream, init_weights
 from training.model import flops_per_token
 from training.parallelize import apply_fsdp, compute_dtype
 from training.train_metrics import CPU_PEAK_TFLOPS, GPU_PEAK_TFLOPS, MetricsWindow, MlflowLogger

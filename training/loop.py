@@ -23,21 +23,10 @@ from torch import nn
 from training import checkpoint as ckpt
 from training import placement, prom_metrics
 from training.checkpointer import Checkpointer, LocalHooks, RayHooks, inside_ray_train
-from training.config import TrainConfig, load_object
+from training.config import TrainConfig, check_global_batch, load_object
 from training.model import flops_per_token
 from training.parallelize import compute_dtype, parallelize
 from training.train_metrics import CPU_PEAK_TFLOPS, GPU_PEAK_TFLOPS, MetricsWindow, MlflowLogger
-
-
-def check_global_batch(cfg: TrainConfig, world_size: int) -> int:
-    """Sequences per optimizer step; raises ValueError when train.global_batch disagrees with the product."""
-    derived = cfg.micro_batch * cfg.grad_accum * world_size
-    if cfg.global_batch and cfg.global_batch != derived:
-        raise ValueError(
-            f"train.global_batch {cfg.global_batch} != micro_batch {cfg.micro_batch} x grad_accum "
-            f"{cfg.grad_accum} x workers {world_size} = {derived}"
-        )
-    return derived
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -166,8 +166,8 @@ def run_training(
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from training.config import load_object
-    from training.loop import check_global_batch, train_func
+    from training.config import check_global_batch, load_object
+    from training.loop import train_func
 
     if cfg.loop == "lightning":  # the user's LightningModule under Ray's Lightning integration
         from training.lightning_loop import train_func

@@ -127,7 +127,8 @@ def test_global_batch_mismatch_fails_before_any_worker_starts(ray_cluster, track
     uri, _, run_id = tracking
     cfg = CFG.model_copy(update={"global_batch": 10})
     shards = shard_set(tmp_path / "shards")
-    with pytest.raises(ValueError, match=r"train.global_batch 10 != micro_batch 8 x grad_accum 1 x workers 2 = 16"):
+    expected = r"train.global_batch=10 != micro_batch 8 x grad_accum 1 x workers 2 = 16; set it to 16 or 0"
+    with pytest.raises(ValueError, match=expected):
         run_training(cfg, shards, uri, run_id, "bad-batch")
 
 

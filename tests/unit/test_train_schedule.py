@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from training.config import TrainConfig, load_object
-from training.loop import check_global_batch, lr_at
+from training.config import TrainConfig, check_global_batch, load_object
+from training.loop import lr_at
 
 CFG = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr=1e-4)
 
@@ -39,7 +39,7 @@ def test_global_batch_derived_and_checked():
     assert check_global_batch(cfg.model_copy(update={"global_batch": 24}), 2) == 24
     with pytest.raises(ValueError) as err:
         check_global_batch(cfg.model_copy(update={"global_batch": 32}), 2)
-    assert str(err.value) == "train.global_batch 32 != micro_batch 4 x grad_accum 3 x workers 2 = 24"
+    assert str(err.value) == "train.global_batch=32 != micro_batch 4 x grad_accum 3 x workers 2 = 24; set it to 24 or 0"
 
 
 def test_model_factory_import_path_errors_name_the_field():
