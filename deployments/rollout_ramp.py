@@ -182,6 +182,7 @@ class Ramp:
                 "canary_id": self.canary_id,
                 "epoch": epoch,
                 "lease_expires_at": lease,
+                "lease_s": self.cfg.lease_s,
             }
         )
         apply(

@@ -34,6 +34,9 @@ class RouterConfig(BaseModel):
     shadow_share: float = Field(1.0, ge=0, le=1)
     mode: Literal["canary", "shadow"] = "canary"  # shadow: the challenger's share is mirrored, never answered by it
     lease_expires_at: float | None = None  # epoch seconds; None with no challenger
+    # the lease's length: a replica also ends it this long after it got it, by its own clock, so a driver whose
+    # clock runs ahead of the replica's cannot stretch the dead man's switch (None: the epoch deadline alone)
+    lease_s: float | None = Field(None, gt=0)
     canary_id: str = ""  # one per canary; observations are tagged with it and the step
     epoch: int = 0  # the canary step
     seed: int = 0
@@ -45,9 +48,13 @@ class RouterConfig(BaseModel):
     gateway: str = ""  # the gateway application (one per route prefix) that serves this model
     settings: str = ""  # endpoint.settings_version: code and deploy-time settings the application was built with
 
-    def effective_percent(self, now: float) -> int:
-        """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch)."""
+    def effective_percent(self, now: float, held_s: float = 0.0) -> int:
+        """The challenger's weight now: 0 without a challenger or once its lease ran out (dead man's switch): at
+        `lease_expires_at` (epoch `now`), or `lease_s` after this replica got the lease (`held_s`, its own
+        monotonic clock), whichever comes first."""
         if self.challenger is None or self.lease_expires_at is None or now >= self.lease_expires_at:
+            return 0
+        if self.lease_s is not None and held_s >= self.lease_s:
             return 0
         return self.challenger_percent
 

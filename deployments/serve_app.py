@@ -5,7 +5,8 @@ has a route of its own, as in a KubeRay RayService), validates them against the 
 champion or the challenger, shadow-scores, and records the canary's evidence. Which versions serve, and how much
 traffic the challenger gets, is the router's `user_config` (RouterConfig): changed by lightweight `reconfigure()`
 updates, read back by a restarted replica. A challenger's weight holds only while the canary's lease is fresh: past
-`lease_expires_at` the router sends everything to the champion by itself.
+`lease_expires_at`, or `lease_s` after the replica got the lease by its own clock, the router sends everything to the
+champion by itself.
 The classes are plain; serve_build.build_app wraps them with `serve.deployment`, so importing this needs no Ray.
 """
 
@@ -71,6 +72,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         self._mirrors: set[Any] = set()  # shadow-mode copies in flight (a task nobody holds may be collected)
         # each version's own chat format (false: no template), as its replica said once: versions never change
         self.templates: dict[str, ChatFormat] = {}
+        self.lease_at = time.monotonic()  # when this replica got the current lease (RouterConfig.lease_s)
 
     # ----- configuration (Serve calls reconfigure with user_config at start and on every lightweight update)
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -85,8 +87,14 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         ):
             self.rng = random.Random(f"{new.seed}:{new.epoch}:{new.challenger_percent}")
             self.shadow_rng = random.Random(f"{new.seed}:{new.epoch}:shadow")
+        if old is None or old.lease_expires_at != new.lease_expires_at:
+            self.lease_at = time.monotonic()  # a renewal; a restarted replica's lease still ends by the epoch deadline
         self.cfg = new
         self.metrics.set_percent(new.challenger_percent if new.challenger else 0)
+
+    def percent_now(self, cfg: RouterConfig) -> int:
+        """The challenger's weight now, by the lease's epoch deadline and by this replica's own clock."""
+        return cfg.effective_percent(time.time(), time.monotonic() - self.lease_at)
 
     def get_state(self) -> dict[str, Any]:
         cfg = self.cfg.model_dump() if self.cfg else None
@@ -95,7 +103,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             "config": cfg,
             "replica_id": self.replica_id,
             "inflight": dict(self.inflight),
-            "effective_percent": self.cfg.effective_percent(now) if self.cfg else 0,
+            "effective_percent": self.percent_now(self.cfg) if self.cfg else 0,
             "now": now,
         }
 
@@ -240,7 +248,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
                 "model": self.cfg.model_name,
                 "champion": self.cfg.champion,
                 "challenger": self.cfg.challenger,
-                "challenger_percent": self.cfg.effective_percent(time.time()),
+                "challenger_percent": self.percent_now(self.cfg),
             },
             {VERSION_HEADER: self.cfg.champion},
         )
@@ -252,7 +260,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             return job.variant == "challenger", False
         if cfg.mode == "shadow" and isinstance(job.req, CompletionRequest) and job.req.stream:
             return False, False  # a stream is not mirrored in shadow mode: the champion answers it, as every request
-        percent = cfg.effective_percent(time.time())
+        percent = self.percent_now(cfg)
         to_challenger = cfg.challenger is not None and self.rng.random() * 100 < percent
         return to_challenger, to_challenger and self.shadow_rng.random() < cfg.shadow_share
 

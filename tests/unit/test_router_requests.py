@@ -4,11 +4,13 @@ against the OpenAI completions protocol (every refusal a 400 with OpenAI's error
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest, parse_json, validate
 from deployments.router_config import RouterConfig
+from deployments.serve_app import Router
 
 NOW = 1_000_000.0
 CFG = RouterConfig(model_name="m", champion="1", max_prompt_bytes=16, max_tokens_cap=32)
@@ -40,6 +42,31 @@ def test_a_lapsed_lease_sends_everything_to_the_champion():
     assert cfg.effective_percent(NOW + 20) == 0
     assert cfg.effective_percent(NOW + 3600) == 0
     assert _canary().effective_percent(NOW) == 0  # a challenger without any lease never gets traffic
+
+
+def test_a_driver_clock_ahead_of_the_replica_cannot_stretch_the_lease():
+    # the driver's clock is an hour ahead: its epoch deadline alone would hold the challenger's weight for an hour
+    cfg = _canary(lease_expires_at=NOW + 3600, lease_s=20)
+    assert cfg.effective_percent(NOW, held_s=19.9) == 50
+    assert cfg.effective_percent(NOW, held_s=20) == 0  # 20 s after this replica got it, by its own clock
+    # the epoch deadline still ends it first when the driver's clock is behind
+    assert _canary(lease_expires_at=NOW + 5, lease_s=20).effective_percent(NOW + 5, held_s=1) == 0
+
+
+def test_the_router_times_the_lease_from_its_last_renewal():
+    router = Router("shardline-m", {})
+    lease = {"model_name": "m", "champion": "1", "challenger": "2", "challenger_percent": 50, "lease_s": 20.0}
+    router.reconfigure(lease | {"lease_expires_at": NOW + 3600})
+    assert router.percent_now(router.cfg) == 0  # NOW is long past: the epoch deadline (time.time() is today)
+    far = time.time() + 3600
+    router.reconfigure(lease | {"lease_expires_at": far})
+    assert router.percent_now(router.cfg) == 50
+    router.lease_at -= 21  # 21 s without a renewal on this replica's clock
+    assert router.percent_now(router.cfg) == 0
+    router.reconfigure(lease | {"lease_expires_at": far, "epoch": 1})  # not a renewal: the same deadline
+    assert router.percent_now(router.cfg) == 0
+    router.reconfigure(lease | {"lease_expires_at": far + 1})  # a renewal restarts the replica's timer
+    assert router.percent_now(router.cfg) == 50
 
 
 def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
