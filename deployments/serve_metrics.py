@@ -69,14 +69,27 @@ class RouterMetrics:
         self.rejects.labels(self.model, endpoint, str(status)).inc()
 
     def request(self, version: str, endpoint: str, source: str, ok: bool) -> None:
-        """source: live, probe (the canary's own traffic) or variant (a tester's x-shardline-variant request)."""
-        self.requests.labels(self.model, version, endpoint, source, "ok" if ok else "error").inc()
+        """source: live, probe (the canary's own traffic) or variant (a tester's x-shardline-variant request).
+
+        Both outcome series exist from a label set's first request (the other at 0): prometheus_client makes a
+        series on its first increment, and an error-rate query over a version with no error yet would otherwise
+        read no data, which a canary gate takes for too little evidence.
+        """
+        outcome = "ok" if ok else "error"
+        for each in ("ok", "error"):
+            series = self.requests.labels(self.model, version, endpoint, source, each)
+            if each == outcome:
+                series.inc()
 
     def model_call(self, version: str, kind: str, op: str, out: dict[str, Any]) -> None:
         """kind: served, shadow (the champion's paired score), mirror (shadow mode's copy) or variant (a tester's or
         the canary warm-up's x-shardline-variant call: counted here, kept out of the latency and bits a
         dashboard or a PromQL gate reads as the version's)."""
-        self.calls.labels(self.model, version, kind, op, "ok" if out.get("ok") else "error").inc()
+        outcome = "ok" if out.get("ok") else "error"
+        for each in ("ok", "error"):  # both series from the first call, as in request()
+            series = self.calls.labels(self.model, version, kind, op, each)
+            if each == outcome:
+                series.inc()
         if out.get("ok") and kind != "variant":
             self.latency.labels(self.model, version, op).observe(out["latency_ms"] / 1000.0)
             self.bits.labels(self.model, version).inc(out["bits"])

@@ -137,7 +137,9 @@ def test_prometheus_part_scrapes_endpoint_and_ray_nodes_and_every_panel_has_data
     try:
         assert part.started_by_us and part.url == f"http://127.0.0.1:{cfg.prometheus_port}" and len(part.procs) == 1
         assert Path(part.detail["data"]).is_relative_to(home) and Path(part.detail["config"]).is_relative_to(home)
-        served = wait_for(part.url, 'shardline_requests_total{job="shardline-endpoint", model="tiny", version="2"}')
+        served = wait_for(
+            part.url, 'shardline_requests_total{job="shardline-endpoint", model="tiny", version="2", outcome="ok"}'
+        )
         assert float(served[0]["value"][1]) > 0
         loss = wait_for(part.url, 'ray_shardline_train_loss{job="ray", run_id="run-1"}')
         assert float(loss[0]["value"][1]) == 0.5

@@ -108,7 +108,7 @@ def test_the_gateway_peeks_model_and_stream_and_merges_metrics():
     two.request("4", "score", "probe", ok=True)
     merged = merge_expositions([(one.exposition()[0].decode(), {}), (two.exposition()[0].decode(), {})]).decode()
     lines = [ln for ln in merged.splitlines() if ln.startswith("shardline_requests_total{")]
-    assert len(lines) == 3 and sum('model="m2"' in ln for ln in lines) == 2
+    assert len(lines) == 6 and sum('model="m2"' in ln for ln in lines) == 4  # ok and error series per label set
     assert merged.count("# TYPE shardline_requests_total counter") == 1
 
 
@@ -128,10 +128,35 @@ def test_two_replicas_of_one_router_merge_into_series_told_apart_by_their_replic
         s.labels["router_replica"]: s.value
         for fam in text_string_to_metric_families(merged)
         for s in fam.samples
-        if s.name == "shardline_requests_total"
+        if s.name == "shardline_requests_total" and s.labels["outcome"] == "ok"
     }
     assert requests == {"ra": 3.0, "rb": 1.0}
     assert 'shardline_model_latency_seconds_count{model="m",op="score",router_replica="rb",version="1"} 1.0' in merged
+
+
+def test_a_version_without_errors_has_an_error_series_at_zero_so_an_error_rate_query_reads_zero():
+    """An error-rate PromQL gate divides the error series by all: absent, it reads no data and the canary
+    ends inconclusive; the first ok request or call makes the error series at 0 beside it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = RouterMetrics("m")
+    m.request("2", "completions", "live", ok=True)
+    m.model_call("2", "served", "score", {"ok": True, "latency_ms": 5.0, "bits": 8.0, "bytes": 4})
+    m.request("3", "completions", "live", ok=False)
+    samples = {
+        (s.name, s.labels["version"], s.labels["outcome"]): s.value
+        for fam in text_string_to_metric_families(m.exposition()[0].decode())
+        for s in fam.samples
+        if s.name in ("shardline_requests_total", "shardline_model_calls_total")
+    }
+    assert samples == {
+        ("shardline_requests_total", "2", "ok"): 1.0,
+        ("shardline_requests_total", "2", "error"): 0.0,
+        ("shardline_requests_total", "3", "ok"): 0.0,
+        ("shardline_requests_total", "3", "error"): 1.0,
+        ("shardline_model_calls_total", "2", "ok"): 1.0,
+        ("shardline_model_calls_total", "2", "error"): 0.0,
+    }
 
 
 def _scripted(prompt: bytes, script: bytes):
