@@ -229,9 +229,9 @@ def judge_promql(gate: PromQLGate, query: str, value: float | None, error: str =
             message=f"PromQL gate {gate.name}{kind}: {why}: too little evidence to judge",
         )
     breach = []
-    if gate.max is not None and value > gate.max:
+    if gate.max is not None and value > gate.max + EPSILON:  # past the bound, not at it by float rounding
         breach.append(f"> max {gate.max:g}")
-    if gate.min is not None and value < gate.min:
+    if gate.min is not None and value < gate.min - EPSILON:
         breach.append(f"< min {gate.min:g}")
     verdict = "fail" if breach else "pass"
     bounds = " and ".join(breach) or "within " + ", ".join(
