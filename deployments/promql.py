@@ -20,8 +20,19 @@ class PromQLError(RuntimeError):
     """The query did not give one value; the message says why in one line."""
 
 
+_UNQUOTABLE = ("\\", '"', "'", "`", "\n")
+
+
 def render(query: str, model: str, champion: str, challenger: str) -> str:
-    """The query with $model, $champion and $challenger replaced ($-placeholders: PromQL uses braces itself)."""
+    """The query with $model, $champion and $challenger replaced ($-placeholders: PromQL uses braces itself).
+
+    Raises:
+        PromQLError: a value with a quote, backslash or newline (MLflow allows them in a model name): it could end
+            the string literal it stands in and rewrite the query, and its escape depends on that literal's quote.
+    """
+    for what, value in (("model", model), ("champion", champion), ("challenger", challenger)):
+        if any(c in value for c in _UNQUOTABLE):
+            raise PromQLError(f"{what} {value!r} has a quote, backslash or newline; it cannot stand in a PromQL string")
     return query.replace("$challenger", challenger).replace("$champion", champion).replace("$model", model)
 
 
@@ -70,8 +81,9 @@ def read_gates(cfg: CanaryConfig, model: str, champion: str, challenger: str) ->
 
 
 def read_gate(url: str, gate: PromQLGate, model: str, champion: str, challenger: str) -> GateReading:
-    query = render(gate.query, model, champion, challenger)
+    query = gate.query
     try:
+        query = render(gate.query, model, champion, challenger)
         return judge_promql(gate, query, instant_value(url, query))
     except PromQLError as e:
         return judge_promql(gate, query, None, f"query failed: {e}")
