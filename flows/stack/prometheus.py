@@ -38,8 +38,16 @@ def server_url(cfg: StackConfig) -> str:
 
 def endpoint_target(serve) -> tuple[str, str]:
     """(host:port, metrics path) of the gateway's merged /metrics; `serve` is the pipeline's ServeConfig."""
-    host = "127.0.0.1" if serve.host in ("0.0.0.0", "") else serve.host
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(serve.host, serve.host)  # dial locally
+    if ":" in host:  # an IPv6 literal: host:port needs it in brackets
+        host = f"[{host.strip('[]')}]"
     return f"{host}:{serve.port}", serve.route_prefix.rstrip("/") + "/metrics"
+
+
+def duration(seconds: float) -> str:
+    """A Prometheus duration: whole units only ("2.5s" and "1e+06s" are refused), so milliseconds where needed."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 def ray_discovery_file() -> Path:
@@ -61,7 +69,7 @@ def render_config(endpoint: tuple[str, str], discovery_file: Path, scrape_interv
     """prometheus.yml: job `shardline-endpoint` (the gateway's /metrics, every model's router merged, labels model,
     version, endpoint, source) and job `ray` (every node in Ray's service-discovery file)."""
     target, path = endpoint
-    interval = f"{scrape_interval_s:g}s"
+    interval = duration(scrape_interval_s)
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": [
