@@ -102,20 +102,25 @@ def test_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variable():
         assert p["targets"] and all(t["refId"] and t["expr"] for t in p["targets"]), p["title"]
         assert set(p["gridPos"]) == {"h", "w", "x", "y"} and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
     quantiles = [t["expr"] for p in panels for t in p["targets"] if "histogram_quantile" in t["expr"]]
-    assert len(quantiles) == 3 and all("_bucket" in q and " le)" in q for q in quantiles)
+    # per op too: a score's latency and a 200-token completion's are not one distribution
+    assert len(quantiles) == 3 and all("_bucket" in q and " op, le)" in q for q in quantiles)
 
 
 def test_rendered_config_scrapes_the_gateway_metrics_and_rays_discovery_file(tmp_path):
     serve = ServeConfig(host="0.0.0.0", port=8123, route_prefix="/")
     text = prometheus.render_config(prometheus.endpoint_target(serve), tmp_path / "sd.json", 2.5)
     config = yaml.safe_load(text)
-    assert config["global"]["scrape_interval"] == "2.5s"
+    assert config["global"]["scrape_interval"] == "2500ms"  # Prometheus refuses "2.5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert jobs["shardline-endpoint"]["metrics_path"] == "/metrics"  # not '//metrics' for the root prefix
     assert jobs["shardline-endpoint"]["static_configs"] == [{"targets": ["127.0.0.1:8123"]}]  # 0.0.0.0 dialled locally
     assert jobs["ray"]["file_sd_configs"] == [{"files": [str(tmp_path / "sd.json")]}]
     prefixed = prometheus.endpoint_target(ServeConfig(port=8000, route_prefix="/code"))
     assert prefixed == ("127.0.0.1:8000", "/code/metrics")
+    assert prometheus.endpoint_target(ServeConfig(host="::", port=8000))[0] == "[::1]:8000"
+    assert prometheus.endpoint_target(ServeConfig(host="fd00::5", port=8000))[0] == "[fd00::5]:8000"
+    durations = [prometheus.duration(s) for s in (10, 2.5, 1e6, 0.0001, 0.25)]
+    assert durations == ["10s", "2500ms", "1000000s", "1ms", "250ms"]
 
 
 def test_config_is_rewritten_only_when_it_changes(tmp_path):
