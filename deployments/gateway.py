@@ -23,7 +23,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from deployments import openai_api as oai
-from deployments.http_io import check_token, error_reply, peek, read_body, reply, to_response, to_streaming_response
+from deployments.http_io import (
+    check_token,
+    endpoint_of,
+    error_reply,
+    peek,
+    read_body,
+    reply,
+    to_response,
+    to_streaming_response,
+)
 from deployments.openai_api import ApiError
 from deployments.router_config import REQUEST_ID_HEADER, ROUTER
 from deployments.router_metrics_share import labelled, merge_expositions
@@ -35,6 +44,9 @@ REFRESH_S = 2.0
 # model requests a gateway replica forwards at once; serve.max_queued_requests more wait, and the rest get a 503
 FORWARDING = 256
 GATEWAY_HEADER = "x-shardline-gateway"  # the flow-start check tells shardline's gateway from other servers by it
+
+
+GATEWAY_REPLICA_LABEL = "gateway_replica"
 
 
 class GatewayConfig(BaseModel):
@@ -61,6 +73,9 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._reloading: asyncio.Future[None] | None = None  # the background refresh in flight, if any
         self.metrics = RouterMetrics("")  # requests the gateway refuses itself (model "" = none chosen yet)
+        # a scrape reaches one gateway replica: its own refusals carry this label, so two replicas' counters are two
+        # series (which come and go with the replica scraped), not one that a rate() reads as reset at every switch
+        self.replica = uuid.uuid4().hex[:12]
         self.waiting = 0  # model requests in this replica until their router answers (whole, or a stream's head)
 
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -118,17 +133,17 @@ class Gateway:
             if request.method == "GET" and path.endswith("/metrics"):
                 return await self._metrics()
             check_token(dict(request.headers), self.cfg.token_sha256)
-            if path.endswith("/v1/models") or "/v1/models/" in path:
+            if endpoint_of(path) == "models":
                 if request.method != "GET":
                     raise ApiError(405, f"{path} takes GET")
                 return to_response(reply(200, await self._model_cards(path.partition("/v1/models/")[2]), headers))
-            if not path.endswith(("/v1/completions", "/v1/score", "/v1/chat/completions")):
+            if not endpoint_of(path):
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
                 raise ApiError(405, f"{path} takes POST")
             self._admit()
         except ApiError as e:
-            self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
+            self.metrics.rejected(endpoint_of(path) or "none", e.status)
             return to_response(error_reply(e, headers))
         try:
             return await self._model_request(request, path, headers)
@@ -158,7 +173,7 @@ class Gateway:
             model, stream = peek(body)
             app = await self._app_for(model)
         except ApiError as e:
-            self.metrics.rejected(path.rsplit("/", 1)[-1] or "none", e.status)
+            self.metrics.rejected(endpoint_of(path) or "none", e.status)
             return to_response(error_reply(e, headers))
         # one id per request, the same on a resend: the canary's evidence counts a resent request once
         forwarded = {**dict(request.headers), REQUEST_ID_HEADER: uuid.uuid4().hex}
@@ -172,7 +187,7 @@ class Gateway:
                 # its router replica died before answering (a redeploy replacing it, a crash): nothing was sent to
                 # the client yet, so the request goes once more, to the replica Serve has (or starts) in its place
                 log.warning("%s: the router replica died before answering (%s)", app, type(e).__name__)
-        self.metrics.rejected(path.rsplit("/", 1)[-1], 503)
+        self.metrics.rejected(endpoint_of(path), 503)
         gone = ApiError(
             503,
             f"{app}: its router replica died twice before answering: retry",
@@ -241,7 +256,8 @@ class Gateway:
         replies = await asyncio.gather(
             *(_router(d["app"]).metrics_texts.remote() for d in self.models.values()), return_exceptions=True
         )
-        parts: list[tuple[str, dict[str, str]]] = [(self.metrics.exposition()[0].decode(), {})]
+        own = (self.metrics.exposition()[0].decode(), {GATEWAY_REPLICA_LABEL: self.replica})
+        parts: list[tuple[str, dict[str, str]]] = [own]
         for texts in replies:  # a model whose router did not answer is missing from this scrape only
             if isinstance(texts, dict):
                 parts += labelled(texts)

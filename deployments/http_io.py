@@ -64,6 +64,20 @@ async def read_body(request: Any, limit: int, timeout_s: float | None = None) ->
     return b"".join(chunks)
 
 
+def endpoint_of(path: str) -> str:
+    """The endpoint a request path names (without a trailing slash): chat, completions, score, models, or "" for
+    none. Metrics label refusals by it, never by the raw path, which would make a series per URL a client tries."""
+    if path.endswith("/v1/chat/completions"):
+        return "chat"
+    if path.endswith("/v1/completions"):
+        return "completions"
+    if path.endswith("/v1/score"):
+        return "score"
+    if path.endswith("/v1/models") or "/v1/models/" in path:
+        return "models"
+    return ""
+
+
 def check_token(headers: dict[str, str], token_sha256: str) -> None:
     """ApiError(401) unless the bearer token's sha256 is `token_sha256` ("" = no auth)."""
     if not token_sha256:

@@ -24,6 +24,7 @@ from typing import Any
 from deployments import openai_api as oai
 from deployments.http_io import (
     check_token,
+    endpoint_of,
     error_reply,
     read_body,
     reply,
@@ -180,17 +181,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         try:
             if method == "GET" and path.endswith("/healthz"):
                 return self._healthz()
-            endpoint = (
-                "chat"
-                if path.endswith("/v1/chat/completions")
-                else "completions"
-                if path.endswith("/v1/completions")
-                else "score"
-                if path.endswith("/v1/score")
-                else "models"
-                if path.endswith("/v1/models") or "/v1/models/" in path
-                else ""
-            )
+            endpoint = endpoint_of(path)
             if not endpoint:
                 raise ApiError(404, f"no such endpoint: {method} {path or '/'}", code="not_found")
             if self.cfg is None:

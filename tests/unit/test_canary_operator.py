@@ -8,7 +8,7 @@ from support.canary_steps import CFG, noisy, step_of
 
 from deployments.canary_records import OperatorCommand, result_of, steps_table
 from deployments.config import CanaryConfig, PromQLGate
-from deployments.promql import PromQLError, render, value_of
+from deployments.promql import PromQLError, read_gate, render, value_of
 from deployments.rollout_gates import apply_promql, judge_promql
 from deployments.rollout_policy import command_error, decide_canary, hold_percent, next_move, ramp_steps
 
@@ -135,6 +135,10 @@ def test_a_promql_gate_passes_inside_its_bounds_and_fails_outside():
     low = judge_promql(_gate(min=100, max=500), q, 12.0)
     assert low.verdict == "fail" and low.message == "PromQL gate errors: 12 < min 100"
     assert judge_promql(_gate(min=100, max=500), q, 100.0).message == "PromQL gate errors: 100 within min 100, max 500"
+    # a ratio at the bound by float rounding is at it, not past it (as the built-in gates judge)
+    assert 0.1 * 3 > 0.3 and judge_promql(_gate(max=0.3), q, 0.1 * 3).verdict == "pass"
+    assert judge_promql(_gate(min=0.3), q, 0.3 - 1e-12).verdict == "pass"
+    assert judge_promql(_gate(max=0.3), q, 0.30001).verdict == "fail"
 
 
 def test_a_promql_gate_without_a_value_is_no_data_not_a_pass():
@@ -192,3 +196,7 @@ def test_an_instant_query_answer_gives_one_value():
         render("rate(x{model='$model',v='$challenger'}[1m]) / $champion", "m", "1", "2")
         == "rate(x{model='m',v='2'}[1m]) / 1"
     )
+    with pytest.raises(PromQLError, match=r"^model 'm\"} or vector\(1\) #' has a quote, backslash or newline"):
+        render('x{model="$model"}', 'm"} or vector(1) #', "1", "2")
+    refused = read_gate("http://127.0.0.1:9", _gate(max=1), "a'b", "1", "2")
+    assert refused.verdict == "no-data" and 'query failed: model "a\'b" has a quote' in refused.message

@@ -77,3 +77,35 @@ def test_past_its_queue_the_gateway_refuses_in_openai_s_error_object_and_counts_
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert (error["type"], error["code"]) == ("server_error", "overloaded")
     assert "serve.max_queued_requests=3" in error["message"] and gw.waiting == FORWARDING + 3
+
+
+def test_refusals_are_counted_by_endpoint_from_a_fixed_set_not_by_the_url_a_client_sent(monkeypatch):
+    """A label per raw path would make a series per URL a scanner tries, even before the token check. On
+    /metrics they carry the gateway replica's label: a scrape reaches one of several."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments import gateway as gw_module
+    from deployments.gateway import Gateway
+    from deployments.http_io import endpoint_of
+
+    assert [endpoint_of(p) for p in ("/v1/chat/completions", "/x/v1/completions", "/v1/score", "/v1/models/m")] == [
+        "chat",
+        "completions",
+        "score",
+        "models",
+    ]
+    gw = Gateway("shardline-gateway")
+    for n in range(5):
+        asyncio.run(gw(Request({"type": "http", "method": "GET", "path": f"/probe-{n}", "headers": []})))
+    asyncio.run(gw(Request({"type": "http", "method": "GET", "path": "/v1/chat/completions", "headers": []})))
+    text = gw.metrics.exposition()[0].decode()
+    refused = sorted(ln for ln in text.splitlines() if ln.startswith("shardline_rejected_requests_total{"))
+    assert refused == [
+        'shardline_rejected_requests_total{endpoint="chat",model="",status="405"} 1.0',
+        'shardline_rejected_requests_total{endpoint="none",model="",status="404"} 5.0',
+    ]
+    monkeypatch.setattr(gw_module, "_router_apps", lambda own: [])
+    scraped = asyncio.run(gw._metrics()).body.decode()
+    assert f'endpoint="none",gateway_replica="{gw.replica}",model="",status="404"}} 5.0' in scraped
