@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -301,8 +302,9 @@ class CanaryConfig(BaseModel):
     @field_validator("steps")
     @classmethod
     def _ascending_percentages(cls, steps: list[int]) -> list[int]:
-        if not steps or any(not 0 < s <= 100 for s in steps) or steps != sorted(steps):
-            raise ValueError(f"canary.steps must be ascending percentages in (0, 100], got {steps}")
+        # strictly: a repeated step would bake the same share twice (on_inconclusive="extend" is the way to hold it)
+        if not steps or any(not 0 < s <= 100 for s in steps) or any(b <= a for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"canary.steps must be strictly ascending percentages in (0, 100], got {steps}")
         return steps
 
     @model_validator(mode="after")

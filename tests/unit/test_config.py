@@ -113,6 +113,8 @@ def test_serve_section_overrides():
 def test_canary_steps_must_ascend():
     with pytest.raises(ConfigError, match="canary.steps"):
         load_config(None, ["canary.steps=[50, 10]"])
+    with pytest.raises(ConfigError, match=r"strictly ascending percentages in \(0, 100\], got \[10, 10, 100\]"):
+        load_config(None, ["canary.steps=[10, 10, 100]"])
 
 
 def test_missing_and_malformed_files(tmp_path):
