@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from infra.redact import clip
+
 M = TypeVar("M", bound=BaseModel)
 
 MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
@@ -88,7 +90,7 @@ Stop = Annotated[str | list[str] | None, BeforeValidator(check_stop)]
 def _shown(value: Any) -> str:
     """A value as an error message quotes it: at most 60 characters."""
     text = json.dumps(value) if isinstance(value, (dict, list, int, float, bool)) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return clip(text, 60)
 
 
 class StreamOptions(ApiModel):
@@ -181,7 +183,7 @@ def field_path(loc: tuple[Any, ...]) -> str:
             out += f"[{part}]"
         elif part not in _UNION_LABELS and "[" not in str(part):
             out += f".{part}" if out else str(part)
-    return out if len(out) <= 100 else out[:97] + "..."
+    return clip(out, 100)
 
 
 _UNION_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -103,7 +103,7 @@ def describe_errors(err: ValidationError, origin: str) -> str:
 
     Values are shown with any credential in them masked.
     """
-    from infra.redact import redact
+    from infra.redact import clip, redact
 
     lines = []
     for e in err.errors():
@@ -113,8 +113,7 @@ def describe_errors(err: ValidationError, origin: str) -> str:
         elif e["type"] == "extra_forbidden":
             lines.append(f"{origin}: unknown key '{key}'")
         else:
-            got = repr(e.get("input"))
-            got = got if len(got) <= 120 else got[:117] + "..."  # a long inline table or string, shortened
+            got = clip(repr(e.get("input")), 120)  # a long inline table or string, shortened
             lines.append(f"{origin}: {key}: {str(e['msg']).removeprefix('Value error, ')} (got {got})")
     return redact("\n".join(lines))
 

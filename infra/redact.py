@@ -177,6 +177,12 @@ def _masked_value(m: re.Match[str]) -> str:
     return f"{m.group(1)}{sep}{quote}{MASK}{quote}"
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` shortened to at most `limit` characters, ending "..." when cut: how an error message quotes a long
+    value (a request field, a config value, a param path)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def first_line(err: BaseException, limit: int = 300) -> str:
     """The first line of an error's message (its type's name when it has none), credentials masked, at most
     `limit` characters: the cause a one-line error quotes."""
