@@ -65,10 +65,10 @@ class TokenCodec:
     def __init__(self, tokenizer: Any) -> None:
         from tokenizers import decoders
 
-        from training.tokenizer import byte_level_table
+        from training.tokenizer import byte_level_table, id_count
 
         self.tokenizer = tokenizer
-        self.vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab = id_count(tokenizer)
         added = tokenizer.get_added_tokens_decoder()
         special = {t.content for t in added.values() if t.special}
         self.ends = frozenset(i for i, t in added.items() if t.special)

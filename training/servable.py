@@ -125,9 +125,9 @@ def log_servable_model(
         shape = tuple(example_ids(seq_len).shape)
         raise NotServable(f"{who}the model fails on the example input {list(shape)}: {first_line(e)}") from None
     if tokenizer_json:
-        from training.tokenizer import Tokenizer
+        from training.tokenizer import Tokenizer, id_count
 
-        ids = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+        ids = id_count(Tokenizer.from_str(tokenizer_json))
         if ids > vocab:
             raise NotServable(f"{who}the tokenizer has {ids} ids but the model predicts {vocab}")
     chat = served_chat(chat_template, tokenizer_json)

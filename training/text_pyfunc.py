@@ -59,7 +59,8 @@ class TextCodec:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(tokenizer_path)
-            self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+            # its largest id + 1 (a tokenizer.json may leave ids unused), as training.tokenizer.id_count counts
+            self.vocab = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
             self.stop_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str) -> list[int]:

@@ -91,9 +91,15 @@ def fingerprint_json(text: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def id_count(tok: Tokenizer) -> int:
+    """How many ids `tok` can emit, counted as its largest id + 1: the embedding rows it needs and the range its
+    stored ids take. A tokenizer.json may leave ids unused (`get_vocab_size` counts tokens, which is less then)."""
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def check_fits(tok: Tokenizer, embedding_rows: int, where: str) -> None:
     """TokenizerError when an id of `tok` has no row in a model embedding of `embedding_rows` (named by `where`)."""
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = id_count(tok)
     if vocab > embedding_rows:
         raise TokenizerError(
             f"the tokenizer has {vocab} ids but {where} embeds {embedding_rows}; "
@@ -109,7 +115,7 @@ def id_dtype(vocab_size: int) -> np.dtype:
 def shard_layout(tok: Tokenizer) -> dict[str, Any]:
     """What a tokenized shard set records of its tokenizer (manifest layout, listing-index key): the ids can be read
     back only with these."""
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = id_count(tok)
     return {"tokenizer_sha256": fingerprint(tok), "token_dtype": id_dtype(vocab).str, "vocab_size": vocab}
 
 
@@ -121,14 +127,14 @@ def batch_encoder(tokenizer_json: str) -> Callable[[list[bytes]], list[bytes]]:
 
 def encode_records(tok: Tokenizer, texts: list[bytes]) -> list[bytes]:
     """Each UTF-8 record's token ids as stored bytes (id_dtype), encoded as one batch on the library's threads."""
-    dtype = id_dtype(tok.get_vocab_size(with_added_tokens=True))
+    dtype = id_dtype(id_count(tok))
     encoded = tok.encode_batch_fast([t.decode("utf-8") for t in texts], add_special_tokens=False)
     return [np.asarray(e.ids, dtype=dtype).tobytes() for e in encoded]
 
 
 def decode_ids(tok: Tokenizer, stored: bytes) -> bytes:
     """The UTF-8 text of stored token ids (encode_records' inverse for a byte-level BPE)."""
-    dtype = id_dtype(tok.get_vocab_size(with_added_tokens=True))
+    dtype = id_dtype(id_count(tok))
     return tok.decode(np.frombuffer(stored, dtype=dtype).tolist(), skip_special_tokens=False).encode("utf-8")
 
 

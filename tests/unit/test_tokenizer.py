@@ -86,6 +86,23 @@ def test_a_vocabulary_larger_than_the_embedding_is_refused_with_both_sizes(bpe: 
     tk.check_fits(bpe, 600, "the built-in GPT")  # exactly enough rows
 
 
+def test_a_tokenizer_with_unused_ids_counts_its_largest_id_not_its_tokens() -> None:
+    """A tokenizer.json may number its tokens with holes: its embedding needs the largest id + 1 rows, and its
+    stored ids that range (uint32 past 65,535), not the token count (6 here)."""
+    from tokenizers import models, pre_tokenizers
+
+    for top, dtype in ((300, "<u2"), (70000, "<u4")):
+        tok = tk.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "big": top}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        assert tok.get_vocab_size(with_added_tokens=True) == 4 and tk.id_count(tok) == top + 1
+        assert tk.shard_layout(tok)["vocab_size"] == top + 1 and tk.shard_layout(tok)["token_dtype"] == dtype
+        stored = tk.encode_records(tok, [b"hello big world"])[0]
+        assert np.frombuffer(stored, dtype=dtype).tolist() == [1, top, 2]
+        assert tk.decode_ids(tok, stored) == b"hello big world"
+        with pytest.raises(tk.TokenizerError, match=rf"has {top + 1} ids but a 6-row model embeds 6"):
+            tk.check_fits(tok, 6, "a 6-row model")
+
+
 def test_a_trained_tokenizer_is_cached_by_digest_and_settings(tmp_path: Path, corpus: list[bytes]) -> None:
     reads: list[str] = []
 
