@@ -149,6 +149,20 @@ def test_failing_quality_gate_lists_each_expectation_and_publishes_nothing(tmp_p
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["_staging"]
 
 
+def test_a_stricter_gate_applies_to_a_set_already_published(tmp_path):
+    """The same records under a tighter data.split_tolerance: the set on disk was judged under the old one, so the
+    gate runs again and refuses, rather than the build returning the published set as a cache hit."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(f'{{"text": "record {i} text text"}}\n' for i in range(203)))
+    lenient = config(corpus, tmp_path / "out", format="jsonl", val_fraction=0.37, split_tolerance=0.5)
+    first = build_shards(lenient)
+    assert not first.cache_hit and 0.2 < first.num_val / (first.num_train + first.num_val) < 0.5
+    with pytest.raises(QualityError, match=r"expect_column_mean_to_be_between\(is_val\)"):
+        build_shards(lenient.model_copy(update={"split_tolerance": 0.0}))
+    assert build_shards(lenient).cache_hit  # the settings it passed under still reuse it
+
+
 def test_shard_writer_bytes_equal_webdataset_tarwriter(tmp_path):
     import io
 

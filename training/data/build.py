@@ -153,11 +153,13 @@ def _build_with(
     try:
         gate = quality.QualityGate(cfg, gate_dir)
         manifest, tally, chunks, workers = _write_chunks(cfg, job, gate, listing, pool, layout)
+        # the gate judges this build before a published set of the same digest is reused: the set was judged
+        # under the settings of its own build, and a stricter data.split_tolerance since must still apply
+        validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
         final = storage.join(output, manifest.dataset_digest)
         if reusable(final, manifest, cfg):
             _index(output, listing_key, manifest, tally, cfg)
             return shard_set_of(final, manifest, True, tally, chunks, workers)
-        validation = json.dumps(gate.finish(), indent=1, sort_keys=True).encode()
         beside = {VALIDATION_NAME: validation, **({TOKENIZER_NAME: tokens.json.encode()} if tokens else {})}
         for name, data in beside.items():
             if tasks_upload:
