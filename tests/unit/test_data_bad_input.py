@@ -187,6 +187,24 @@ def test_malformed_jsonl_lines(tmp_path):
     assert shards.skipped == {"undecodable": 3}
 
 
+def test_json_the_parser_refuses_without_a_decode_error_follows_on_undecodable(tmp_path):
+    """json.loads raises RecursionError for deep nesting and ValueError for an integer past 4,300 digits: each is
+    a bad line of its file, skipped and counted, or one line naming it, not a bare error of the whole stage."""
+    src = tmp_path / "d.jsonl"
+    good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
+    deep, big = "[" * 100_000 + "]" * 100_000, '{"text": "x", "n": ' + "9" * 5000 + "}"
+    src.write_text("\n".join([*good[:3], deep, big, *good[3:]]) + "\n")
+    out = tmp_path / "out"
+    _fails_with_one_line(
+        config(src, out, format="jsonl", on_undecodable="fail"),
+        out,
+        f"{src}:4: not JSON this reader takes (RecursionError: ",
+        "(data.on_undecodable=fail)",
+    )
+    shards = build_shards(config(src, out, format="jsonl"))
+    assert shards.skipped == {"undecodable": 2} and shards.num_train + shards.num_val == 30
+
+
 NOT_A_STRING = {
     '{"text": 12.5}': "field 'text' is a number (12.5), not a string",
     '{"text": null}': "field 'text' is null, not a string",

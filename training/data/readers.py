@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from infra import storage
+from infra.redact import first_line
 from training.data.columnar import list_saved, read_columnar
 from training.data.config import DataConfig
 from training.data.records import Problem, Record, Source, load_callable, unsafe_key
@@ -243,6 +244,11 @@ def _jsonl(fh: IO[bytes], origin: str, rel: str, cfg: DataConfig) -> Iterator[Re
             obj = json.loads(text)
         except json.JSONDecodeError as err:
             yield Problem("undecodable", where, f"not valid JSON ({err.msg} at column {err.colno})")
+            continue
+        except (ValueError, RecursionError) as err:  # JSON the parser refuses: too deeply nested, a 5,000-digit int
+            yield Problem(
+                "undecodable", where, f"not JSON this reader takes ({type(err).__name__}: {first_line(err, 80)})"
+            )
             continue
         if not isinstance(obj, dict):
             yield Problem("undecodable", where, f"not a JSON object but {_json_kind(obj)} (data.format='jsonl')")
