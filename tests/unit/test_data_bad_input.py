@@ -172,6 +172,24 @@ def test_unsafe_jsonl_key(tmp_path, bad):
     assert shards.skipped == {"unsafe_name": 1} and shards.num_train + shards.num_val == 30
 
 
+def test_a_key_that_is_not_utf8_follows_on_unsafe_name(tmp_path):
+    """A file name in another encoding (Latin-1 'café.txt', read back with a surrogate escape) or a lone surrogate
+    in data.key_field has no UTF-8 bytes for the split, the tar member or the manifest: it is an unsafe name of
+    its file, named with its bytes escaped, not a bare UnicodeEncodeError."""
+    root = make_corpus(tmp_path / "c", n=30)
+    with open(os.path.join(os.fsencode(root), b"caf\xe9.txt"), "wb") as fh:
+        fh.write(b"a perfectly fine UTF-8 body\n")
+    out = tmp_path / "out"
+    _fails_with_one_line(config(root, out), out, "caf\\udce9.txt: unsafe record key", "on_unsafe_name=fail")
+    assert build_shards(config(root, out, on_unsafe_name="skip")).skipped == {"unsafe_name": 1}
+    src = tmp_path / "d.jsonl"
+    good = [json.dumps({"id": f"k{i}", "text": f"row {i} " * 20}) for i in range(30)]
+    src.write_text("\n".join([*good, '{"id": "bad\\ud800key", "text": "fine text"}']) + "\n")
+    jsonl = dict(format="jsonl", key_field="id")
+    out = tmp_path / "out-jsonl"
+    _fails_with_one_line(config(src, out, **jsonl), out, f"{src}:31: unsafe record key 'bad\\ud800key'")
+
+
 def test_malformed_jsonl_lines(tmp_path):
     src = tmp_path / "d.jsonl"
     good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]

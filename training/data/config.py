@@ -77,7 +77,7 @@ class DataConfig(BaseModel):
     on_unreadable: Policy = Field("fail", description="File that cannot be read (permissions, I/O): fail or skip.")
     on_symlink_loop: Policy = Field("skip", description="Symlink loop or dangling link: fail or skip and count.")
     on_unsafe_name: Policy = Field(
-        "fail", description="Name with '..' or an absolute component: fail or skip and count."
+        "fail", description="Name with '..' or an absolute component, or not UTF-8: fail or skip and count."
     )
     verify_existing: Literal["sha256", "size"] = Field(
         "sha256",

@@ -183,7 +183,7 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
     for entry in matched:
         key = entry.uri[len(prefix) + 1 :]
         if unsafe_key(key):
-            yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..' or absolute component)")
+            yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..', absolute, or not UTF-8)")
         else:
             yield Source(entry.uri, key, entry.size, entry.stamp)
 

@@ -67,11 +67,19 @@ class Tally:
 
 
 def describe(problem: Problem) -> str:
-    return f"{problem.origin}: {problem.cause}"
+    """The problem in one line of text: a file name that is not UTF-8 shows its bytes escaped (caf\\udce9.txt), so
+    printing it, logging it or writing it into an MLflow tag cannot fail."""
+    return f"{problem.origin}: {problem.cause}".encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def unsafe_key(key: str) -> bool:
-    """A key that could escape a directory when used as a path: '..' segments, absolute, drive letter, NUL."""
+    """A key that could escape a directory when used as a path: '..' segments, absolute, drive letter, NUL; or one
+    that is not text (a file name in another encoding, a lone surrogate in a JSON key field): the split, the tar
+    member name and the manifest all take its UTF-8 bytes."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
     k = key.replace("\\", "/")
     return (
         not k
@@ -85,7 +93,7 @@ def unsafe_key(key: str) -> bool:
 def check_record(rec: Record, cfg: DataConfig) -> Problem | None:
     """The first problem of a record read in full, or None when it is a good record."""
     if unsafe_key(rec.key):
-        return Problem("unsafe_name", rec.origin, f"unsafe record key {rec.key!r} ('..' or absolute component)")
+        return Problem("unsafe_name", rec.origin, f"unsafe record key {rec.key!r} ('..', absolute, or not UTF-8)")
     n = len(rec.data)
     if n > cfg.max_record_bytes:
         return Problem("oversize", rec.origin, f"{n} bytes > data.max_record_bytes={cfg.max_record_bytes}")
