@@ -120,6 +120,20 @@ def test_a_saved_dataset_dict_gives_every_split_in_order(tmp_path):
     assert samples["test/data-00000-of-00001.arrow:14"] == rows[59]["text"]
 
 
+def test_a_saved_dataset_of_links_into_a_store_gives_the_set_its_files_would(tmp_path):
+    """DVC and git-annex leave every data file a link into a content store: the records are keyed by where the
+    file sits in the dataset, so the set is the one the plain directory gives."""
+    rows = _rows(40)
+    plain = write_saved(tmp_path / "plain", rows)
+    linked, store = write_saved(tmp_path / "linked", rows), tmp_path / "store"
+    store.mkdir()
+    for arrow in sorted(linked.glob("*.arrow")):
+        arrow.rename(store / arrow.name)
+        arrow.symlink_to(store / arrow.name)
+    one, two = (build_shards(config(d, tmp_path / f"out-{d.name}", format="hf_dataset")) for d in (plain, linked))
+    assert one.dataset_digest == two.dataset_digest and _samples(one) == _samples(two)
+
+
 def test_parquet_binary_column_and_integer_keys(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -115,7 +115,11 @@ def _list_saved_local(cfg: DataConfig) -> Iterator[Source]:
     for split, ds in parts:
         _columns(ds.features.arrow_schema, str(root / split) if split else str(root), cfg)
         for cache_file in ds.cache_files:
-            path = Path(cache_file["filename"]).resolve()
+            # keyed by where the file sits in the dataset, not where a link points (DVC, git-annex, a dataset
+            # assembled from links): opening and stat() follow the link
+            path = Path(cache_file["filename"])
+            if not path.is_relative_to(root):
+                raise DataError(f"{path}: a data file outside {cfg.source} (data.source; data.format='hf_dataset')")
             st = path.stat()
             yield Source(str(path), path.relative_to(root).as_posix(), st.st_size, storage.file_stamp(st))
 
