@@ -163,6 +163,17 @@ def test_what_editors_and_pandas_write_reads_as_the_plain_form(tmp_path):
     assert pa.types.is_dictionary(pq.read_schema(src / "c.parquet").field("text").type)
     encoded = build_shards(config(src, tmp_path / "o3", format="parquet", key_field="id"))
     assert _samples(encoded) == {r["id"]: r["text"] for r in rows}
+    # pyarrow >= 16 and Polars write the view layouts: string_view text and key, binary_view text
+    for layout, kind in (("sv", pa.string_view()), ("bv", pa.binary_view())):
+        view = tmp_path / layout
+        view.mkdir()
+        body = pa.array([r["text"] if kind == pa.string_view() else r["text"].encode() for r in rows], kind)
+        pq.write_table(
+            pa.table({"id": pa.array([r["id"] for r in rows], pa.string_view()), "text": body}), view / "c.parquet"
+        )
+        assert pq.read_schema(view / "c.parquet").field("text").type == kind
+        viewed = build_shards(config(view, tmp_path / f"o-{layout}", format="parquet", key_field="id"))
+        assert viewed.dataset_digest == encoded.dataset_digest and viewed.skipped == {}
 
 
 def test_include_defaults_to_the_format_extension(tmp_path):

@@ -229,9 +229,16 @@ def _columns(schema: Any, where: str, cfg: DataConfig) -> list[str]:
         raise DataError(f"{where}: column {cfg.text_field!r} is {kind}, not a string (data.text_field)")
     if cfg.key_field:
         kind = schema.field(cfg.key_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)):
+        if not (_is_string(kind) or pa.types.is_integer(kind)):
             raise DataError(f"{where}: column {cfg.key_field!r} is {kind}, not a string or integer (data.key_field)")
     return [name for name, _ in wanted]
+
+
+def _is_string(kind: Any) -> bool:
+    """A string column in any of Arrow's layouts, string_view included (what pyarrow >= 16 and Polars write)."""
+    import pyarrow as pa
+
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def _is_text(kind: Any) -> bool:
@@ -239,9 +246,8 @@ def _is_text(kind: Any) -> bool:
 
     if pa.types.is_dictionary(kind):  # a categorical column (pandas' Categorical): strings, stored once each
         return _is_text(kind.value_type)
-    return any(
-        check(kind)
-        for check in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+    return _is_string(kind) or any(
+        check(kind) for check in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view)
     )
 
 
@@ -252,7 +258,8 @@ def _rows(batch: Any, first: int, item: Source, cfg: DataConfig) -> Iterator[Rec
     if pa.types.is_dictionary(text.type):
         text = text.dictionary_decode()
     # string -> binary is a zero-copy cast: the bytes are taken as stored, and check_record judges the UTF-8.
-    if pa.types.is_string(text.type) or pa.types.is_large_string(text.type):
+    # The view layouts are copied into plain binary (their to_pylist would decode, or keep views of the batch).
+    if _is_string(text.type) or pa.types.is_binary_view(text.type):
         text = text.cast(pa.large_binary() if pa.types.is_large_string(text.type) else pa.binary())
     keys = batch.column(cfg.key_field).to_pylist() if cfg.key_field else None
     for i, data in enumerate(text.to_pylist()):
