@@ -52,7 +52,7 @@ class PipelineConfig(BaseModel):
         global batch the workers cannot make, the built-in GPT's heads not dividing its width, and an embedding
         smaller than the ids the tokenizer gives (bytes: 256; a BPE trained in the run: tokenizer.vocab_size, the
         size asked, although a small corpus may train fewer: a config that fits only then breaks as the corpus grows;
-        a tokenizer file is read with the data, and checked there)."""
+        a tokenizer file is read, and checked, as a pipeline run starts: check_tokenizer_fits)."""
         t = self.train
         check_global_batch(t, t.workers)
         if t.model_factory == DEFAULT_FACTORY and t.d_model % t.n_head:
@@ -61,14 +61,24 @@ class PipelineConfig(BaseModel):
         if ids is None:
             return self
         source = f"tokenizer.kind={self.tokenizer.kind!r} gives {ids} ids"
+        rows, setting = self.embedding_limit()
+        if rows and rows < ids and setting == "train.hf_config vocab_size":
+            raise ValueError(f"train.hf_config vocab_size={rows}: {source}; the embedding needs {ids} rows or more")
+        if rows and rows < ids:
+            raise ValueError(f"train.vocab_size={rows}: {source}; set it to 0 or at least {ids}")
+        return self
+
+    def embedding_limit(self) -> tuple[int, str]:
+        """How many ids the configured model embeds, and the setting that says so; (0, "") when training sizes it to
+        the data (train.vocab_size = 0) or it is known only once the model is loaded (a config.json path)."""
+        t = self.train
         if isinstance(t.hf_config, dict) and t.hf_config:
             from training.hf_model import embedding_rows
 
-            if (rows := embedding_rows(t.hf_config)) < ids:
-                raise ValueError(f"train.hf_config vocab_size={rows}: {source}; the embedding needs {ids} rows or more")
-        elif t.vocab_size and t.vocab_size < ids:
-            raise ValueError(f"train.vocab_size={t.vocab_size}: {source}; set it to 0 or at least {ids}")
-        return self
+            return embedding_rows(t.hf_config), "train.hf_config vocab_size"
+        if t.hf_config or not t.vocab_size:
+            return 0, ""
+        return t.vocab_size, "train.vocab_size"
 
 
 def _parse_value(text: str) -> Any:
@@ -279,6 +289,25 @@ def _special_tokens_of(config: PipelineConfig, discover: bool, warn: Callable[[s
     if map_uri and not has_decoder:
         tokens |= read(map_uri)[0]  # transformers merges the map over the config's own
     return {key: token for key, token in tokens.items() if token}  # one named as none is none
+
+
+def check_tokenizer_fits(config: PipelineConfig, origin: str = "config") -> None:
+    """ConfigError when a tokenizer.path file has more ids than the configured model embeds: read before the corpus
+    is (the data stage would tokenize and publish all of it, and training refuse only then). A trained BPE's size
+    and the bytes' 256 are checked at load (PipelineConfig); a model sized from the data fits whatever it gets.
+
+    Raises:
+        ConfigError: one line naming both sizes; or the file cannot be read (tokenizer.TokenizerError's line).
+    """
+    rows, setting = config.embedding_limit()
+    if config.tokenizer.kind != "file" or not rows:
+        return
+    from training import tokenizer as tk
+
+    try:
+        tk.check_fits(tk.load(config.tokenizer.path), rows, f"{setting}={rows}")
+    except tk.TokenizerError as e:
+        raise ConfigError(f"{origin}: {e}") from None
 
 
 def check_serving(config: PipelineConfig, origin: str = "config") -> None:

@@ -8,7 +8,7 @@ from prefect import flow
 from pydantic import BaseModel, Field
 
 from deployments.release_lock import release_lock
-from flows.config import PipelineConfig, chat_template_of
+from flows.config import PipelineConfig, chat_template_of, check_tokenizer_fits
 from flows.run_context import shardline_run
 from infra.tracking import stage_seconds
 from tasks.canary import canary_deploy
@@ -50,6 +50,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
     """
     with shardline_run(config, "shardline") as run:
         chat_template = chat_template_of(config, "flow parameter", run.logger.warning)  # before anything trains
+        check_tokenizer_fits(config, "flow parameter")  # a tokenizer file's ids, before the corpus is tokenized
         if config.data.engine == "ray":  # the chunks run as tasks on the cluster: it comes first
             run.cluster = provision_cluster(config.cluster, run.lineage)
             shards = shard_dataset(config.data, run.lineage, run.cluster, config.tokenizer)

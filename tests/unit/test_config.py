@@ -214,3 +214,23 @@ def test_what_would_fail_after_a_stage_published_is_refused_at_load(overrides, m
     with pytest.raises(ConfigError, match=message) as err:
         load_stack_config(None, overrides)
     assert "\n" not in str(err.value) and "hunter2" not in str(err.value)
+
+
+def test_a_tokenizer_file_with_more_ids_than_the_model_embeds_is_refused_as_a_run_starts(tmp_path):
+    """The data stage would tokenize and publish the whole corpus with it, and training refuse only then."""
+    from flows.config import check_tokenizer_fits
+    from training import tokenizer as tk
+
+    path = tmp_path / "tokenizer.json"
+    tk.train_bpe([b"def add(a, b):\n    return a + b\n" * 50], 300).save(str(path))
+    ids = tk.id_count(tk.load(str(path)))
+    assert 256 < ids <= 300
+    small = load_config(None, ['tokenizer.kind="file"', f'tokenizer.path="{path}"', "train.vocab_size=260"])
+    with pytest.raises(ConfigError, match=rf"^flow parameter: the tokenizer has {ids} ids but train.vocab_size=260 "):
+        check_tokenizer_fits(small, "flow parameter")
+    llama = {"model_type": "llama", "vocab_size": 260, "hidden_size": 16, "num_attention_heads": 2}
+    hf = small.model_copy(update={"train": small.train.model_copy(update={"vocab_size": 0, "hf_config": llama})})
+    with pytest.raises(ConfigError, match=rf"has {ids} ids but train.hf_config vocab_size=260 embeds 260"):
+        check_tokenizer_fits(hf, "flow parameter")
+    for fits in (["train.vocab_size=0"], [f"train.vocab_size={ids}"]):  # sized from the data, or exactly enough
+        check_tokenizer_fits(load_config(None, ['tokenizer.kind="file"', f'tokenizer.path="{path}"', *fits]))
