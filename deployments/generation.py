@@ -32,8 +32,8 @@ GREEDY_BELOW = 1e-5
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
     """The next token from one position's logits: greedy at temperature 0 (below GREEDY_BELOW), else sampled from
-    the softmax at `temperature` restricted to the `top_k` likeliest tokens (0 = all) and the smallest set whose
-    mass reaches `top_p`."""
+    the softmax at `temperature` restricted to the `top_k` likeliest tokens (0 or less = all, as vLLM's -1) and the
+    smallest set whose mass reaches `top_p`."""
     if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     scaled = logits.float() / temperature
@@ -141,12 +141,14 @@ class Completion:
         if token in self.codec.ends:  # a special token: the model ended its text (codec.TokenCodec)
             self.finish = "stop"
             return token, []
+        piece, before = self.codec.piece(token), len(self.text)
+        new = self.decoder.decode(piece)
+        self.text += new
         if self.logprobs is not None:
             lp = torch.log_softmax(logits, -1)
             label = self.codec.label(token)
             top = top_entries(lp, self.logprobs, self.codec)
-            self.pending.append(_Token(label, float(lp[token]), top, len(self.text)))
-        self.text += self.decoder.decode(self.codec.piece(token))
+            self.pending.append(_Token(label, float(lp[token]), top, before + _flushed(new, piece)))
         out: list[dict[str, Any]] = []
         cut = self.scanner.find(self.text)
         if cut >= 0:  # the stop string and the tokens that wrote it are not returned
@@ -214,6 +216,19 @@ def generate(
             yield from events
             context = torch.cat([context, torch.tensor([token])])
     yield from completion.close()
+
+
+def _flushed(new: str, piece: bytes) -> int:
+    """How many characters of `new` (what the incremental decoder gave for a token's bytes `piece`) came before the
+    token's first byte: 1 when the bytes held from earlier tokens (an unfinished UTF-8 sequence) were flushed as a
+    U+FFFD because `piece` does not go on with them, else 0 (nothing held, or the piece's first byte continues the
+    held character, so the token starts where that character does).
+
+    `piece` decoded alone, holding back an unfinished end as the incremental decoder does, gives the same characters
+    when nothing was flushed, except that each byte continuing a held character reads alone as a U+FFFD of its own.
+    """
+    alone = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(piece)
+    return max(0, len(new) - len(alone))
 
 
 class _Token(NamedTuple):

@@ -209,3 +209,60 @@ def test_text_offsets_follow_the_decoded_text_through_bytes_that_are_not_utf8():
     assert text == "a\ufffdbc" and whole["text_offset"] == [0, 1, 2, 3]
     text, whole, _ = _logprobs(b">", "aé".encode() + b"z", stop=[])  # the two bytes of é share its start
     assert text == "aéz" and whole["text_offset"] == [0, 1, 1, 2]
+
+
+def test_a_token_after_an_invalid_lead_byte_starts_after_its_ufffd_and_a_stop_string_drops_it():
+    # a lead byte that the next byte does not go on with is flushed as one U+FFFD: the next token starts after it
+    text, whole, streamed = _logprobs(b">", b"a\xc3bc", stop=[])
+    assert text == "a\ufffdbc" and whole["text_offset"] == streamed["text_offset"] == [0, 1, 2, 3]
+    text, whole, _ = _logprobs(b">", b"a\xe2\x82xy", stop=[])  # two bytes of one unfinished character share it
+    assert text == "a\ufffdxy" and whole["text_offset"] == [0, 1, 1, 2, 3]
+    text, whole, _ = _logprobs(b">", b"a\xe0\x80b", stop=[])  # \xe0 cannot go on with \x80: two U+FFFD
+    assert text == "a\ufffd\ufffdb" and whole["text_offset"] == [0, 1, 2, 3]
+    # the token that began the stop string is not returned, nor its logprobs
+    text, whole, streamed = _logprobs(b">", b"a\xc3bcz", stop=["bc"])
+    assert text == "a\ufffd" and whole["tokens"] == streamed["tokens"] == ["a", token_text(0xC3)]
+
+
+class _Pieces:
+    """A codec over a fixed list of byte pieces (a tokenizer whose tokens hold several bytes)."""
+
+    ends: frozenset[int] = frozenset()
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token]
+
+    def label(self, token: int) -> str:
+        return repr(self.pieces[token])
+
+
+def test_a_multibyte_token_that_flushes_a_held_byte_and_holds_its_own_end_starts_after_the_ufffd():
+    pieces = [b"a", b"\xe2", b"x\xc3", b"\xa9", "é".encode()]
+    completion = Completion(5, temperature=0, logprobs=0, codec=_Pieces(pieces))  # type: ignore[arg-type]
+    events = []
+    for token in [0, 1, 2, 3, 4]:  # 'a', a held lead byte, 'x' + a held lead byte, the byte finishing 'é', 'é'
+        logits = torch.full((len(pieces),), -10.0)
+        logits[token] = 10.0
+        events += completion.step(logits)[1]
+    events += completion.close()
+    lp = merge_logprobs([e["logprobs"] for e in events if "text" in e])
+    assert "".join(e["text"] for e in events if "text" in e) == "a\ufffdxéé"
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]  # 'x\xc3' starts at 'x', after the U+FFFD its first byte flushed
+
+
+def test_top_k_below_one_samples_from_every_token_as_vllms_minus_one():
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    for top_k in (0, -1):
+        gen = torch.Generator().manual_seed(0)
+        assert {pick(logits, 1.0, top_k, 1.0, gen) for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_the_gateway_peeks_a_body_that_starts_with_a_utf8_bom_as_the_router_reads_it():
+    from deployments.openai_api import parse_json
+
+    body = b'\xef\xbb\xbf{"model": "a", "stream": true, "prompt": "x"}'
+    assert parse_json(body)["stream"] is True  # the router takes the BOM (utf-8-sig) ...
+    assert peek(body) == ("a", True)  # ... and the gateway then asks it for a stream
