@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from deployments.codec import BYTES, ByteCodec, TokenCodec
 from deployments.generation import Completion
+from deployments.openai_api import EmptyEncoding
 
 
 class Backend(Protocol):
@@ -110,7 +111,7 @@ class Engine:
         are then the generation context); a longer prompt is scored separately, as training.bpb scores it.
         """
         if not prompt:
-            raise ValueError("an empty prompt has nothing to condition on")
+            raise EmptyEncoding("an empty prompt has nothing to condition on")
         req = _Request(prompt, completion, asyncio.get_running_loop())
         with self._cond:
             self.waiting.append(req)
@@ -219,7 +220,7 @@ class Engine:
         assert req.slot is not None
         ids, predicted = self.codec.scored(req.prompt)  # the bytes every id but the first covers
         if not ids:
-            raise ValueError("the prompt encodes to no tokens: nothing to condition on")
+            raise EmptyEncoding("the prompt encodes to no tokens: nothing to condition on")  # the client's 400
         logits = self.backend.prefill(req.slot, ids)
         if len(ids) <= self.backend.seq_len:
             target = torch.tensor(ids[1:], dtype=torch.long)

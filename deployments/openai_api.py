@@ -50,6 +50,20 @@ class ApiError(Exception):
         return error_body(self.message, self.kind, self.param, self.code)
 
 
+class EmptyEncoding(ValueError):
+    """A prompt that the answering version's codec encodes to no ids (a tokenizer whose pre-tokenizer drops
+    whitespace, given only whitespace): nothing to condition on. The replica's engine raises it; the router answers
+    it as the client's 400, neither a failure of that version nor canary evidence. Here, with no
+    torch, so that the router can tell it from a replica's failure."""
+
+
+def empty_encoding(chat: bool) -> ApiError:
+    """The 400 that answers an EmptyEncoding: names `messages` for a chat request, else `prompt`."""
+    if chat:
+        return ApiError(400, "messages: render to a prompt that encodes to no tokens for this model", param="messages")
+    return ApiError(400, "prompt: encodes to no tokens for this model", param="prompt")
+
+
 def error_body(
     message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -106,7 +120,9 @@ class CompletionRequest(ApiModel):
     max_tokens: int = Field(16, ge=0, description="0 with echo and logprobs scores the prompt, as in OpenAI's API.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0, description="0 keeps the likeliest token only.")
-    top_k: int = Field(0, ge=0, description="vLLM's extension: sample from the k likeliest tokens; 0 = all.")
+    top_k: int = Field(
+        0, ge=-1, description="vLLM's extension: sample from the k likeliest tokens; 0 or -1 (vLLM's 'disabled') = all."
+    )
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: Stop = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

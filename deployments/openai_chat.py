@@ -120,7 +120,7 @@ class ChatRequest(ApiModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)  # vLLM's extension: 0 or -1 (vLLM's "disabled") = all
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: Stop = None
     stream: bool = False

@@ -10,6 +10,7 @@ that fails later ends with an error event; a client that goes away cancels the r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 from deployments import openai_api as oai
 from deployments.http_io import EVENT_STREAM, error_reply
-from deployments.openai_api import ApiError, CompletionRequest
+from deployments.openai_api import ApiError, CompletionRequest, EmptyEncoding, empty_encoding
 from deployments.openai_chat import chat_chunk, chat_id
 from deployments.router_config import VERSION_HEADER, Job
 
@@ -66,16 +67,23 @@ class RouterStreams:
         if paired:
             shadow = await self._call(cfg.champion, "score", "shadow", prompt)
         stream, head = await self._open_stream(version, prompt, params)
-        # failed before a byte: the champion answers (a chat request in the champion's own format, if it has one)
-        if (
-            "error" in head
-            and to_challenger
-            and not job.variant
-            and (job.messages is None or cfg.champion in job.rendered)
-        ):
+        can_fall_back = to_challenger and not job.variant and (job.messages is None or cfg.champion in job.rendered)
+        if head.get("refused") and can_fall_back:
+            # the prompt encodes to no tokens for the challenger (the client's input, not its failure): the champion
+            # answers, as when the challenger's chat template cannot take the messages (_render); the request is the
+            # champion's
+            to_challenger, shadow, version = False, None, cfg.champion
+            _, (prompt, params) = job.at(version).op_args()
+            stream, head = await self._open_stream(version, prompt, params)
+        elif "error" in head and can_fall_back:
+            # failed before a byte: the champion answers (a chat request in the champion's own format, if it has one)
             failed, version = head, cfg.champion
             _, (prompt, params) = job.at(version).op_args()
             stream, head = await self._open_stream(version, prompt, params)
+        if head.get("refused"):  # the client's 400: neither the version's failure nor evidence
+            self.metrics.rejected(job.endpoint, 400)
+            yield error_reply(empty_encoding(job.endpoint == "chat"), {VERSION_HEADER: version})
+            return
         if "error" in head:
             self._finish_stream(job, to_challenger, head, shadow, failed, t0)
             yield error_reply(
@@ -89,57 +97,64 @@ class RouterStreams:
                 {VERSION_HEADER: version},
             )
             return
-        yield {
-            "status": 200,
-            "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
-            "media_type": EVENT_STREAM,
-        }
-        model, req, chat = cfg.model_name, job.at(version).req, job.endpoint == "chat"
-        assert isinstance(req, CompletionRequest)
-        cid = chat_id() if chat else oai.completion_id()
-        # with include_usage, OpenAI's every chunk has a `usage` field: null, and the totals on the last one
-        with_usage = req.stream_options is not None and req.stream_options.include_usage
-        # every chunk carries the stream's one `created` (as OpenAI's do), and with include_usage `"usage": null`
-        common = {"created": int(time.time())} | ({"usage": None} if with_usage else {})
-
-        def piece(text: str, finish_reason: str | None, lp: dict[str, Any] | None = None) -> bytes:
-            if chat:  # the new text in `delta.content` (the last chunk's delta is empty); never logprobs
-                delta = {"content": text} if text else {}
-                return oai.sse(chat_chunk(cid, model, version, delta, finish_reason) | common)
-            return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp) | common)
-
         served: dict[str, Any] = {**head, "ok": True}
-        if chat:  # OpenAI's first chat chunk carries the role
-            yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None) | common)
-        if req.echo:
-            head_lp = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
-            yield piece(req.prompt, None, merge_logprobs([head_lp]) if head_lp else None)
-        offset = len(req.prompt) if req.echo else 0
         finished = False
+        # from here on the replica is generating: a client that goes away at any yield below (the head, the chat
+        # role chunk, the echo chunk or a token's chunk) cancels it, and the request is recorded once
         try:
-            async for event in stream:
-                if "text" in event:
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = merge_logprobs([event["logprobs"]], offset, len(req.prompt) if req.echo else 0)
-                    offset += len(event["text"])
-                    yield piece(event["text"], None, lp)
-                else:
-                    served |= event
-        except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
-            served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-            yield oai.sse(
-                oai.error_body(
-                    f"model version {version} failed mid-stream: {served['error']}", "server_error", code="model_failed"
+            yield {
+                "status": 200,
+                "headers": {VERSION_HEADER: version, "cache-control": "no-cache"},
+                "media_type": EVENT_STREAM,
+            }
+            model, req, chat = cfg.model_name, job.at(version).req, job.endpoint == "chat"
+            assert isinstance(req, CompletionRequest)
+            cid = chat_id() if chat else oai.completion_id()
+            # with include_usage, OpenAI's every chunk has a `usage` field: null, and the totals on the last one
+            with_usage = req.stream_options is not None and req.stream_options.include_usage
+            # every chunk carries the stream's one `created` (as OpenAI's do), and with include_usage `"usage": null`
+            common = {"created": int(time.time())} | ({"usage": None} if with_usage else {})
+
+            def piece(text: str, finish_reason: str | None, lp: dict[str, Any] | None = None) -> bytes:
+                if chat:  # the new text in `delta.content` (the last chunk's delta is empty); never logprobs
+                    delta = {"content": text} if text else {}
+                    return oai.sse(chat_chunk(cid, model, version, delta, finish_reason) | common)
+                return oai.sse(oai.chunk(cid, model, version, text, finish_reason, lp) | common)
+
+            if chat:  # OpenAI's first chat chunk carries the role
+                yield oai.sse(chat_chunk(cid, model, version, {"role": "assistant", "content": ""}, None) | common)
+            if req.echo:
+                head_lp = prompt_piece({**head, "prompt": prompt}) if req.logprobs is not None else None
+                yield piece(req.prompt, None, merge_logprobs([head_lp]) if head_lp else None)
+            offset = len(req.prompt) if req.echo else 0
+            try:
+                async for event in stream:
+                    if "text" in event:
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = merge_logprobs([event["logprobs"]], offset, len(req.prompt) if req.echo else 0)
+                        offset += len(event["text"])
+                        yield piece(event["text"], None, lp)
+                    else:
+                        served |= event
+            except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
+                served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+                yield oai.sse(
+                    oai.error_body(
+                        f"model version {version} failed mid-stream: {served['error']}",
+                        "server_error",
+                        code="model_failed",
+                    )
                 )
-            )
-        else:
-            finished = True
-            yield piece("", served.get("finish_reason", "length"))
-            if with_usage:
-                used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
-                kind = "chat.completion.chunk" if chat else "text_completion"
-                yield oai.sse(oai.usage_chunk(cid, model, version, *used, kind=kind) | {"created": common["created"]})
+            else:
+                finished = True
+                yield piece("", served.get("finish_reason", "length"))
+                if with_usage:
+                    used = (int(served.get("prompt_ids", len(prompt))), int(served.get("tokens", 0)))
+                    kind = "chat.completion.chunk" if chat else "text_completion"
+                    yield oai.sse(
+                        oai.usage_chunk(cid, model, version, *used, kind=kind) | {"created": common["created"]}
+                    )
         finally:
             if not finished:  # the client went away (or the replica failed): stop generating now
                 stream.cancel()
@@ -149,11 +164,18 @@ class RouterStreams:
     async def _open_stream(self, version: str, prompt: bytes, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The replica's event stream and its first event, or (None, {"version", "error"})."""
         self.inflight[version] += 1
+        stream = None
         try:
             stream = self._handle(version).options(stream=True).complete_stream.remote(prompt, params)
             return stream, {**await stream.__anext__(), "prompt": prompt}
+        except EmptyEncoding as e:  # the prompt encodes to no tokens for this version: the client's 400
+            return None, {"version": version, "ok": False, "refused": True, "error": f"{type(e).__name__}: {e}"[:300]}
         except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
             return None, {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        except asyncio.CancelledError:  # the request was cancelled while its first event was awaited
+            if stream is not None:
+                stream.cancel()
+            raise
         finally:
             self.inflight[version] -= 1
 

@@ -31,7 +31,7 @@ from deployments.http_io import (
     to_response,
     to_streaming_response,
 )
-from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest
+from deployments.openai_api import ApiError, CompletionRequest, EmptyEncoding, ScoreRequest, empty_encoding
 from deployments.openai_chat import chat_completion, chat_id, parse_chat
 from deployments.router_chat import RouterChat
 from deployments.router_config import (
@@ -116,14 +116,20 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         return self.handles[version]
 
     async def _call(self, version: str, op: str, kind: str, *args: Any) -> dict[str, Any]:
+        """The replica's answer with "ok": True, or {"version", "ok": False, "error"}; with "refused": True too
+        when the version refused the prompt as the client's fault (EmptyEncoding), which is no model call's
+        failure (the metrics do not count it)."""
         self.inflight[version] += 1
         try:
             out = {**await getattr(self._handle(version), op).remote(*args), "ok": True}
+        except EmptyEncoding as e:  # through Ray, a RayTaskError that is also an instance of its cause
+            out = {"version": version, "ok": False, "refused": True, "error": f"{type(e).__name__}: {e}"[:300]}
         except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
             out = {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         finally:
             self.inflight[version] -= 1
-        self.metrics.model_call(version, kind, op, out)
+        if not out.get("refused"):
+            self.metrics.model_call(version, kind, op, out)
         return out
 
     async def _route(self, job: Job) -> tuple[Job, bool, bool] | dict[str, Any]:
@@ -268,7 +274,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             # recorded as evidence (paired with the champion's own call on the same text) and never returned
             op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, "served", *args)
-            if job.messages is None or challenger in job.rendered:
+            if (job.messages is None or challenger in job.rendered) and not served.get("refused"):
                 task = asyncio.ensure_future(self._mirror(job, served, paired, t0))
                 self._mirrors.add(task)
                 task.add_done_callback(self._mirrors.discard)
@@ -281,7 +287,16 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             served = await self._call(challenger, op, self._kind(job), *args)
             if paired and shadow is None:
                 shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
-            if not served["ok"] and not job.variant:
+            if served.get("refused") and not job.variant:
+                # the prompt encodes to no tokens for the challenger (the client's input, not its failure): the
+                # champion answers, as when the challenger's chat template cannot take the messages (_render), and
+                # the request is the champion's
+                if job.messages is None or cfg.champion in job.rendered:
+                    to_challenger = paired = False
+                    shadow = None
+                    op, args = job.at(cfg.champion).op_args()
+                    served = await self._call(cfg.champion, op, self._kind(job), *args)
+            elif not served["ok"] and not job.variant:
                 # the client is answered by the champion; the failure counts against the challenger
                 if op == "score" and shadow and shadow["ok"]:
                     failed, served = served, shadow
@@ -292,6 +307,9 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         else:
             op, args = job.at(cfg.champion).op_args()
             served = await self._call(cfg.champion, op, self._kind(job), *args)
+        if served.get("refused"):  # the client's 400: neither the version's failure nor evidence
+            self.metrics.rejected(job.endpoint, 400)
+            return error_reply(empty_encoding(job.endpoint == "chat"), {VERSION_HEADER: served["version"]})
         if not job.variant and not (to_challenger and cfg.mode == "shadow"):
             self._record(job, to_challenger, served, shadow, failed, (time.perf_counter() - t0) * 1000.0)
         version = served["version"]
@@ -327,6 +345,8 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         if paired and self.seq % 2:  # sequential, alternating order, as _serve pairs
             shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
         mirrored = await self._call(str(cfg.challenger), op, "mirror", *args)
+        if mirrored.get("refused"):  # the prompt encodes to no tokens for the challenger: no evidence either way
+            return
         if paired and shadow is None:
             shadow = await self._call(cfg.champion, "score", "shadow", mine.text)
         self._record(

@@ -41,6 +41,13 @@ def test_messages_become_the_prompt_the_template_renders_and_run_as_a_completion
     )
 
 
+def test_a_chat_top_k_of_minus_one_is_vllms_disabled():
+    assert validate_chat({"messages": HI, "top_k": -1}, CHATML, 4096, 64).top_k == -1
+    with pytest.raises(ApiError) as err:
+        validate_chat({"messages": HI, "top_k": -2}, CHATML, 4096, 64)
+    assert err.value.status == 400 and err.value.param == "top_k"
+
+
 def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
     """Clients append the assistant message they got (with `refusal: null`, and from other servers `tool_calls: []`
     or `content: null`) and send the conversation again; and they send OpenAI's neutral parameters explicitly."""

@@ -232,6 +232,13 @@ def test_openais_ranges_are_accepted_at_their_edges():
     assert _parse("completions", {"prompt": "ab", **streamed}).stream_options.include_usage
 
 
+def test_top_k_minus_one_is_vllms_disabled_and_samples_from_every_token():
+    req = _parse("completions", {"prompt": "ab", "top_k": -1})
+    assert isinstance(req, CompletionRequest) and req.top_k == -1
+    status, message = _parse("completions", {"prompt": "ab", "top_k": -2})
+    assert status == 400 and message.startswith("top_k:")
+
+
 def test_limits_come_from_the_router_config():
     roomy = CFG.model_copy(update={"max_prompt_bytes": 4096, "max_tokens_cap": 256})
     assert isinstance(_parse("completions", {"prompt": "x" * 17, "max_tokens": 200}, roomy), CompletionRequest)
