@@ -115,12 +115,12 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> Pa
         "ray_discovery": str(discovery),
         "health_url": f"{url}/-/ready",
     }
-    if recorded is not None and recorded.port == cfg.prometheus_port and part_up(recorded):
+    if recorded is not None and recorded.url == url and part_up(recorded):
         if changed and recorded.started_by_us:
             reload(recorded)
         return recorded.model_copy(update={"detail": {**recorded.detail, **detail}})
-    if recorded is not None and recorded.port != cfg.prometheus_port:
-        stop_part(recorded)  # moved to another port: the old server of this stack is not left running unrecorded
+    if recorded is not None and recorded.url != url:
+        stop_part(recorded)  # moved to another port or host: the old server of this stack is not left running
     if port_open(cfg.host, cfg.prometheus_port):
         raise Unavailable(
             f"port {cfg.host}:{cfg.prometheus_port} is taken by a server this stack did not start "

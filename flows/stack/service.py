@@ -43,15 +43,20 @@ def ensure_service(
     timeout_s: float,
     detail: dict[str, str] | None = None,
 ) -> PartState:
-    """Return the part as running: the recorded one if it answers, one already answering on the port (kept, and
-    marked not ours so `down` leaves it), or a new process started here and waited for.
+    """Return the part as running: the recorded one if it answers at `url`, one already answering on the port
+    (kept, and marked not ours so `down` leaves it), or a new process started here and waited for. A recorded part
+    at another URL is stopped first when this stack started it.
 
     Raises:
         StackError: the port is taken by something that does not answer like this service, or it did not start.
     """
     detail = {**(detail or {}), "health_url": health_url}
-    if recorded is not None and recorded.port == port and part_up(recorded):
+    if recorded is not None and recorded.url == url and part_up(recorded):
         return recorded
+    if recorded is not None and recorded.url != url:
+        # moved to another port or host: the old server of this stack is not left running unrecorded, nor kept
+        # listening where the config no longer says (a 0.0.0.0 one answers on 127.0.0.1 too)
+        stop_part(recorded)
     if http_ok(health_url):
         return PartState(name=name, url=url, port=port, started_by_us=False, detail=detail)
     if port_open(host, port):
@@ -70,7 +75,7 @@ def ensure_service(
     )
     try:
         wait_until(name, lambda: http_ok(health_url), timeout_s, proc, log_dir / f"{name}.log")
-    except StackError:
+    except BaseException:  # Ctrl-C too: the part is recorded only once this returns, so stop it here
         stop(proc)  # nothing half-started is left behind
         raise
     return part

@@ -90,13 +90,17 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, api_url: str
         logs,
     )
     deadline = time.monotonic() + cfg.start_timeout_s
-    while not _worker_online(api_url, cfg.work_pool, name):
-        if not is_ours(proc) or time.monotonic() > deadline:
-            stop(proc)
-            raise StackError(
-                f"worker: did not come online in pool {cfg.work_pool!r}; last log lines:\n{tail(logs / 'worker.log')}"
-            )
-        time.sleep(1.0)
+    try:
+        while not _worker_online(api_url, cfg.work_pool, name):
+            if not is_ours(proc) or time.monotonic() > deadline:
+                raise StackError(
+                    f"worker: did not come online in pool {cfg.work_pool!r}; last log lines:\n"
+                    f"{tail(logs / 'worker.log')}"
+                )
+            time.sleep(1.0)
+    except BaseException:  # Ctrl-C, a refused poll too: the part is recorded only once this returns
+        stop(proc)
+        raise
     return PartState(
         name="worker",
         url=f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}",

@@ -1,0 +1,302 @@
+"""`up` and `down` of the local stack with real short-lived processes standing in for its servers (`sleep`, Python's
+http.server): an interrupted start leaves nothing running, a moved part is stopped, `down` never starts a Ray head,
+stops every part it can, and stops only the Ray head `up` started. Nothing here starts Prefect, MLflow or Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import flows.stack.service as service
+import flows.stack.worker as worker
+from flows.cli.root import main
+from flows.config import load_stack_config
+from flows.stack import endpoint, ray_head
+from flows.stack.config import StackConfig
+from flows.stack.procs import Proc, is_ours, spawn, stop
+from flows.stack.state import PartState, StackState, read_state, state_path, write_state
+from infra import head, process
+from infra.ray_env import ClusterError
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $SHARDLINE_HOME, Ray's temp dir inside it, and a guard: starting a Ray head fails the test."""
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "raytmp"))
+
+    def no_head(*args, **kwargs):
+        raise AssertionError("a Ray head was started")
+
+    monkeypatch.setattr(head, "ensure_head", no_head)
+    monkeypatch.setattr(head, "_run_ray", no_head)
+    return tmp_path
+
+
+@pytest.fixture
+def spawned(tmp_path: Path):
+    """Detached processes started with procs.spawn (their own session, as `up` starts servers); whatever a test
+    leaves running is stopped at the end."""
+    started: list[Proc] = []
+
+    def start(argv: list[str]) -> Proc:
+        proc = spawn(f"p{len(started)}", argv, dict(os.environ), tmp_path / "logs")
+        started.append(proc)
+        return proc
+
+    start.all = started  # type: ignore[attr-defined]
+    yield start
+    for proc in started:
+        stop(proc, grace_s=2.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_server(port: int, directory: Path) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(directory)]
+
+
+def _gone(proc: Proc, within_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while is_ours(proc) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not is_ours(proc)
+
+
+# ---- an interrupted start stops what it spawned (service.ensure_service, worker.start) -----------------------------
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_wait_for_a_service_stops_the_process_it_started(error, spawned, tmp_path, monkeypatch):
+    port = _free_port()
+    monkeypatch.setattr(service, "spawn", lambda name, argv, env, log_dir: spawned(["sleep", "30"]))
+
+    def interrupted(*args, **kwargs):
+        assert is_ours(spawned.all[0])  # the server is running when the operator presses Ctrl-C
+        raise error
+
+    monkeypatch.setattr(service, "wait_until", interrupted)
+    with pytest.raises(error):
+        service.ensure_service(
+            "prefect",
+            None,
+            f"http://127.0.0.1:{port}/api",
+            f"http://127.0.0.1:{port}/api/health",
+            "127.0.0.1",
+            port,
+            ["prefect", "server", "start"],
+            dict(os.environ),
+            tmp_path / "logs",
+            5.0,
+        )
+    assert len(spawned.all) == 1 and _gone(spawned.all[0])
+
+
+@pytest.mark.parametrize(
+    "error", [httpx.ConnectError("[Errno 111] Connection refused"), KeyboardInterrupt()], ids=["refused", "ctrl-c"]
+)
+def test_a_failed_poll_for_the_worker_stops_the_worker_it_started(error, spawned, home, monkeypatch):
+    monkeypatch.setattr(worker, "ensure_pool", lambda *args: None)  # no Prefect server here
+    monkeypatch.setattr(worker, "spawn", lambda name, argv, env, log_dir: spawned(["sleep", "30"]))
+
+    def online(*args):
+        raise error
+
+    monkeypatch.setattr(worker, "_worker_online", online)
+    with pytest.raises(type(error)):
+        worker.start(StackConfig(), home, None, "http://127.0.0.1:1/api", "http://127.0.0.1:2")
+    assert len(spawned.all) == 1 and _gone(spawned.all[0])
+
+
+# ---- a part moved to another port or host is stopped, not lost or kept (service.ensure_service) --------------------
+
+
+def _ensure_http(recorded: PartState | None, host_in_url: str, port: int, tmp_path: Path) -> PartState:
+    return service.ensure_service(
+        "prefect",
+        recorded,
+        f"http://{host_in_url}:{port}",
+        f"http://127.0.0.1:{port}/",
+        "127.0.0.1",
+        port,
+        _http_server(port, tmp_path),
+        dict(os.environ),
+        tmp_path / "logs",
+        10.0,
+    )
+
+
+def test_a_part_moved_to_another_port_stops_the_old_server_and_starts_a_new_one(spawned, tmp_path):
+    old_port, new_port = _free_port(), _free_port()
+    first = _ensure_http(None, "127.0.0.1", old_port, tmp_path)
+    spawned.all.extend(first.procs)  # stopped at the end whatever happens
+    assert first.started_by_us and is_ours(first.procs[0])
+    again = _ensure_http(first, "127.0.0.1", old_port, tmp_path)
+    assert again is first and is_ours(first.procs[0])  # same URL, answering: kept as it is
+
+    moved = _ensure_http(first, "127.0.0.1", new_port, tmp_path)
+    spawned.all.extend(moved.procs)
+    assert _gone(first.procs[0])  # the old server of this stack is not left running unrecorded
+    assert moved.url == f"http://127.0.0.1:{new_port}" and moved.started_by_us and is_ours(moved.procs[0])
+
+
+def test_a_part_moved_to_another_host_is_restarted_where_the_config_says(spawned, tmp_path):
+    port = _free_port()
+    wide = spawned(["sleep", "30"])  # stands in for the server a first `up --host 0.0.0.0` started
+    recorded = PartState(name="prefect", url=f"http://0.0.0.0:{port}", port=port, procs=[wide], started_by_us=True)
+    part = _ensure_http(recorded, "127.0.0.1", port, tmp_path)
+    spawned.all.extend(part.procs)
+    assert _gone(wide) and part.url == f"http://127.0.0.1:{port}" and is_ours(part.procs[0])
+
+
+def test_a_moved_part_this_stack_did_not_start_is_left_running(spawned, tmp_path):
+    port = _free_port()
+    foreign = spawned(["sleep", "30"])
+    recorded = PartState(name="prefect", url="http://127.0.0.1:1", port=1, procs=[foreign], started_by_us=False)
+    part = _ensure_http(recorded, "127.0.0.1", port, tmp_path)
+    spawned.all.extend(part.procs)
+    assert is_ours(foreign) and is_ours(part.procs[0])
+
+
+# ---- `down` never starts a Ray head and stops every part it can (stack.down, endpoint.stop) ------------------------
+
+
+def _record_stack(home: Path, spawned) -> dict[str, Proc]:
+    servers = {name: spawned(["sleep", "30"]) for name in ("prefect", "mlflow", "worker")}
+    parts = {name: PartState(name=name, procs=[p], started_by_us=True) for name, p in servers.items()}
+    parts["ray"] = PartState(name="ray", url="http://127.0.0.1:8265", started_by_us=False)
+    parts["endpoint"] = PartState(name="endpoint", url="http://127.0.0.1:8000", started_by_us=True)
+    write_state(StackState(home=str(home), parts=parts))
+    return servers
+
+
+def test_stopping_the_endpoint_without_a_running_head_starts_none(home):
+    _, config = load_stack_config(None, [])
+    part = PartState(name="endpoint", url="http://127.0.0.1:8000", started_by_us=True)
+    assert endpoint.stop(part, config) is False  # `home`'s guard fails the test if provision starts a head
+
+
+def test_down_without_a_head_stops_every_other_part(home, spawned, capsys):
+    servers = _record_stack(home, spawned)
+    assert main(["down"]) == 0
+    assert all(_gone(p) for p in servers.values())
+    assert not state_path().exists()
+    assert "endpoint  was not running" in capsys.readouterr().out
+
+
+def test_down_goes_on_after_a_part_fails_and_exits_non_zero(home, spawned, capsys, monkeypatch):
+    servers = _record_stack(home, spawned)
+
+    def fails(part, config):
+        raise ClusterError("ray start failed: no memory for the object store\n(Ray's last lines)")
+
+    monkeypatch.setattr(endpoint, "stop", fails)
+    assert main(["down"]) == 1
+    out, err = capsys.readouterr()
+    assert all(_gone(p) for p in servers.values())  # Prefect, MLflow, worker: stopped all the same
+    assert "endpoint  could not be stopped: ClusterError: ray start failed: no memory" in out
+    assert "Ray's last lines" not in out  # one line
+    assert "could not stop endpoint" in err
+    state = read_state()
+    assert state is not None and list(state.parts) == ["endpoint"]  # kept for the next `down`
+
+
+# ---- `down` stops only the Ray head `up` started (ray_head.stop) ---------------------------------------------------
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen(["sleep", "30"])
+    deadline = time.monotonic() + 5  # until it has exec'd, /proc shows Python's start time and command line
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes() != b"sleep\x0030\x00" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _write_head(pid: int) -> Path:
+    info = process.inspect(pid)
+    assert info is not None
+    record = head._record()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(
+        head.HeadInfo(
+            gcs_address="127.0.0.1:1",
+            dashboard_url="http://127.0.0.1:2",
+            pids=[pid],
+            start_ticks=[info.start_ticks],
+            host="127.0.0.1",
+            num_cpus=1,
+            started_at=0.0,
+        ).model_dump_json()
+    )
+    return record
+
+
+def test_down_leaves_a_head_that_replaced_the_one_up_started(home, sleeper):
+    gone = subprocess.Popen(["sleep", "30"])  # head A, which `up` recorded, then died
+    ticks = process.inspect(gone.pid).start_ticks
+    gone.kill()
+    gone.wait()
+    record = _write_head(sleeper.pid)  # head B, which a later `shardline run` started and recorded
+    part = PartState(name="ray", procs=[Proc(pid=gone.pid, start_ticks=ticks)], started_by_us=True)
+    assert ray_head.stop(part) is False
+    time.sleep(0.2)
+    assert sleeper.poll() is None and json.loads(record.read_text())["pids"] == [sleeper.pid]
+
+
+def test_down_stops_the_head_up_started(home, sleeper):
+    record = _write_head(sleeper.pid)
+    ticks = process.inspect(sleeper.pid).start_ticks
+    part = PartState(name="ray", procs=[Proc(pid=sleeper.pid, start_ticks=ticks)], started_by_us=True)
+    assert ray_head.stop(part) is True
+    assert sleeper.wait(timeout=5) is not None and not record.exists()
+
+
+# ---- a group whose leader died is still stopped (procs.stop) ------------------------------------------------------
+
+
+def _group(pgid: int) -> list[int]:
+    return [p.pid for p in process.processes() if p.pgid == pgid]
+
+
+@pytest.fixture
+def orphaned(tmp_path: Path):
+    """A spawned group whose leader (a shell) exited and left its child `sleep` running, as a killed `mlflow server`
+    leaves its workers; that child is killed at the end whatever the test did."""
+    proc = spawn("orphans", ["sh", "-c", "sleep 30 & exec sleep 0.2"], dict(os.environ), tmp_path / "logs")
+    os.waitpid(proc.pid, 0)  # the leader exits; reaped as init reaps it for `up`
+    deadline = time.monotonic() + 5
+    while not _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    members = [p for p in process.processes() if p.pgid == proc.pid]
+    yield proc
+    for member in members:  # only the very processes started here
+        if process.is_same(member.pid, member.start_ticks):
+            os.kill(member.pid, 9)
+
+
+def test_stop_signals_the_group_whose_leader_died(orphaned):
+    assert not is_ours(orphaned) and len(_group(orphaned.pid)) == 1  # the sleep the shell started
+    assert stop(orphaned, grace_s=3.0) is True
+    assert _group(orphaned.pid) == []
+
+
+def test_stop_leaves_a_group_older_than_the_recorded_leader(orphaned):
+    members = _group(orphaned.pid)
+    later = Proc(pid=orphaned.pid, start_ticks=orphaned.start_ticks + 10**9)  # a record of a later process
+    assert stop(later, grace_s=1.0) is False
+    assert _group(orphaned.pid) == members
