@@ -7,6 +7,7 @@ import json
 import sys
 
 from flows.config import ConfigError, load_stack_config
+from infra.redact import redact
 
 FLAG_KEYS = {"backend": "backend", "host": "host", "prefect_port": "prefect_port", "mlflow_port": "mlflow_port"}
 
@@ -64,28 +65,33 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         stack_cfg, pipeline_cfg = _configs(args)
     except ConfigError as e:
-        print(f"shardline: {e}", file=sys.stderr)
+        print(f"shardline: {redact(e)}", file=sys.stderr)
         return 2
     print("shardline up:", flush=True)
     try:
         up(stack_cfg, pipeline_cfg, say=lambda line: print(line, flush=True))
     except StackError as e:
-        print(f"shardline: {e}\n  (what did start is recorded; `shardline down` stops it)", file=sys.stderr)
+        print(f"shardline: {redact(e)}\n  (what did start is recorded; `shardline down` stops it)", file=sys.stderr)
         return 1
     print("\n".join(summary_lines(status())), flush=True)
     return 0
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
+    from flows.stack.procs import StackError
     from flows.stack.stack import down
 
     try:
         _, pipeline_cfg = _configs(args)
     except ConfigError as e:
-        print(f"shardline: {e}", file=sys.stderr)
+        print(f"shardline: {redact(e)}", file=sys.stderr)
         return 2
     print("shardline down:", flush=True)
-    down(pipeline_cfg, say=lambda line: print(line, flush=True))
+    try:
+        down(pipeline_cfg, say=lambda line: print(line, flush=True))
+    except StackError as e:
+        print(f"shardline: {redact(e)}", file=sys.stderr)
+        return 1
     return 0
 
 

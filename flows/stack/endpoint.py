@@ -39,7 +39,8 @@ def stop(part: PartState, config) -> bool:
     """Remove the serving app when this stack started it (never another application, never Serve itself).
 
     The Ray head is the `ray` part's to stop (only if this stack started it), so `serve_down`, which also stops
-    the head, is not what is called here.
+    the head, is not what is called here. With no local head running the app is gone with it: nothing is removed,
+    and no head is started to find that out (provision would start one).
     """
     if not part.started_by_us:
         return False
@@ -47,7 +48,10 @@ def stop(part: PartState, config) -> bool:
 
     from deployments.endpoint import remove
     from infra.cluster import provision, teardown
+    from infra.head import read_head
 
+    if not ray.is_initialized() and config.cluster.mode != "remote" and read_head() is None:
+        return False
     info = provision(config.cluster) if not ray.is_initialized() else None
     try:
         return bool(remove(config.serve, config.registry.model_name))

@@ -12,6 +12,7 @@ from flows.stack.procs import StackError
 from flows.stack.service import stop_part
 from flows.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
 from infra.paths import quiet_telemetry, shardline_home
+from infra.redact import first_line
 
 
 def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) -> StackState:
@@ -77,13 +78,18 @@ def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
     """Stop what `up` started, by the PIDs it recorded, in reverse order; return the parts stopped.
 
     Parts that were already running when `up` came (started_by_us false) are left alone, and so is every process
-    that `up` did not record. The state file is removed once nothing recorded is left running.
+    that `up` did not record. A part that fails to stop is reported in one line and stays recorded, and the parts
+    after it are still stopped. The state file is removed once nothing recorded is left running.
+
+    Raises:
+        StackError: some part could not be stopped (named); it stays recorded for the next `down`.
     """
     state = read_state()
     if state is None:
         say("no stack recorded in " + str(state_path()))
         return []
     stopped = []
+    failed = []
     for name in reversed(PARTS):
         part = state.parts.get(name)
         if part is None:
@@ -95,8 +101,9 @@ def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
                 done = ray_head.stop(part)
             else:
                 done = stop_part(part)
-        except (StackError, OSError, ImportError) as e:
-            say(f"  {name:<9} could not be stopped: {e}")
+        except Exception as e:  # noqa: BLE001 - one part's failure must not leave the others running
+            say(f"  {name:<9} could not be stopped: {type(e).__name__}: {first_line(e)}")
+            failed.append(name)
             continue
         if done:
             stopped.append(name)
@@ -112,6 +119,8 @@ def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
         write_state(state)
     if not state.parts:
         state_path().unlink(missing_ok=True)
+    if failed:
+        raise StackError(f"could not stop {', '.join(failed)}; still recorded, so `shardline down` tries again")
     return stopped
 
 
