@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -199,14 +200,21 @@ def _kill(pids: list[int]) -> None:
     process.terminate(pids, wait_s=STOP_GRACE_S)
 
 
-def stop_head() -> bool:
-    """Stop the head this $SHARDLINE_HOME recorded (its recorded PIDs and their children); False if none ran."""
+def stop_head(owned: Collection[int] | None = None) -> bool:
+    """Stop the head this $SHARDLINE_HOME recorded (its recorded PIDs and their children); False if none ran.
+
+    With `owned` (PIDs the caller knows it started), only when one of them is still a live process of the recorded
+    head: a head started later by another command, after the caller's died, is left running and recorded.
+    """
     path = _record()
     try:
         info = HeadInfo.model_validate_json(path.read_text())
     except (OSError, ValueError):
         return False
-    _kill(_descendants(_recorded_alive(info)))
+    alive = _recorded_alive(info)
+    if owned is not None and not set(owned) & set(alive):
+        return False
+    _kill(_descendants(alive))
     _forget_current_cluster(info.gcs_address.rsplit(":", 1)[-1])
     path.unlink(missing_ok=True)
     return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.stack.procs import Proc, _start_ticks
+from flows.stack.procs import Proc, _start_ticks, is_ours
 from flows.stack.state import PartState
 from infra.config import ClusterConfig
 
@@ -21,9 +21,10 @@ def start(cluster: ClusterConfig, recorded: PartState | None) -> PartState:
 
 
 def stop(part: PartState) -> bool:
-    """Stop the head through infra.head (its recorded PIDs), only when this stack started it."""
+    """Stop the head through infra.head (its recorded PIDs), only when this stack started it and a process `up`
+    recorded for it still runs: a head that replaced it (a later `shardline run` after it died) is not ours."""
     if not part.started_by_us:
         return False
     from infra.head import stop_head
 
-    return stop_head()
+    return stop_head(owned=[p.pid for p in part.procs if is_ours(p)])
