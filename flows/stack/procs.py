@@ -60,9 +60,10 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
 def stop(proc: Proc, grace_s: float = 15.0) -> bool:
     """SIGTERM the process group `spawn` created, SIGKILL what is left after `grace_s`; True if it was running.
 
-    Only the recorded group is signalled, and only while its leader is still the recorded process.
+    Only the recorded group is signalled, and only while its leader is still the recorded process, or, once the
+    leader died, while processes it started are left in its group (a killed `mlflow server` leaves its workers).
     """
-    if not is_ours(proc):
+    if not is_ours(proc) and not _orphans(proc):
         return False
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
@@ -76,6 +77,14 @@ def stop(proc: Proc, grace_s: float = 15.0) -> bool:
                 return True
             time.sleep(0.2)
     return True
+
+
+def _orphans(proc: Proc) -> list[process.ProcessInfo]:
+    """Live members of the recorded group whose leader is gone. The kernel hands out no PID still in use as a group
+    id, so such a group is the one `spawn` created; a start before the leader's would be an older, other group."""
+    if process.inspect(proc.pid) is not None:  # the leader runs, or the PID went to another process
+        return []
+    return [p for p in process.processes() if p.pgid == proc.pid and p.start_ticks >= proc.start_ticks]
 
 
 def _group_alive(pgid: int) -> bool:
