@@ -46,6 +46,10 @@ _SECRET_QUERY_KEYS = {
     "api-key",
     "x-api-key",
     "private_token",
+    "private-token",  # GitLab's header name, also taken as a query key
+    "secret_key",  # MinIO's and boto's spellings; `access_key_id` (an id, not a secret) stays readable
+    "access_key",
+    "aws_secret_key",
 }
 _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Password", "Pwd", "AccessKey", "Secret")
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
@@ -64,8 +68,9 @@ _QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`
 # in text: a secret key as code, JSON or a repr writes it (`client_secret=...`, `"password": "..."`,
 # `{'aws_secret_access_key': '...'}`); the `:` form only after a quoted key, so prose ("Password: must be set") stays
 _KV_KEY = (
-    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|api[_-]?key|"
-    r"account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|refresh[_-]token|auth[_-]token))"
+    r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|secret[_-]key|"
+    r"access[_-]key|api[_-]?key|account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|"
+    r"refresh[_-]token|auth[_-]token|private[_-]token))"
 )
 _KV_SECRET = re.compile(
     r"(?i)" + _KV_KEY + r"""(?:(=)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""

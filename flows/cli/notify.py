@@ -22,16 +22,16 @@ def resolve_source(source: str) -> str:
     source = source.strip()
     if not source:
         raise ValueError("SOURCE is empty; name the corpus location (a path, s3://..., az://...)")
-    if source == "stdlib" or source.startswith(REMOTE_SCHEMES):
-        from infra.redact import find_credential, redact
+    from infra.redact import find_credential, redact
 
+    if source == "stdlib" or source.startswith(REMOTE_SCHEMES):
         found = find_credential(source)
         if found:  # the event, and the run it starts, would carry it: credentials come from the environment
             raise ValueError(f"SOURCE {redact(source)!r} carries {found}; give the location only")
         return source
     path = Path(source).expanduser().resolve()
     if not path.exists():
-        raise ValueError(f"{source}: no such file or directory")
+        raise ValueError(f"{redact(source)}: no such file or directory")  # a mistyped https://user:pw@... too
     return str(path)
 
 
@@ -65,8 +65,7 @@ def _cmd_notify(args: argparse.Namespace) -> int:
         overrides, _ = read_raw(args.config, args.set)
         overrides.pop("stack", None)  # `shardline up`'s table, not a run's
     except (ValueError, ConfigError) as e:
-        print(f"shardline: {e}", file=sys.stderr)
-        return 2
+        return exit_with_error(str(e), 2)  # masked: the value quoted may be a URI with a password
     prepare_environment()
     if not os.environ.get("PREFECT_API_URL"):
         print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from flows.stack.procs import StackError
+from infra.redact import redact
 
 
 class Backend(BaseModel):
@@ -51,11 +52,19 @@ def parse_backend(text: str) -> Backend:
         url = make_url(text)
     except ArgumentError:
         raise StackError("stack.backend: expected postgresql://USER@HOST:PORT/NAME") from None
-    shown = url.render_as_string(hide_password=True)
+    # hide_password covers user:password@ only; a `?password=` (libpq's own spelling) is masked by redact
+    shown = redact(url.render_as_string(hide_password=True))
     if url.get_backend_name() != "postgresql" or not url.username or not url.host or not url.database:
         raise StackError(f"stack.backend: expected postgresql://USER@HOST:PORT/NAME, got {shown!r}")
+    query_password = url.query.get("password", "")
+    if not isinstance(query_password, str):  # `?password=a&password=b`: SQLAlchemy keeps both
+        query_password = query_password[-1]
     return Backend(
-        user=url.username, host=url.host, port=url.port or 5432, name=url.database, password=url.password or ""
+        user=url.username,
+        host=url.host,
+        port=url.port or 5432,
+        name=url.database,
+        password=url.password or query_password,
     )
 
 

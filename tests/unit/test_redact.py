@@ -104,6 +104,40 @@ def test_secrets_in_log_and_error_text_are_masked(raw, masked):
     assert redact(raw) == masked
 
 
+@pytest.mark.parametrize(
+    ("raw", "masked"),
+    [
+        ("secret_key=wJalrXUtnFEMI/K7MDENG", "secret_key=***"),
+        ("aws_secret_key=wJalrXUtnFEMI/K7MDENG", "aws_secret_key=***"),
+        ("access_key=wJalrXUtnFEMI/K7MDENG", "access_key=***"),
+        ("{'secret_key': 'wJalr/K7', 'access_key_id': 'AKIDX'}", "{'secret_key': '***', 'access_key_id': 'AKIDX'}"),
+        ('{"private-token": "glx-abc"}', '{"private-token": "***"}'),
+        ("https://minio.local/b?secret_key=s3&access_key=a1", "https://minio.local/b?secret_key=***&access_key=***"),
+        (
+            "https://gitlab.local/api?private-token=abc&per_page=5",
+            "https://gitlab.local/api?private-token=***&per_page=5",
+        ),
+    ],
+    ids=["secret_key", "aws_secret_key", "access_key", "repr", "json-private-token", "minio-query", "gitlab-query"],
+)
+def test_object_store_and_gitlab_key_names_are_masked(raw, masked):
+    assert redact(raw) == masked
+    if "://" in raw:
+        assert find_credential(raw) is not None  # a config value holding one is refused
+
+
+@pytest.mark.parametrize(
+    "clean",
+    [
+        "access_key_id=AKIDX aws_access_key_id=AKIDX",  # an access key's id names it, it is no secret
+        "https://minio.local/b?access_key_id=AKIDX",
+        "access_keys=3 secret_key_id=k1 private_tokens=0",
+    ],
+)
+def test_key_ids_and_longer_names_are_unchanged(clean):
+    assert redact(clean) == clean and find_credential(clean) is None
+
+
 def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a_credential():
     assert find_credential(f"https://{GHP}@github.com/o/r.git") == "a token in the URI"
     assert find_credential("ssh://git@github.com/o/r.git") == "a user/token in the URI"  # a user deploy_all allows
