@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flows.stack.config import StackConfig
 from flows.stack.procs import StackError, is_ours, spawn, stop, tail
-from flows.stack.service import bin_path, service_env
+from flows.stack.service import bin_path, service_env, stop_part
 from flows.stack.state import PartState
 
 
@@ -64,8 +64,13 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, api_url: str
     env = run_environment(home, api_url, tracking_uri)
     ensure_pool(api_url, cfg.work_pool, env)
     name = f"shardline-{cfg.work_pool}"
+    url = f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}"
     if recorded is not None and recorded.procs and all(is_ours(p) for p in recorded.procs):
-        return recorded
+        if recorded.url == url and recorded.detail.get("tracking_uri") == tracking_uri:
+            return recorded
+        # Prefect or MLflow moved (another port or host): this worker polls the old server and its runs log to the
+        # old MLflow, so it is replaced, not kept
+        stop_part(recorded)
     logs = home / "stack" / "logs"
     argv = [
         bin_path("prefect"),
@@ -103,8 +108,8 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, api_url: str
         raise
     return PartState(
         name="worker",
-        url=f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}",
+        url=url,
         procs=[proc],
         started_by_us=True,
-        detail={"pool": cfg.work_pool, "worker": name, "log": str(logs / "worker.log")},
+        detail={"pool": cfg.work_pool, "worker": name, "log": str(logs / "worker.log"), "tracking_uri": tracking_uri},
     )

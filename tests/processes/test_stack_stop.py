@@ -120,6 +120,21 @@ def test_a_failed_poll_for_the_worker_stops_the_worker_it_started(error, spawned
     assert len(spawned.all) == 1 and _gone(spawned.all[0])
 
 
+def test_a_worker_is_kept_while_prefect_and_mlflow_stay_and_replaced_when_either_moves(spawned, home, monkeypatch):
+    """A kept worker would poll the old Prefect server, and its runs log to the old MLflow one."""
+    monkeypatch.setattr(worker, "ensure_pool", lambda *args: None)  # no Prefect server here
+    monkeypatch.setattr(worker, "spawn", lambda name, argv, env, log_dir: spawned(["sleep", "30"]))
+    monkeypatch.setattr(worker, "_worker_online", lambda *args: True)
+    prefect, mlflow = "http://127.0.0.1:4200/api", "http://127.0.0.1:5000"
+    first = worker.start(StackConfig(), home, None, prefect, mlflow)
+    assert worker.start(StackConfig(), home, first, prefect, mlflow) is first and len(spawned.all) == 1
+    moved = worker.start(StackConfig(), home, first, "http://127.0.0.1:4300/api", mlflow)
+    assert moved.url.startswith("http://127.0.0.1:4300/") and _gone(spawned.all[0]) and is_ours(spawned.all[1])
+    logging_elsewhere = worker.start(StackConfig(), home, moved, "http://127.0.0.1:4300/api", "http://127.0.0.1:5100")
+    assert logging_elsewhere.detail["tracking_uri"] == "http://127.0.0.1:5100" and _gone(spawned.all[1])
+    assert len(spawned.all) == 3 and is_ours(spawned.all[2])
+
+
 # ---- a part moved to another port or host is stopped, not lost or kept (service.ensure_service) --------------------
 
 
