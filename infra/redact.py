@@ -4,7 +4,8 @@ One function decides what a credential looks like (`find_credential`), one rewri
 `scheme://user:password@host` (a bare `scheme://token@host` too), query keys that carry signatures or tokens
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
 `SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`),
-secret keys in code, JSON and repr forms (`aws_secret_access_key=...`, `{"password": "..."}`), signed query strings
+secret keys in code, JSON, INI and repr forms (`aws_secret_access_key = ...`, `{"password": "..."}`), header lines of
+a secret (`x-api-key: ...`), signed query strings
 printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
 known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
 `find_credential`, which refuses config values, knows URIs, connection strings and tokens of a known shape.
@@ -50,6 +51,7 @@ _SECRET_QUERY_KEYS = {
     "secret_key",  # MinIO's and boto's spellings; `access_key_id` (an id, not a secret) stays readable
     "access_key",
     "aws_secret_key",
+    "passphrase",
 }
 _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Password", "Pwd", "AccessKey", "Secret")
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
@@ -70,10 +72,15 @@ _QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`
 _KV_KEY = (
     r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|secret[_-]key|"
     r"access[_-]key|api[_-]?key|account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|"
-    r"refresh[_-]token|auth[_-]token|private[_-]token))"
+    r"refresh[_-]token|auth[_-]token|private[_-]token|passphrase))"
 )
+# `=` with spaces around it too (`aws_secret_access_key = ...` in ~/.aws/credentials and INI files), not `==`
 _KV_SECRET = re.compile(
-    r"(?i)" + _KV_KEY + r"""(?:(=)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
+    r"(?i)" + _KV_KEY + r"""(?:(\s*=(?!=)\s*)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
+)
+# an HTTP header line that carries a secret (a logged request: `x-api-key: ...`); Authorization is _BEARER's
+_HEADER_SECRET = re.compile(
+    r"(?im)^(\s*(?:x-amz-security-token|x-api-key|api-key|x-goog-api-key|private-token|x-auth-token)\s*:\s*)(\S+)"
 )
 # tokens of a known shape wherever they stand (length floors keep names like `hf_model` or `ghp_x` as they are)
 _TOKEN = re.compile(
@@ -165,6 +172,8 @@ def redact(text: Any) -> str:
         s = _QUERY_PAIR.sub(_masked_pair, s)  # a signed path printed without scheme and host
     if "=" in s or ":" in s:
         s = _KV_SECRET.sub(_masked_value, s)
+    if ":" in s:
+        s = _HEADER_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", s)
     s = _TOKEN.sub(MASK, s)
     if "earer" in s or "EARER" in s or "Basic" in s:
         s = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", s)

@@ -138,6 +138,23 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
     assert redact(clean) == clean and find_credential(clean) is None
 
 
+@pytest.mark.parametrize(
+    ("raw", "masked"),
+    [
+        ("[default]\naws_secret_access_key = wJalrXUtnFEMI/K7MDENG", "[default]\naws_secret_access_key = ***"),
+        ("AccountKey = abc+/=", "AccountKey = ***"),
+        ("passphrase=hunter2x", "passphrase=***"),
+        ("GET /v1\nx-api-key: abcd1234efgh\nAccept: */*", "GET /v1\nx-api-key: ***\nAccept: */*"),
+        ("  X-Amz-Security-Token: FQoGZXIvYXdzE", "  X-Amz-Security-Token: ***"),
+        ("if password == other:", "if password == other:"),  # code comparing, not assigning
+        ("Password: must be set", "Password: must be set"),  # prose: no header of a secret
+    ],
+    ids=["ini-spaces", "conn-spaces", "passphrase", "header", "amz-header", "comparison", "prose"],
+)
+def test_ini_assignments_with_spaces_and_secret_header_lines_are_masked(raw, masked):
+    assert redact(raw) == masked
+
+
 def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a_credential():
     assert find_credential(f"https://{GHP}@github.com/o/r.git") == "a token in the URI"
     assert find_credential("ssh://git@github.com/o/r.git") == "a user/token in the URI"  # a user deploy_all allows
