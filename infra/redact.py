@@ -5,7 +5,7 @@ One function decides what a credential looks like (`find_credential`), one rewri
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
 `SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`),
 secret keys in code, JSON, INI and repr forms (`aws_secret_access_key = ...`, `{"password": "..."}`), header lines of
-a secret (`x-api-key: ...`), signed query strings
+a secret (`x-api-key: ...`), a command line's secret option (`--password x`), signed query strings
 printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
 known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
 `find_credential`, which refuses config values, knows URIs, connection strings and tokens of a known shape.
@@ -55,7 +55,8 @@ _SECRET_QUERY_KEYS = {
 }
 _CONN_KEYS = ("AccountKey", "SharedAccessSignature", "SharedAccessKey", "Password", "Pwd", "AccessKey", "Secret")
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
-_CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=([^;\s'\"]+)")
+# a value in braces may hold ';' (ODBC's `PWD={a;b}`)
+_CONN = re.compile(r"(?i)\b(" + "|".join(_CONN_KEYS) + r")=(\{[^}]*\}|[^;\s'\"]+)")
 # in text (logs, errors): an environment-style secret (`AWS_SECRET_ACCESS_KEY=...`) and a bearer token
 _ENV_SECRET = re.compile(
     r"\b([A-Z][A-Z0-9_]*(?:SECRET|PASSWORD|TOKEN|_KEY|AUTH|_PWD(?![A-Z])|_PASS(?![A-Z]))[A-Z0-9_]*)"
@@ -72,11 +73,16 @@ _QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`
 _KV_KEY = (
     r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|secret[_-]key|"
     r"access[_-]key|api[_-]?key|account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|"
-    r"refresh[_-]token|auth[_-]token|private[_-]token|passphrase))"
+    r"refresh[_-]token|auth[_-]token|private[_-]token|passphrase|signature))"
 )
 # `=` with spaces around it too (`aws_secret_access_key = ...` in ~/.aws/credentials and INI files), not `==`
 _KV_SECRET = re.compile(
     r"(?i)" + _KV_KEY + r"""(?:(\s*=(?!=)\s*)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
+)
+# a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
+_OPTION_SECRET = re.compile(
+    r"(?i)(?<![\w-])(--(?:[a-z0-9]+-){0,4}(?:password|passwd|secret|token|api-key|secret-key|access-key|passphrase))"
+    r"(\s+|=)(?!-)([^\s'\"]+)"
 )
 # an HTTP header line that carries a secret (a logged request: `x-api-key: ...`); Authorization is _BEARER's
 _HEADER_SECRET = re.compile(
@@ -174,6 +180,8 @@ def redact(text: Any) -> str:
         s = _KV_SECRET.sub(_masked_value, s)
     if ":" in s:
         s = _HEADER_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", s)
+    if "--" in s:
+        s = _OPTION_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", s)
     s = _TOKEN.sub(MASK, s)
     if "earer" in s or "EARER" in s or "Basic" in s:
         s = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", s)

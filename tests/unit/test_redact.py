@@ -146,12 +146,33 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         ("passphrase=hunter2x", "passphrase=***"),
         ("GET /v1\nx-api-key: abcd1234efgh\nAccept: */*", "GET /v1\nx-api-key: ***\nAccept: */*"),
         ("  X-Amz-Security-Token: FQoGZXIvYXdzE", "  X-Amz-Security-Token: ***"),
+        ("psql --password hunter2 -h db", "psql --password *** -h db"),
+        ("tool --api-key=abc123 --verbose", "tool --api-key=*** --verbose"),
+        ("x --no-password --verbose --token-file /run/t", "x --no-password --verbose --token-file /run/t"),
+        ("Driver={ODBC};Server=db;PWD={a;b};Database=x", "Driver={ODBC};Server=db;PWD=***;Database=x"),
+        (
+            "Credential=AKIDEXAMPLE/x, SignedHeaders=host, Signature=5d672d79c1",
+            "Credential=AKIDEXAMPLE/x, SignedHeaders=host, Signature=***",
+        ),
         ("if password == other:", "if password == other:"),  # code comparing, not assigning
         ("Password: must be set", "Password: must be set"),  # prose: no header of a secret
     ],
-    ids=["ini-spaces", "conn-spaces", "passphrase", "header", "amz-header", "comparison", "prose"],
+    ids=[
+        "ini-spaces",
+        "conn-spaces",
+        "passphrase",
+        "header",
+        "amz-header",
+        "option",
+        "option-equals",
+        "option-flags",
+        "odbc-braces",
+        "aws4-authorization",
+        "comparison",
+        "prose",
+    ],
 )
-def test_ini_assignments_with_spaces_and_secret_header_lines_are_masked(raw, masked):
+def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(raw, masked):
     assert redact(raw) == masked
 
 
