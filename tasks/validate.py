@@ -79,7 +79,7 @@ def validate_checkpoint(
         GateFailed: a gate failed, or the model cannot be served (NotServable); not retried.
         CheckpointError: the checkpoint is incomplete, corrupt or non-finite (not retried).
     """
-    from deployments.registry import champion_model
+    from deployments.registry import champion_model, seq_len_of
 
     try:
         logger = get_run_logger()
@@ -97,10 +97,9 @@ def validate_checkpoint(
             tokenizer = load_tokenizer(shards.tokenizer_uri)
             mlflow.set_tag(TAG_TOKENIZER_SHA256, shards.tokenizer_sha256)
 
-        def score(m: Any, tok: Any = tokenizer) -> float:  # the trained nn.Module, or the champion as it is served
-            return held_out_bpb(
-                m, shards.val_shards, shards.num_val, train_cfg.seq_len, cfg.batch_size, cfg.max_texts, tok
-            )
+        def score(m: Any, tok: Any = tokenizer, seq_len: int = train_cfg.seq_len) -> float:
+            """The trained nn.Module, or the champion as it is served: each at its own context length."""
+            return held_out_bpb(m, shards.val_shards, shards.num_val, seq_len, cfg.batch_size, cfg.max_texts, tok)
 
         bpb = score(model)
         texts = min(shards.num_val, cfg.max_texts or shards.num_val)
@@ -116,14 +115,17 @@ def validate_checkpoint(
             champion_version, champion_model_obj = champion
             champion_uri = f"models:/{registry.model_name}/{champion_version}"
             champion_tok = served_tokenizer(champion_uri)
+            # its context as logged and as the endpoint scores it: a run that changed train.seq_len must not feed
+            # the champion positions it has no embedding for (an IndexError), nor fewer than it serves with
+            champion_seq_len = seq_len_of(champion_uri)
             # the width of its logits, as logged (a forward pass for a version logged before vocab_size was)
             width = (mlflow.models.get_model_info(champion_uri).metadata or {}).get("vocab_size")
-            if champion_tok is None and (width or vocab_of(champion_model_obj, train_cfg.seq_len)) != 256:
+            if champion_tok is None and (width or vocab_of(champion_model_obj, champion_seq_len)) != 256:
                 raise GateFailed(
                     f"champion v{champion_version} predicts token ids but carries no tokenizer: it cannot be "
                     "scored on the held-out texts"
                 )
-            champion_bpb = score(champion_model_obj, champion_tok)  # its own ids (or bytes), the same texts
+            champion_bpb = score(champion_model_obj, champion_tok, champion_seq_len)  # its own ids, the same texts
             mlflow.log_metric("champion_val_bits_per_byte", champion_bpb)
             mlflow.set_tag("shardline.champion_version", champion_version)
             limit = cfg.max_regression_vs_champion

@@ -99,3 +99,27 @@ def test_a_token_model_is_scored_per_byte_against_a_byte_champion_on_the_same_te
     again = validate_checkpoint.fn(VAL, CFG, trained, shards, lineage_for("against-tokens"), registry)
     assert again.champion_version == "2"
     assert again.champion_val_bits_per_byte == pytest.approx(result.val_bits_per_byte, rel=1e-5)  # the same model
+
+
+def test_a_champion_is_scored_at_its_own_context_when_the_run_changed_train_seq_len(
+    tmp_path, token_set, mlflow_store, lineage_for, pg
+):
+    """The new run doubles train.seq_len: the champion has no position embedding past its own 16, and the endpoint
+    scores it at 16, so validation does too (at the run's 32 it raised an IndexError the stage retried)."""
+    shards, _ = token_set
+    longer = CFG.model_copy(update={"seq_len": 32})
+    torch.manual_seed(0)
+    fitted = fit_vocabulary(longer, shards)
+    model = parallelize(build_gpt(fitted), fitted, torch.device("cpu"), 1)
+    directory = tmp_path / "checkpoints" / "checkpoint_000001"
+    ck.save_checkpoint(directory, model, build_optimizer(model, fitted, torch.device("cpu")), 1, 0, 0, 1)
+    trained = TrainResult(
+        train_run_id="t", checkpoint_uri=str(directory), step=1, final_loss=1.0, tokens_per_s=1.0, world_size=1
+    )
+    champion = _byte_champion(*mlflow_store)
+    result = validate_checkpoint.fn(
+        VAL, longer, trained, shards, lineage_for("longer"), RegistryConfig(model_name=NAME)
+    )
+    at_its_own = held_out_bpb(champion, shards.val_shards, shards.num_val, CFG.seq_len, VAL.batch_size, VAL.max_texts)
+    assert result.champion_version == "1"
+    assert result.champion_val_bits_per_byte == pytest.approx(at_its_own, rel=1e-5)
