@@ -19,11 +19,14 @@ from infra.names import (
     TAG_CHAT_TEMPLATE_SHA256,
     TAG_CHAT_TOKENS,
     TAG_CHECKPOINT_URI,
+    TAG_DATA_RUN_ID,
+    TAG_DATASET_DIGEST,
+    TAG_MANIFEST_URI,
     TAG_MODEL_URI,
     TAG_TOKENIZER_SHA256,
     TAG_TRAIN_RUN_ID,
 )
-from infra.tracking import Lineage, flat_params, stage_run
+from infra.tracking import Lineage, flat_params, safe_tags, stage_run
 from tasks.cache import VALIDATION_CACHE, results_dir
 from tasks.retry import TIMEOUT_S, retry_unless
 from training.chat_template import ChatFormat, fingerprint, tokens_tag
@@ -86,7 +89,18 @@ def validate_checkpoint(
     except MissingContextError:  # called as validate_checkpoint.fn(...) outside a run (a unit test, a REPL)
         logger = logging.getLogger("shardline.validate")
     with stage_run(lineage, "validate_checkpoint") as run_id:
-        mlflow.set_tags({TAG_TRAIN_RUN_ID: trained.train_run_id, TAG_CHECKPOINT_URI: trained.checkpoint_uri})
+        # what it consumed: the checkpoint and the held-out split it scores (lineage from the data to the gate)
+        mlflow.set_tags(
+            safe_tags(
+                {
+                    TAG_TRAIN_RUN_ID: trained.train_run_id,
+                    TAG_CHECKPOINT_URI: trained.checkpoint_uri,
+                    TAG_DATASET_DIGEST: shards.dataset_digest,
+                    TAG_DATA_RUN_ID: shards.data_run_id,
+                    TAG_MANIFEST_URI: shards.manifest_uri,
+                }
+            )
+        )
         mlflow.log_params(flat_params("validation", cfg))
         train_cfg = fit_vocabulary(train_cfg, shards)  # the model as the workers built it, for the set's ids
         model = load_checkpoint_model(trained.checkpoint_uri, train_cfg)

@@ -92,6 +92,10 @@ def test_a_token_model_is_scored_per_byte_against_a_byte_champion_on_the_same_te
     # the version carries its tokenizer: promoted, it is scored with it against the next challenger
     assert served_tokenizer(result.model_uri).to_str() == tok.to_str()
     assert run.data.tags["shardline.tokenizer_sha256"] == shards.tokenizer_sha256
+    # what it consumed: the checkpoint's train run and the held-out split it scored
+    assert run.data.tags["shardline.train_run_id"] == "train-run"
+    assert run.data.tags["shardline.dataset_digest"] == shards.dataset_digest
+    assert run.data.tags["shardline.manifest_uri"] == shards.manifest_uri
     client = client_for(mlflow_store[0])
     client.set_registered_model_alias(
         NAME, "champion", register_version(client, NAME, result.model_uri, result.validation_run_id)
