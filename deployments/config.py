@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -140,6 +141,15 @@ class ServeConfig(BaseModel):
     drain_timeout_s: float = Field(
         30.0, gt=0, description="How long a removed version's replicas may finish requests in flight."
     )
+
+    @field_validator("auth_token_env")
+    @classmethod
+    def _a_variable_name(cls, name: str) -> str:
+        # the token itself pasted here would reach Prefect's parameters and MLflow, and the endpoint would serve
+        # without auth (no variable has that name); the message does not echo it
+        if name and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # "" reads no variable: no auth
+            raise ValueError("the name of an environment variable (e.g. SHARDLINE_SERVE_TOKEN), not the token itself")
+        return name
 
     @field_validator("app_name")
     @classmethod

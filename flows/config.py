@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = _parse_value(value.strip())
 
 
+_NEVER_SHOWN = re.compile(r"(?i)(token|secret|password)")
+
+
 def describe_errors(err: ValidationError, origin: str) -> str:
     """One line per problem, naming the dotted key and the value, e.g. `demo.toml: train.stepz: unknown key`.
 
@@ -124,6 +128,8 @@ def describe_errors(err: ValidationError, origin: str) -> str:
             lines.append(f"{origin}: unknown key '{key}'")
         else:
             got = clip(repr(e.get("input")), 120)  # a long inline table or string, shortened
+            if _NEVER_SHOWN.search(key):  # a token pasted where a variable's name goes: whatever it is, unshown
+                got = "'***'"
             lines.append(f"{origin}: {key}: {str(e['msg']).removeprefix('Value error, ')} (got {got})")
     return redact("\n".join(lines))
 
