@@ -171,6 +171,26 @@ class TrainConfig(BaseModel):
             self._lightning_factory()
         return self
 
+    @model_validator(mode="after")
+    def _settings_work_together(self) -> TrainConfig:
+        """What the workers would refuse, or silently ignore, only once training started, refused at load (after the
+        Lightning checks above, whose message says what a Lightning run does instead)."""
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"train.min_lr={self.min_lr:g} > train.lr={self.lr:g}: the cosine decay would raise the rate past its "
+                "peak; set train.min_lr at most train.lr"
+            )
+        if self.cpu_offload and self.parallelism != "fsdp":
+            raise ValueError("train.cpu_offload is FSDP2's; with train.parallelism='ddp' set it false")
+        if self.cpu_offload and not self.use_gpu:
+            raise ValueError("train.cpu_offload=true needs train.use_gpu=true (parameters already live on CPU)")
+        if self.powersgd_rank and self.parallelism != "ddp":
+            raise ValueError(
+                f"train.powersgd_rank={self.powersgd_rank} compresses DDP's gradients; set train.parallelism='ddp' "
+                "or train.powersgd_rank=0"
+            )
+        return self
+
     def _lightning_factory(self) -> None:
         if self.loop != "lightning":
             raise ValueError(f"train.lightning_module={self.lightning_module!r} needs train.loop='lightning'")

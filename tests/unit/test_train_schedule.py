@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from training.config import TrainConfig, check_global_batch, load_object
 from training.loop import lr_at
@@ -48,3 +49,21 @@ def test_model_factory_import_path_errors_name_the_field():
         load_object("training.model:nope", "train.model_factory")
     with pytest.raises(ValueError, match="expected 'module:function'"):
         load_object("training.model", "train.model_factory")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"lr": 1e-4}, r"train.min_lr=0.0003 > train.lr=0.0001: the cosine decay would raise the rate past its peak"),
+        ({"cpu_offload": True}, r"train.cpu_offload=true needs train.use_gpu=true"),
+        ({"cpu_offload": True, "use_gpu": True, "parallelism": "ddp"}, r"train.cpu_offload is FSDP2's"),
+        ({"powersgd_rank": 2}, r"train.powersgd_rank=2 compresses DDP's gradients; set train.parallelism='ddp'"),
+    ],
+)
+def test_settings_the_workers_would_refuse_or_ignore_are_refused_at_load(fields, message):
+    """Each of these failed (or did nothing) only once the workers parallelized the model or the rate decayed."""
+    with pytest.raises(ValidationError, match=f"Value error, {message}"):
+        TrainConfig(**fields)
+    TrainConfig(lr=1e-4, min_lr=1e-5)  # a fine-tune's lower peak with its own floor
+    TrainConfig(cpu_offload=True, use_gpu=True)
+    TrainConfig(powersgd_rank=2, parallelism="ddp")
