@@ -147,9 +147,10 @@ def predicted(tok: Tokenizer, text: bytes) -> tuple[list[int], int]:
     if len(ids_enc.ids) < 2:
         return list(ids_enc.ids), 0
     if isinstance(tok.decoder, decoders.ByteLevel):
-        first = len(ids_enc.tokens[0])
-    else:
-        first = len(text.decode("utf-8")[: ids_enc.offsets[1][0]].encode("utf-8"))
+        # each character of a byte-level token is one byte of the text: count the later tokens' own, not the text
+        # less the first token's (a pre-tokenizer that adds a prefix space puts a byte in it the text does not have)
+        return list(ids_enc.ids), sum(len(t) for t in ids_enc.tokens[1:])
+    first = len(text.decode("utf-8")[: ids_enc.offsets[1][0]].encode("utf-8"))
     return list(ids_enc.ids), len(text) - first
 
 

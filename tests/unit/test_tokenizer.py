@@ -157,6 +157,20 @@ def test_token_bits_count_every_token_but_the_first_over_the_bytes_they_cover(bp
     assert code_bits / code_bytes < 8.0  # a blind 600-id model pays fewer bits per byte than a blind byte model
 
 
+def test_a_prefix_space_the_pre_tokenizer_adds_is_not_a_byte_of_the_text(bpe: tk.Tokenizer) -> None:
+    """A tokenizer.json whose ByteLevel pre-tokenizer adds a prefix space (GPT-2's and RoBERTa's option): its first
+    token holds a byte the text lacks, and the bytes the later ones cover are the text's but the first word's."""
+    from tokenizers import pre_tokenizers
+
+    spaced = tk.Tokenizer.from_str(bpe.to_str())
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    text = b"hello world"
+    ids, covered = tk.predicted(spaced, text)
+    assert spaced.encode(text.decode(), add_special_tokens=False).tokens[0].startswith("\u0120")  # the added space
+    first_word = len(spaced.decode([ids[0]]).strip().encode())
+    assert covered == len(text) - first_word
+
+
 def test_token_windows_overlap_by_one_and_cover_every_token() -> None:
     ids = list(range(20))
     got = [w.tolist() for w in token_windows(ids, 8)]
