@@ -35,9 +35,11 @@ class PromotionResult(BaseModel):
 
     model_name: str
     version: str
-    decision: Literal["first-champion", "challenger"]
+    # "rejected": the version (reused by a rerun: same checkpoint) was rejected by an earlier canary; no alias moved
+    decision: Literal["first-champion", "challenger", "rejected"]
     champion_version: str | None  # the champion before this run
     challenger_version: str
+    reason: str = ""  # why: the PromotionDecision's reason, or why a rejected version got no alias
 
 
 class PromotionDecision(BaseModel):
@@ -56,6 +58,7 @@ class PromotionDecision(BaseModel):
             decision=self.verdict,
             champion_version=self.baseline,
             challenger_version=self.candidate,
+            reason=self.reason,
         )
 
 
@@ -94,7 +97,8 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
 
     Idempotent: a version of `name` with the same source and run id, or made from the same checkpoint (its
     `shardline.checkpoint_uri` tag: a rerun after a crash validates and logs the reused checkpoint again), is
-    reused; its tags are (re)applied. A version of the same checkpoint whose model carries something else (a
+    reused; its tags are (re)applied, but for a version the canary rejected (TAG_REJECTED): its tags keep
+    describing the run that was judged. A version of the same checkpoint whose model carries something else (a
     changed chat template: infra.names.VERSION_CONTENT_TAGS) is not that model: a new version is registered, so
     no version's tags describe a model other than its source.
     """
@@ -112,6 +116,8 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
         have = mv.tags or {}
         same = checkpoint and have.get(TAG_CHECKPOINT_URI) == checkpoint
         if mv.source == model_uri or (same and all(have.get(k, "") == tags.get(k, "") for k in VERSION_CONTENT_TAGS)):
+            if have.get(TAG_REJECTED):  # a rerun reused a rejected version: its lineage stays what was judged
+                return str(mv.version)
             for key, value in tags.items():
                 client.set_model_version_tag(name, mv.version, key, value)
             return str(mv.version)

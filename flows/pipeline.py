@@ -7,6 +7,8 @@ from typing import Literal
 from prefect import flow
 from pydantic import BaseModel, Field
 
+from deployments.canary_records import CanaryResult
+from deployments.registry import PromotionResult
 from deployments.release_lock import release_lock
 from flows.config import PipelineConfig, chat_template_of, check_tokenizer_fits
 from flows.run_context import shardline_run
@@ -19,6 +21,7 @@ from tasks.train import train_fsdp
 from tasks.validate import cached as validate_cached
 
 FLOW_TIMEOUT_S = 72 * 3600  # every stage's own bound (tasks/retry.TIMEOUT_S) with their retries fits well inside
+Decision = Literal["first-champion", "promoted", "rejected", "inconclusive", "aborted", "registered"]
 
 
 class PipelineSummary(BaseModel):
@@ -26,7 +29,7 @@ class PipelineSummary(BaseModel):
 
     model_name: str
     model_version: str
-    decision: Literal["first-champion", "promoted", "rejected", "inconclusive", "aborted", "registered"]
+    decision: Decision
     reason: str
     champion_version: str
     val_bits_per_byte: float
@@ -38,6 +41,18 @@ class PipelineSummary(BaseModel):
     flow_run_id: str
     endpoint_url: str = ""
     stage_seconds: dict[str, float] = Field(default_factory=dict, description="Wall seconds per stage run.")
+
+
+def run_outcome(promoted: PromotionResult, canary: CanaryResult) -> tuple[Decision, str, str]:
+    """The run's (decision, reason, champion version afterwards) from the promotion and the canary stages."""
+    if promoted.decision == "first-champion":  # no champion existed, or it is this version already (a rerun)
+        return "first-champion", promoted.reason or "no champion existed", promoted.version
+    if promoted.decision == "rejected":  # a rerun reused a version an earlier canary rejected: no alias moved
+        return "rejected", promoted.reason, promoted.champion_version or ""
+    if canary.decision in ("promoted", "rejected", "inconclusive", "aborted"):  # "skipped": registered only
+        champion = promoted.version if canary.decision == "promoted" else (promoted.champion_version or "")
+        return canary.decision, canary.reason, champion
+    return "registered", canary.reason, promoted.champion_version or ""
 
 
 @flow(name="shardline", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
@@ -73,13 +88,7 @@ def shardline_pipeline(config: PipelineConfig = PipelineConfig()) -> PipelineSum
                 config.canary, config.serve, promoted, shards, run.cluster, config.registry, run.lineage
             )
 
-    if promoted.decision == "first-champion":
-        decision, reason, champion = "first-champion", "no champion existed", promoted.version
-    elif canary.decision in ("promoted", "rejected", "inconclusive", "aborted"):  # "skipped": registered only
-        decision, reason = canary.decision, canary.reason
-        champion = promoted.version if canary.decision == "promoted" else (promoted.champion_version or "")
-    else:
-        decision, reason, champion = "registered", canary.reason, promoted.champion_version or ""
+    decision, reason, champion = run_outcome(promoted, canary)
     summary = PipelineSummary(
         model_name=promoted.model_name,
         model_version=promoted.version,

@@ -14,7 +14,15 @@ from prefect.tasks import exponential_backoff
 from deployments.canary_records import CanaryResult, result_of, skipped, steps_table
 from deployments.config import CanaryConfig, RegistryConfig, ServeConfig
 from deployments.endpoint import reconcile
-from deployments.registry import CHAMPION, AliasChanged, PromotionResult, client_for, read_aliases
+from deployments.registry import (
+    CHAMPION,
+    TAG_REJECTED,
+    AliasChanged,
+    PromotionResult,
+    clear_challenger,
+    client_for,
+    read_aliases,
+)
 from deployments.rollout import CanaryDecided, describe_skipped, log_decision, run_rollout, skip_reason
 from deployments.serving import api_token, replica_runtime_env, token_digest
 from infra.cluster import ClusterInfo
@@ -65,13 +73,15 @@ def canary_deploy(
                 TAG_DATASET_DIGEST: shards.dataset_digest,
                 TAG_TRAIN_RUN_ID: client.get_model_version(name, challenger).run_id or "",
                 TAG_CLUSTER_ADDRESS: cluster.address,
-                "shardline.champion_version": str(champion),
+                "shardline.champion_version": champion or "",  # "": a first champion has none
             }
         )
         mlflow.log_params(flat_params("canary", cfg) | flat_params("serve", serve))
         why_not = skip_reason(client, cfg, name, champion, challenger)
         if why_not:
             describe_skipped(client, name, challenger, why_not)  # a first champion: no challenger alias; described
+            if TAG_REJECTED in (client.get_model_version(name, challenger).tags or {}):
+                clear_challenger(client, name, challenger)  # rejected before (a rerun reused it): no challenger
         if why_not and not serve.enabled:  # the config check made sure the canary is off too
             decision = skipped(name, challenger, champion, f"{why_not}; serve.enabled is false: no endpoint")
             log_decision(decision)

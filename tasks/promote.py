@@ -9,9 +9,12 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.registry import (
+    CHALLENGER,
+    CHAMPION,
     AliasChanged,
     PromotionResult,
     apply_promotion,
+    clear_challenger,
     client_for,
     decide_promotion,
     read_aliases,
@@ -24,6 +27,7 @@ from infra.names import (
     TAG_DATASET_DIGEST,
     TAG_MODEL_URI,
     TAG_MODEL_VERSION,
+    TAG_REJECTED,
     TAG_TOKENIZER_SHA256,
     TAG_TRAIN_RUN_ID,
     TAG_VALIDATION_RUN_ID,
@@ -48,6 +52,10 @@ def promote_model(
     cfg: RegistryConfig, validated: ValidationResult, trained: TrainResult, shards: ShardSet, lineage: Lineage
 ) -> PromotionResult:
     """Register the validated model; alias it `challenger`, and `champion` too when there is none yet.
+
+    A rerun that reuses a version an earlier canary rejected (the same checkpoint: training was reused) gets that
+    version back with decision "rejected": no alias moves to it (a `challenger` one left on it is removed) and its
+    lineage tags are left as they were when it was judged.
 
     Args:
         cfg: the registered model's name.
@@ -77,18 +85,31 @@ def promote_model(
             },
         )
         version = register_version(client, cfg.model_name, validated.model_uri, trained.train_run_id, tags)
+        stage_tags = {
+            TAG_MODEL_VERSION: version,
+            TAG_MODEL_URI: validated.model_uri,
+            TAG_TRAIN_RUN_ID: trained.train_run_id,
+            TAG_VALIDATION_RUN_ID: validated.validation_run_id,
+            TAG_DATASET_DIGEST: shards.dataset_digest,
+        }
+        rejected = (client.get_model_version(cfg.model_name, version).tags or {}).get(TAG_REJECTED)
+        if rejected:  # judged before: not to be canaried (or served) again
+            clear_challenger(client, cfg.model_name, version)
+            result = PromotionResult(
+                model_name=cfg.model_name,
+                version=version,
+                decision="rejected",
+                champion_version=read_aliases(client, cfg.model_name).get(CHAMPION),
+                challenger_version=version,
+                reason=f"version {version} was already rejected by a canary ({rejected}); not made '{CHALLENGER}'",
+            )
+            mlflow.log_dict(result.model_dump(mode="json"), "promotion_decision.json")
+            mlflow.set_tags(stage_tags | {"shardline.promotion": "rejected"})
+            logger.warning("%s version %s: %s", cfg.model_name, version, result.reason)
+            return result
         decision = decide_promotion(cfg.model_name, version, read_aliases(client, cfg.model_name))
         mlflow.log_dict(decision.model_dump(mode="json"), "promotion_decision.json")
-        mlflow.set_tags(
-            {
-                TAG_MODEL_VERSION: version,
-                TAG_MODEL_URI: validated.model_uri,
-                TAG_TRAIN_RUN_ID: trained.train_run_id,
-                TAG_VALIDATION_RUN_ID: validated.validation_run_id,
-                TAG_DATASET_DIGEST: shards.dataset_digest,
-                "shardline.promotion": decision.verdict,
-            }
-        )
+        mlflow.set_tags(stage_tags | {"shardline.promotion": decision.verdict})
         result = apply_promotion(client, decision)
         logger.info("%s version %s: %s", cfg.model_name, version, decision.reason)
         return result

@@ -174,3 +174,99 @@ def test_a_version_carries_its_tokenizer_and_only_a_run_on_the_same_ids_continue
     with pytest.raises(CheckpointError, match=r"^train.init_from='models:/m/1': m version 1 was trained on the ids "):
         resolve_init_from("models:/m/1", "m", lineage.tracking_uri, "cd" * 32)
     assert resolve_init_from("", "m", lineage.tracking_uri, "") is None  # from scratch asks nothing of the registry
+
+
+def test_a_rerun_that_reuses_a_rejected_version_does_not_make_it_challenger_again(lineage, lineage_for):
+    """Run A's canary rejected v2; run B (same corpus and config: training reused, the same checkpoint) gets v2
+    back from register_version. It is not aliased again, its lineage still names run A, and the canary's
+    already-rejected skip removes a `challenger` alias left on it."""
+    from prefect.logging import disable_run_logger
+
+    from deployments.config import ServeConfig
+    from deployments.registry import clear_challenger, tag_rejected
+    from flows.pipeline import run_outcome
+    from infra.cluster import ClusterInfo
+    from tasks.canary import canary_deploy
+    from tasks.promote import promote_model
+
+    cfg = RegistryConfig(model_name="m")
+    client = client_for(lineage.tracking_uri)
+    run_a = lineage_for("flow-run-2")
+    v2 = _products(run_a, 2)
+    with disable_run_logger():
+        promote_model.fn(cfg, *_products(lineage, 1), lineage)  # v1: the first champion
+        assert promote_model.fn(cfg, *v2, run_a).decision == "challenger"
+    tag_rejected(client, "m", "2", "step 10%: bits/byte 7.9 vs 2.1")  # what run A's canary applied
+    clear_challenger(client, "m", "2")
+    judged = client.get_model_version("m", "2").tags
+    assert judged[TAG_FLOW_RUN_ID] == "flow-run-2"
+
+    run_b = lineage_for("flow-run-3")
+    with disable_run_logger():
+        again = promote_model.fn(cfg, *v2, run_b)
+    assert (again.decision, again.version, again.champion_version) == ("rejected", "2", "1")
+    assert again.reason == (
+        "version 2 was already rejected by a canary (step 10%: bits/byte 7.9 vs 2.1); not made 'challenger'"
+    )
+    assert read_aliases(client, "m") == {"champion": "1"}
+    assert client.get_model_version("m", "2").tags == judged  # not re-tagged with run B's lineage
+    run = _stage_run(run_b, "promote_model")
+    assert run.data.tags["shardline.promotion"] == "rejected" and run.data.tags[TAG_MODEL_VERSION] == "2"
+
+    # a `challenger` alias left on it (as a rerun before this fix did) goes when the canary skips it
+    client.set_registered_model_alias("m", "challenger", "2")
+    cluster = ClusterInfo(address="", mode="local", resources={}, nodes=0, started_here=False)
+    with disable_run_logger():
+        canary = canary_deploy.fn(CanaryConfig(), ServeConfig(enabled=False), again, v2[2], cluster, cfg, run_b)
+    assert (canary.decision, canary.champion_version) == ("skipped", "1")
+    assert canary.reason.startswith("version 2 was already rejected: step 10%: bits/byte 7.9 vs 2.1")
+    assert read_aliases(client, "m") == {"champion": "1"}
+    assert run_outcome(again, canary) == ("rejected", again.reason, "1")
+
+
+def test_a_rerun_on_the_champions_checkpoint_reports_the_decisions_reason(lineage, lineage_for):
+    """A rerun that reuses the champion's checkpoint is 'first-champion' because the candidate is the champion
+    already; the run's summary says that, not 'no champion existed'."""
+    from prefect.logging import disable_run_logger
+
+    from deployments.config import ServeConfig
+    from flows.pipeline import run_outcome
+    from infra.cluster import ClusterInfo
+    from tasks.canary import canary_deploy
+    from tasks.promote import promote_model
+
+    cfg = RegistryConfig(model_name="m")
+    cluster = ClusterInfo(address="", mode="local", resources={}, nodes=0, started_here=False)
+    v1 = _products(lineage, 1)
+    rerun_lineage = lineage_for("flow-run-2")
+    with disable_run_logger():
+        first = promote_model.fn(cfg, *v1, lineage)
+        rerun = promote_model.fn(cfg, *v1, rerun_lineage)
+        canary = canary_deploy.fn(
+            CanaryConfig(enabled=False), ServeConfig(enabled=False), rerun, v1[2], cluster, cfg, rerun_lineage
+        )
+    assert first.reason == "m has no 'champion' alias; validated version 1 becomes champion"
+    assert (rerun.decision, rerun.version, rerun.champion_version) == ("first-champion", "1", "1")
+    assert rerun.reason == "version 1 is already 'champion' of m"
+    assert run_outcome(rerun, canary) == ("first-champion", "version 1 is already 'champion' of m", "1")
+    assert run_outcome(first, canary)[1] == "m has no 'champion' alias; validated version 1 becomes champion"
+
+
+def test_a_first_champions_canary_run_names_no_champion_version(lineage):
+    from prefect.logging import disable_run_logger
+
+    from deployments.config import ServeConfig
+    from infra.cluster import ClusterInfo
+    from tasks.canary import canary_deploy
+    from tasks.promote import promote_model
+
+    cfg = RegistryConfig(model_name="m")
+    cluster = ClusterInfo(address="", mode="local", resources={}, nodes=0, started_here=False)
+    _, _, shards = products = _products(lineage, 1)
+    with disable_run_logger():
+        first = promote_model.fn(cfg, *products, lineage)
+        canary_deploy.fn(CanaryConfig(enabled=False), ServeConfig(enabled=False), first, shards, cluster, cfg, lineage)
+    assert first.champion_version is None
+    tags = _stage_run(lineage, "canary_deploy").data.tags
+    assert tags["shardline.champion_version"] == ""  # not 'None'
+    assert tags[TAG_MODEL_VERSION] == "1"
