@@ -9,7 +9,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from deployments.release_lock import release_lock
-from flows.config import ConfigError, PipelineConfig, chat_template_of
+from flows.config import PipelineConfig, chat_template_of
 from flows.run_context import shardline_run
 from infra.names import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, TAG_TOKENIZER_SHA256
 from infra.tracking import Lineage, stage_run
@@ -57,19 +57,25 @@ def unused_tokenizer(config: PipelineConfig, shards: ShardSet) -> str:
     name="open_shard_set",
     retries=2,
     retry_delay_seconds=5,
-    retry_condition_fn=retry_unless(ConfigError),
+    # a mistyped or empty shard_set (ValueError), a set that is not published or fails verification (DataError)
+    # and a bad manifest or tokenizer (ValidationError, TokenizerError: ValueErrors too) fail the same way every
+    # time; storage outages (StorageError, an OSError) and tracking hiccups are worth retrying
+    retry_condition_fn=retry_unless(ValueError),
     cache_policy=NO_CACHE,
     timeout_seconds=OPEN_TIMEOUT_S,
 )
 def open_shard_set(uri: str, lineage: Lineage) -> ShardSet:
-    """Open and verify a published shard set; its digest and manifest (and a set of token ids' tokenizer
-    fingerprint) are tagged on the data child run."""
+    """Open and verify a published shard set; it is logged as the data child run's dataset input (as the data
+    stage does: a version's lineage checks it), and its digest and manifest (and a set of token ids' tokenizer
+    fingerprint) are tagged on that run."""
     import mlflow
 
     from training.data.publish import load_shard_set
+    from training.data.tracking import log_dataset
 
     with stage_run(lineage, "shard_dataset") as run_id:
         shards = load_shard_set(shard_set_prefix(uri))
+        log_dataset(shards)
         mlflow.set_tags(
             {
                 TAG_DATASET_DIGEST: shards.dataset_digest,

@@ -74,3 +74,63 @@ def test_a_release_opens_a_text_set_or_a_set_of_token_ids_and_tags_its_tokenizer
     assert opened.tokenizer_uri and opened.tokenizer_sha256 == tokens.tokenizer_sha256
     tags = mlflow.MlflowClient(later.tracking_uri).get_run(opened.data_run_id).data.tags
     assert tags[TAG_TOKENIZER_SHA256] == tokens.tokenizer_sha256
+
+
+def test_a_release_logs_the_set_it_opens_as_its_data_runs_dataset_so_its_versions_lineage_is_consistent(
+    tmp_path, lineage, monkeypatch
+):
+    import mlflow
+    from support.data_helpers import config, make_corpus
+
+    from deployments.lineage import describe_lineage
+    from deployments.registry import client_for, register_version, version_tags
+    from flows.release import open_shard_set
+    from training.data import build_shards
+
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    built = build_shards(config(make_corpus(tmp_path / "c"), tmp_path / "out"))
+    opened = open_shard_set.fn(built.manifest_uri, lineage)
+    client = client_for(lineage.tracking_uri)
+    inputs = client.get_run(opened.data_run_id).inputs.dataset_inputs
+    assert [i.dataset.digest for i in inputs] == [built.dataset_digest]
+
+    # a version trained on the opened set: its lineage reads the digest from the data run's dataset input too
+    exp = client.get_run(lineage.parent_run_id).info.experiment_id
+    train = client.create_run(exp, run_name="train_fsdp").info.run_id
+    model = mlflow.initialize_logged_model(name="model", source_run_id=train, experiment_id=exp)
+    uri = f"models:/{model.model_id}"
+    tags = version_tags(
+        dataset_digest=opened.dataset_digest,
+        flow_run_id=lineage.flow_run_id,
+        train_run_id=train,
+        checkpoint_uri="/ck/1",
+        validation_run_id="v",
+        model_uri=uri,
+        data_run_id=opened.data_run_id,
+        manifest_uri=opened.manifest_uri,
+    )
+    chain = describe_lineage("m", register_version(client, "m", uri, train, tags), lineage.tracking_uri)
+    assert (chain["data_run_id"], chain["dataset_digest"]) == (opened.data_run_id, built.dataset_digest)
+    assert chain["consistent"] is True
+
+
+def test_opening_a_wrong_shard_set_is_not_retried_but_a_storage_outage_is(tmp_path, lineage):
+    from prefect.states import Failed
+
+    from flows.config import ConfigError
+    from flows.release import open_shard_set
+    from infra.storage_retry import StorageError
+    from training.data import DataError
+
+    def retried(err):  # the task's retry_condition_fn on a failure with `err`
+        return open_shard_set.retry_condition_fn(None, None, Failed(data=err))
+
+    with pytest.raises(ValueError, match="shard_set is empty") as empty:
+        open_shard_set.fn(" ", lineage)
+    with pytest.raises(DataError, match="not a published shard set") as missing:
+        open_shard_set.fn(str(tmp_path / "no-such-set"), lineage)
+    assert retried(empty.value) is False
+    assert retried(missing.value) is False
+    assert retried(ConfigError("bad")) is False
+    assert retried(StorageError("s3: 503 Slow Down, still failing after 5 tries")) is True
+    assert retried(ConnectionError("tracking server restarting")) is True
