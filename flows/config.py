@@ -92,8 +92,33 @@ def _parse_value(text: str) -> Any:
         raise ConfigError(f"--set value {redact(text)[:60]!r}...: nested too deeply") from None
 
 
+def _wants_text(parts: list[str]) -> bool:
+    """Whether the PipelineConfig field at the dotted path `parts` (through nested models) is a `str` (or
+    `str | None`): a value of it that reads as a TOML number, date, boolean or array is meant as that text."""
+    import types
+    import typing
+
+    def members(annotation: Any) -> tuple[Any, ...]:  # X | Y -> (X, Y); X -> (X,)
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        return typing.get_args(annotation) if union else (annotation,)
+
+    model: Any = PipelineConfig
+    annotation: Any = None
+    for part in parts:
+        if model is None or part not in model.model_fields:
+            return False  # an unknown key: validation names it
+        annotation = model.model_fields[part].annotation
+        nested = [a for a in members(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = nested[0] if len(nested) == 1 else None
+    return set(members(annotation)) in ({str}, {str, type(None)})
+
+
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply one `section.key=value` override to a raw config dict, in place."""
+    """Apply one `section.key=value` override to a raw config dict, in place.
+
+    The value is read as TOML, but for a string setting it stays the text given when TOML would read it as
+    something else (`registry.model_name=2024`, a date, `true`).
+    """
     shown = redact(assignment)  # a mistyped key's value may be a URI with a password in it
     if "=" not in assignment:
         raise ConfigError(f"--set {shown!r}: expected section.key=value")
@@ -106,7 +131,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {shown!r}: {part!r} is not a section")
-    node[parts[-1]] = _parse_value(value.strip())
+    text = value.strip()
+    parsed = _parse_value(text)
+    node[parts[-1]] = text if not isinstance(parsed, str) and _wants_text(parts) else parsed
 
 
 _NEVER_SHOWN = re.compile(r"(?i)(token|secret|password)")

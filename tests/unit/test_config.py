@@ -59,6 +59,34 @@ def test_overrides_parse_toml_values():
     assert cfg.train.use_gpu is False
 
 
+def test_a_string_setting_keeps_override_text_that_toml_reads_as_a_number_date_or_boolean():
+    cfg = load_config(
+        REPO / "configs" / "debug.toml",
+        [
+            "registry.model_name=2024",
+            "registry.experiment=2024-01-01",
+            "data.source=true",
+            "train.init_from=1.5",
+            "serve.host='0.0.0.0'",
+            "train.steps=7",
+            "validation.max_regression_vs_champion=0.25",
+        ],
+    )
+    assert (cfg.registry.model_name, cfg.registry.experiment) == ("2024", "2024-01-01")
+    assert (cfg.data.source, cfg.train.init_from, cfg.serve.host) == ("true", "1.5", "0.0.0.0")
+    assert cfg.train.steps == 7 and cfg.validation.max_regression_vs_champion == 0.25  # other types: as TOML reads
+    raw: dict = {}
+    for assignment in ("registry.model_name=2024", "serve.autoscaling.min_replicas=2", "train.use_gpu=false"):
+        apply_override(raw, assignment)
+    assert raw == {
+        "registry": {"model_name": "2024"},
+        "serve": {"autoscaling": {"min_replicas": 2}},  # a nested section's int stays an int
+        "train": {"use_gpu": False},
+    }
+    with pytest.raises(ConfigError, match="unknown key 'registry.nope'"):  # unknown keys are still named
+        load_config(None, ["registry.nope=2024"])
+
+
 def test_unknown_key_is_named(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nstepz = 3\n")
