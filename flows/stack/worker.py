@@ -59,17 +59,27 @@ def _worker_online(api_url: str, pool: str, name: str) -> bool:
     return any(w.name == name and str(getattr(w.status, "value", w.status)).upper() == "ONLINE" for w in workers)
 
 
+def pool_url(api_url: str, pool: str) -> str:
+    """The work pool's page in the Prefect UI: the worker part's URL."""
+    return f"{api_url.removesuffix('/api')}/work-pools/work-pool/{pool}"
+
+
+def keeps(recorded: PartState, url: str, tracking_uri: str) -> bool:
+    """Whether a running recorded worker serves this stack as configured: the same Prefect pool URL and MLflow. One
+    of a moved Prefect or MLflow (another port or host) polls the old server and its runs log to the old MLflow:
+    it is replaced, not kept."""
+    return recorded.url == url and recorded.detail.get("tracking_uri") == tracking_uri
+
+
 def start(cfg: StackConfig, home: Path, recorded: PartState | None, api_url: str, tracking_uri: str) -> PartState:
     """Set up the pool and start (or keep) one worker; wait until the server lists it online."""
     env = run_environment(home, api_url, tracking_uri)
     ensure_pool(api_url, cfg.work_pool, env)
     name = f"shardline-{cfg.work_pool}"
-    url = f"{api_url.removesuffix('/api')}/work-pools/work-pool/{cfg.work_pool}"
+    url = pool_url(api_url, cfg.work_pool)
     if recorded is not None and recorded.procs and all(is_ours(p) for p in recorded.procs):
-        if recorded.url == url and recorded.detail.get("tracking_uri") == tracking_uri:
+        if keeps(recorded, url, tracking_uri):
             return recorded
-        # Prefect or MLflow moved (another port or host): this worker polls the old server and its runs log to the
-        # old MLflow, so it is replaced, not kept
         stop_part(recorded)
     logs = home / "stack" / "logs"
     argv = [

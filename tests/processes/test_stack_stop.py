@@ -120,19 +120,19 @@ def test_a_failed_poll_for_the_worker_stops_the_worker_it_started(error, spawned
     assert len(spawned.all) == 1 and _gone(spawned.all[0])
 
 
-def test_a_worker_is_kept_while_prefect_and_mlflow_stay_and_replaced_when_either_moves(spawned, home, monkeypatch):
+def test_a_worker_is_kept_while_prefect_and_mlflow_stay_and_replaced_when_either_moves(spawned):
     """A kept worker would poll the old Prefect server, and its runs log to the old MLflow one."""
-    monkeypatch.setattr(worker, "ensure_pool", lambda *args: None)  # no Prefect server here
-    monkeypatch.setattr(worker, "spawn", lambda name, argv, env, log_dir: spawned(["sleep", "30"]))
-    monkeypatch.setattr(worker, "_worker_online", lambda *args: True)
     prefect, mlflow = "http://127.0.0.1:4200/api", "http://127.0.0.1:5000"
-    first = worker.start(StackConfig(), home, None, prefect, mlflow)
-    assert worker.start(StackConfig(), home, first, prefect, mlflow) is first and len(spawned.all) == 1
-    moved = worker.start(StackConfig(), home, first, "http://127.0.0.1:4300/api", mlflow)
-    assert moved.url.startswith("http://127.0.0.1:4300/") and _gone(spawned.all[0]) and is_ours(spawned.all[1])
-    logging_elsewhere = worker.start(StackConfig(), home, moved, "http://127.0.0.1:4300/api", "http://127.0.0.1:5100")
-    assert logging_elsewhere.detail["tracking_uri"] == "http://127.0.0.1:5100" and _gone(spawned.all[1])
-    assert len(spawned.all) == 3 and is_ours(spawned.all[2])
+    url = worker.pool_url(prefect, "shardline-process")
+    recorded = PartState(
+        name="worker", url=url, procs=[spawned(["sleep", "30"])], started_by_us=True, detail={"tracking_uri": mlflow}
+    )
+    assert url == "http://127.0.0.1:4200/work-pools/work-pool/shardline-process"
+    assert worker.keeps(recorded, url, mlflow)
+    assert not worker.keeps(recorded, worker.pool_url("http://127.0.0.1:4300/api", "shardline-process"), mlflow)
+    assert not worker.keeps(recorded, url, "http://127.0.0.1:5100")
+    assert not worker.keeps(recorded.model_copy(update={"detail": {}}), url, mlflow)  # recorded before it was kept
+    assert service.stop_part(recorded) and _gone(recorded.procs[0])  # what start does with one it does not keep
 
 
 # ---- a part moved to another port or host is stopped, not lost or kept (service.ensure_service) --------------------
@@ -244,7 +244,7 @@ def sleeper():
 
 def _write_head(pid: int) -> Path:
     info = process.inspect(pid)
-    assert info is not None
+    assert info is not None and info.cmdline == ("sleep", "30"), info  # the sleeper, exec'd
     record = head._record()
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(
