@@ -162,6 +162,14 @@ def _jsonl_with_keys(path: Path, bad: str) -> Path:
     return path
 
 
+def _jsonl_around(path: Path, bad: list[str], at: int, keys: bool = False) -> Path:
+    """30 good JSON Lines records (keyed k0.. under "id" with `keys`) with the `bad` lines inserted before record
+    `at`: the first bad one is line at + 1."""
+    good = [json.dumps(({"id": f"k{i}"} if keys else {}) | {"text": f"row {i} " * 20}) for i in range(30)]
+    path.write_text("\n".join([*good[:at], *bad, *good[at:]]) + "\n")
+    return path
+
+
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "a/../../b", "C:\\windows"])
 def test_unsafe_jsonl_key(tmp_path, bad):
     src = _jsonl_with_keys(tmp_path / "d.jsonl", bad)
@@ -182,9 +190,7 @@ def test_a_key_that_is_not_utf8_follows_on_unsafe_name(tmp_path):
     out = tmp_path / "out"
     _fails_with_one_line(config(root, out), out, "caf\\udce9.txt: unsafe record key", "on_unsafe_name=fail")
     assert build_shards(config(root, out, on_unsafe_name="skip")).skipped == {"unsafe_name": 1}
-    src = tmp_path / "d.jsonl"
-    good = [json.dumps({"id": f"k{i}", "text": f"row {i} " * 20}) for i in range(30)]
-    src.write_text("\n".join([*good, '{"id": "bad\\ud800key", "text": "fine text"}']) + "\n")
+    src = _jsonl_around(tmp_path / "d.jsonl", ['{"id": "bad\\ud800key", "text": "fine text"}'], 30, keys=True)
     jsonl = dict(format="jsonl", key_field="id")
     out = tmp_path / "out-jsonl"
     _fails_with_one_line(config(src, out, **jsonl), out, f"{src}:31: unsafe record key 'bad\\ud800key'")
@@ -208,10 +214,8 @@ def test_malformed_jsonl_lines(tmp_path):
 def test_json_the_parser_refuses_without_a_decode_error_follows_on_undecodable(tmp_path):
     """json.loads raises RecursionError for deep nesting and ValueError for an integer past 4,300 digits: each is
     a bad line of its file, skipped and counted, or one line naming it, not a bare error of the whole stage."""
-    src = tmp_path / "d.jsonl"
-    good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
     deep, big = "[" * 100_000 + "]" * 100_000, '{"text": "x", "n": ' + "9" * 5000 + "}"
-    src.write_text("\n".join([*good[:3], deep, big, *good[3:]]) + "\n")
+    src = _jsonl_around(tmp_path / "d.jsonl", [deep, big], 3)
     out = tmp_path / "out"
     _fails_with_one_line(
         config(src, out, format="jsonl", on_undecodable="fail"),
@@ -236,9 +240,7 @@ NOT_A_STRING = {
 
 @pytest.mark.parametrize("line", sorted(NOT_A_STRING))
 def test_jsonl_text_that_is_not_a_string_follows_on_undecodable(tmp_path, line):
-    src = tmp_path / "d.jsonl"
-    good = [json.dumps({"text": f"row {i} " * 20}) for i in range(30)]
-    src.write_text("\n".join(good[:12] + [line] + good[12:]) + "\n")
+    src = _jsonl_around(tmp_path / "d.jsonl", [line], 12)
     out = tmp_path / "out"
     _fails_with_one_line(
         config(src, out, format="jsonl", on_undecodable="fail"),
