@@ -133,11 +133,12 @@ class Gateway:
             if request.method == "GET" and path.endswith("/metrics"):
                 return await self._metrics()
             check_token(dict(request.headers), self.cfg.token_sha256)
-            if endpoint_of(path) == "models":
+            endpoint = endpoint_of(path)
+            if endpoint == "models":
                 if request.method != "GET":
                     raise ApiError(405, f"{path} takes GET")
                 return to_response(reply(200, await self._model_cards(path.partition("/v1/models/")[2]), headers))
-            if not endpoint_of(path):
+            if not endpoint:
                 raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
             if request.method != "POST":
                 raise ApiError(405, f"{path} takes POST")

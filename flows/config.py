@@ -63,10 +63,13 @@ class PipelineConfig(BaseModel):
             return self
         source = f"tokenizer.kind={self.tokenizer.kind!r} gives {ids} ids"
         rows, setting = self.embedding_limit()
-        if rows and rows < ids and setting == "train.hf_config vocab_size":
-            raise ValueError(f"train.hf_config vocab_size={rows}: {source}; the embedding needs {ids} rows or more")
         if rows and rows < ids:
-            raise ValueError(f"train.vocab_size={rows}: {source}; set it to 0 or at least {ids}")
+            fix = (
+                f"set it to 0 or at least {ids}"
+                if setting == "train.vocab_size"
+                else f"the embedding needs {ids} rows or more"
+            )
+            raise ValueError(f"{setting}={rows}: {source}; {fix}")
         return self
 
     def embedding_limit(self) -> tuple[int, str]:
