@@ -4,7 +4,8 @@ One function decides what a credential looks like (`find_credential`), one rewri
 `scheme://user:password@host` (a bare `scheme://token@host` too), query keys that carry signatures or tokens
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
 `SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`),
-secret keys in code, JSON, INI and repr forms (`aws_secret_access_key = ...`, `{"password": "..."}`), header lines of
+secret keys in code, JSON, INI, YAML and repr forms (`aws_secret_access_key = ...`, `{"password": "..."}`,
+a `password: ...` line), header lines of
 a secret (`x-api-key: ...`), a command line's secret option (`--password x`), signed query strings
 printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
 known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
@@ -78,6 +79,11 @@ _KV_KEY = (
 # `=` with spaces around it too (`aws_secret_access_key = ...` in ~/.aws/credentials and INI files), not `==`
 _KV_SECRET = re.compile(
     r"(?i)" + _KV_KEY + r"""(?:(\s*=(?!=)\s*)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
+)
+# a YAML line of a secret (`password: hunter2`, `  - api_key: "a b"`): one value to the line's end (a comment may
+# follow), so prose at a line's start ("Password: must be set") stays
+_YAML_SECRET = re.compile(
+    r"(?im)^([ \t]*(?:-[ \t]+)?" + _KV_KEY + r"[ \t]*:[ \t]+)(\"[^\"\n]*\"|'[^'\n]*'|[^\s'\"#]+)(?=[ \t]*(?:#[^\n]*)?$)"
 )
 # a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
 _OPTION_SECRET = re.compile(
@@ -180,6 +186,7 @@ def redact(text: Any) -> str:
         s = _KV_SECRET.sub(_masked_value, s)
     if ":" in s:
         s = _HEADER_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", s)
+        s = _YAML_SECRET.sub(_masked_yaml, s)
     if "--" in s:
         s = _OPTION_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", s)
     s = _TOKEN.sub(MASK, s)
@@ -197,6 +204,13 @@ def _masked_value(m: re.Match[str]) -> str:
     sep, value = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
     quote = value[0] if value[:1] in ("'", '"') else ""
     return f"{m.group(1)}{sep}{quote}{MASK}{quote}"
+
+
+def _masked_yaml(m: re.Match[str]) -> str:
+    """A _YAML_SECRET match with its value masked, quotes kept."""
+    value = m.group(3)
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    return f"{m.group(1)}{quote}{MASK}{quote}"
 
 
 def clip(text: str, limit: int) -> str:

@@ -156,6 +156,10 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         ),
         ("if password == other:", "if password == other:"),  # code comparing, not assigning
         ("Password: must be set", "Password: must be set"),  # prose: no header of a secret
+        ("db:\n  password: hunter2\n  host: db", "db:\n  password: ***\n  host: db"),
+        ('  - api_key: "a b"  # prod\nuser: x', '  - api_key: "***"  # prod\nuser: x'),
+        ("aws_secret_access_key: wJalr/K7", "aws_secret_access_key: ***"),
+        ("api_key_env: OPENAI_API_KEY\neos_token: </s>", "api_key_env: OPENAI_API_KEY\neos_token: </s>"),
     ],
     ids=[
         "ini-spaces",
@@ -170,6 +174,10 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         "aws4-authorization",
         "comparison",
         "prose",
+        "yaml",
+        "yaml-list-quoted-comment",
+        "yaml-aws",
+        "yaml-names-only",
     ],
 )
 def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(raw, masked):
