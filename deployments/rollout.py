@@ -67,7 +67,10 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
     """
     if not cfg.enabled:
         return "canary.enabled is false"
+    rejected = client.get_model_version(model_name, challenger).tags.get(TAG_REJECTED)
     if champion is None or champion == challenger:
+        if rejected:  # a rerun reused a rejected version after its champion's alias was removed
+            return f"version {challenger} was already rejected: {rejected}; no champion to serve"
         return f"no champion other than version {challenger} (first run)"
     current = read_aliases(client, model_name).get(CHAMPION)
     if current == challenger:
@@ -77,7 +80,6 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
             f"{model_name}: alias '{CHAMPION}' is at version {current}, the promotion stage saw "
             f"{champion}; not running a canary against a champion that moved"
         )
-    rejected = client.get_model_version(model_name, challenger).tags.get(TAG_REJECTED)
     if rejected:
         return f"version {challenger} was already rejected: {rejected}"
     return ""

@@ -180,6 +180,15 @@ def test_skip_reasons(store):
     assert "already 'champion'" in skip_reason(client, CanaryConfig(), NAME, "1", "2")
 
 
+def test_a_rejected_version_with_no_champion_left_is_skipped_as_rejected_not_as_a_first_run(store):
+    _, client, exp = store
+    _two_versions(client, exp)
+    tag_rejected(client, NAME, "2", "error rate 0.2 > 0.01")
+    client.delete_registered_model_alias(NAME, "champion")  # an operator removed the champion alias since
+    why = skip_reason(client, CanaryConfig(), NAME, None, "2")
+    assert why == "version 2 was already rejected: error rate 0.2 > 0.01; no champion to serve"
+
+
 def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_text(store):
     from deployments.lineage import describe_lineage
 
