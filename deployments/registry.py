@@ -30,6 +30,11 @@ class AliasChanged(RegistryError):
     """Compare-and-set refused: an alias moved between the decision and its application."""
 
 
+class ChampionUnloadable(RegistryError):
+    """The champion's logged model was read but does not load as served (its factory, config or files changed
+    since it was logged); loading it again would fail the same way, so a stage does not retry it."""
+
+
 class PromotionResult(BaseModel):
     """What promote_model hands to the canary stage."""
 
@@ -273,7 +278,35 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
     try:
         return version, load_served_model(f"models:/{name}/{version}")
     except Exception as e:  # noqa: BLE001 - e.g. an eager champion whose factory or TrainConfig changed since
-        raise RegistryError(f"{name} champion v{version} does not load as served: {first_line(e)}") from None
+        if store_unavailable(e):  # the tracking server or the artifact store did not answer: worth a retry
+            raise RegistryError(f"{name} champion v{version}: its store did not answer: {first_line(e)}") from None
+        raise ChampionUnloadable(
+            f"{name} champion v{version} does not load as served: {first_line(e)}; point alias '{CHAMPION}' at a "
+            "version that loads, or delete the alias, to judge new versions again"
+        ) from None
+
+
+def store_unavailable(err: BaseException) -> bool:
+    """True when `err` (or what it was raised from) says a server did not answer or failed on its side: what
+    infra.storage_retry.is_transient retries (a refused or timed-out connection, S3 or Azure 5xx and throttling),
+    requests' connection errors and timeouts, and MLflow's 5xx answers and "API request to ... failed" after its
+    own retries. A missing file, a model that does not build or a refused request is not."""
+    import requests
+    from mlflow.exceptions import MlflowException, RestException
+
+    from infra.storage_retry import is_transient
+
+    seen: BaseException | None = err
+    for _ in range(5):
+        if seen is None:
+            return False
+        if is_transient(seen) or isinstance(seen, (requests.ConnectionError, requests.Timeout)):
+            return True
+        if isinstance(seen, MlflowException) and seen.get_http_status_code() >= 500:
+            if isinstance(seen, RestException) or seen.message.startswith("API request to"):
+                return True  # the server's own 5xx, or no answer at all (MLflow's rest_utils words both)
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:

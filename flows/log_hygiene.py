@@ -1,10 +1,11 @@
 """What reaches the logs: credentials are masked everywhere, and an expected failure is one line, not a traceback.
 
 Expected failures are the user's to fix: bad input (DataError, a failed quality gate, a TokenizerError), a failed
-validation gate (GateFailed), a rejected checkpoint (CheckpointError), a config mistake (ConfigError), an unreachable
-or misconfigured store or cluster (CredentialsError, ClusterError). Prefect's engines log a failed task or flow with
-its traceback; for these types the traceback is dropped and the one-line cause stays (in the console and in
-the Prefect database). Every other exception keeps its traceback.
+validation gate (GateFailed), a rejected checkpoint (CheckpointError), a champion that does not load
+(ChampionUnloadable), a config mistake (ConfigError), an unreachable or misconfigured store or cluster
+(CredentialsError, ClusterError). Prefect's engines log a failed task or flow with its traceback; for these types the
+traceback is dropped and the one-line cause stays (in the console and in the Prefect database). Every other exception
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 @cache
 def expected_failures() -> tuple[type[BaseException], ...]:
     """The exception types that are reported as one line (imported lazily: torch and friends are heavy)."""
+    from deployments.registry import ChampionUnloadable
     from flows.config import ConfigError
     from infra.cluster import ClusterError
     from infra.credentials import CredentialsError
@@ -28,7 +30,16 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from training.evaluate import GateFailed
     from training.tokenizer import TokenizerError
 
-    return ConfigError, DataError, TokenizerError, GateFailed, CheckpointError, CredentialsError, ClusterError
+    return (
+        ConfigError,
+        DataError,
+        TokenizerError,
+        GateFailed,
+        CheckpointError,
+        ChampionUnloadable,
+        CredentialsError,
+        ClusterError,
+    )
 
 
 def is_expected(exc: BaseException | None) -> bool:

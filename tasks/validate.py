@@ -15,6 +15,7 @@ from prefect.tasks import exponential_backoff
 
 from deployments.config import RegistryConfig
 from deployments.model_server import check_backend
+from deployments.registry import ChampionUnloadable
 from infra.names import (
     TAG_CHAT_TEMPLATE_SHA256,
     TAG_CHAT_TOKENS,
@@ -44,7 +45,7 @@ from training.trainer import TrainResult, fit_vocabulary
     retries=2,
     retry_delay_seconds=exponential_backoff(backoff_factor=2),
     cache_policy=NO_CACHE,  # the flows call cached() below; called directly (tests), nothing is persisted
-    retry_condition_fn=retry_unless(GateFailed, CheckpointError),
+    retry_condition_fn=retry_unless(GateFailed, CheckpointError, ChampionUnloadable),
 )
 def validate_checkpoint(
     cfg: ValidationConfig,
@@ -81,6 +82,8 @@ def validate_checkpoint(
     Raises:
         GateFailed: a gate failed, or the model cannot be served (NotServable); not retried.
         CheckpointError: the checkpoint is incomplete, corrupt or non-finite (not retried).
+        ChampionUnloadable: the registered champion does not load as served (not retried; its store not
+            answering is a RegistryError, retried).
     """
     from deployments.registry import champion_model, seq_len_of
 

@@ -200,3 +200,58 @@ def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_tex
     assert describe_lineage(NAME, "1", uri)["chat_tokens"] == {"unparsed": '{"eos_token": "<|fi'}
     train2, model2, _ = _train_run_and_model(client, exp)
     assert describe_lineage(NAME, register_version(client, NAME, model2, train2), uri)["chat_tokens"] == {}
+
+
+def test_a_champion_that_does_not_load_is_refused_with_the_fix_and_validation_does_not_retry_it(store):
+    from prefect.states import Failed
+
+    from deployments.registry import ChampionUnloadable, RegistryError, champion_model
+    from flows.log_hygiene import is_expected
+    from tasks.validate import validate_checkpoint
+
+    uri, client, exp = store
+    train, model_uri, _ = _train_run_and_model(client, exp)
+    _promote(client, train, model_uri)  # champion v1: a logged model whose files were never written
+    with pytest.raises(ChampionUnloadable) as unloadable:
+        champion_model(uri, NAME)
+    assert str(unloadable.value) == (
+        "tiny champion v1 does not load as served: No such artifact: 'MLmodel'; point alias 'champion' at a version "
+        "that loads, or delete the alias, to judge new versions again"
+    )
+    assert is_expected(unloadable.value)  # the user's to fix: one line in the logs, no traceback
+
+    def retried(err):  # the validation task's retry_condition_fn on a failure with `err`
+        return validate_checkpoint.retry_condition_fn(None, None, Failed(data=err))
+
+    assert retried(unloadable.value) is False
+    assert retried(RegistryError("tiny champion v1: its store did not answer: ...")) is True
+
+
+def test_a_store_that_does_not_answer_is_told_apart_from_a_model_that_does_not_load(monkeypatch):
+    import requests
+    from botocore.exceptions import ClientError
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException, RestException
+
+    from deployments.registry import store_unavailable
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(MlflowException) as down:  # port 9 (discard): nothing listens on 127.0.0.1 here
+        MlflowClient("http://127.0.0.1:9", registry_uri="http://127.0.0.1:9").get_registered_model(NAME)
+    with pytest.raises(requests.ConnectionError) as refused:
+        requests.get("http://127.0.0.1:9/", timeout=5)
+    try:
+        raise ValueError("factory changed") from down.value  # what a caller may wrap it in
+    except ValueError as wrapped:
+        assert store_unavailable(wrapped)
+    assert store_unavailable(down.value) and store_unavailable(refused.value)
+    assert store_unavailable(TimeoutError("read timed out"))
+    assert store_unavailable(RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "db locked"}))
+    throttled = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+    assert store_unavailable(ClientError(throttled, "GetObject"))
+    assert not store_unavailable(MlflowException("No such artifact: 'MLmodel'"))
+    assert not store_unavailable(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no model"}))
+    missing = {"Error": {"Code": "NoSuchKey"}, "ResponseMetadata": {"HTTPStatusCode": 404}}
+    assert not store_unavailable(ClientError(missing, "GetObject"))
+    assert not store_unavailable(RuntimeError("size mismatch for wte.weight"))
+    assert not store_unavailable(FileNotFoundError("MLmodel"))
