@@ -6,7 +6,7 @@ the one thing both already talk to (the release lock may be a file lock on one m
 reachable from the laptop), and the challenger version is where the canary's outcome is recorded anyway.
 - `shardline.canary_state` (JSON, written by the driver at every state change and with every lease renewal):
   canary_id, state (running, paused, awaiting-approval; deciding while a verdict is applied, when no command is
-  taken any more; none once decided, with the verdict), step, percent,
+  taken any more; none once decided, with the verdict), step, percent, the approval's or the pause's deadline,
   lease_expires_at, the id of the last command it acted on (`ack`). A state not renewed for a whole lease past
   its expiry is read as `none`: the driver died, and the router went back to the champion by itself when the
   lease ran out (the lease, not this tag, is the dead man's switch; the extra lease of slack keeps a renewal that
@@ -62,6 +62,7 @@ class CanaryStatus(BaseModel):
     updated_at: float | None = None
     lease_expires_at: float | None = None
     approval_deadline: float | None = None
+    pause_deadline: float | None = None  # while paused: when the canary rolls back unless resumed
     ack: str | None = None  # the last command the driver acted on
     last_verdict: str | None = None  # of this version's canary, once decided
     last_reason: str | None = None
@@ -92,6 +93,7 @@ def status_of(model: str, aliases: dict[str, str], state: dict[str, Any] | None,
             "updated_at",
             "lease_expires_at",
             "approval_deadline",
+            "pause_deadline",
             "ack",
         )
     }
@@ -217,6 +219,7 @@ class DriverControl:
         self.seen = {c.id for c in [self._read()] if c is not None}  # written before this canary: not for it
         self.next_poll = 0.0
         self.approval_deadline: float | None = None
+        self.pause_deadline: float | None = None
 
     def _read(self) -> OperatorCommand | None:
         try:
@@ -239,6 +242,7 @@ class DriverControl:
             "lease_expires_at": epoch_lease,
             "lease_s": self.cfg.lease_s,
             "approval_deadline": self.approval_deadline,
+            "pause_deadline": self.pause_deadline,
             "ack": self.applied[-1].id if self.applied else None,
             **final,
         }
@@ -281,6 +285,8 @@ class DriverControl:
         )
         if command.action == "pause":
             self.state = "paused"
+            self.pause_deadline = time.time() + self.cfg.pause_timeout_s
         elif command.action == "resume":
             self.state = "running"
+            self.pause_deadline = None
         return command

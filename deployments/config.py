@@ -290,6 +290,12 @@ class CanaryConfig(BaseModel):
         gt=0,
         description="How long a manual approval is awaited; then the canary rolls back (verdict 'aborted').",
     )
+    pause_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long an operator's pause may hold a step; then the canary rolls back (verdict "
+        "'aborted'), so a forgotten pause does not hold the model's release lock (canary.lock_timeout_s) forever.",
+    )
     on_inconclusive: Literal["rollback", "extend"] = Field(
         "rollback",
         description="A step with too little evidence is inconclusive, not failed. rollback: the canary "

@@ -13,7 +13,8 @@ to the champion by itself; the next reconcile removes the orphan.
 
 An operator steers a running canary through deployments/canary_control (MLflow model-version tags): the driver
 publishes its state with every lease renewal and polls for commands while a step bakes or an approval is awaited.
-pause: the step is not judged (its timeout clock stops) but the lease is renewed, so the router keeps the weight;
+pause: the step is not judged (its timeout clock stops) but the lease is renewed, so the router keeps the weight,
+for at most canary.pause_timeout_s (then it rolls back, verdict aborted, as for an approval that never came);
 resume: the step goes on; promote: the remaining steps are skipped and the version promoted now; abort: rolled
 back now. With canary.approval='manual' the ramp holds its last step below 100% in state awaiting-approval until
 an operator promotes or aborts, or canary.approval_timeout_s passes (then it rolls back).
@@ -47,7 +48,7 @@ from deployments.registry import (
     tag_rejected,
 )
 from deployments.rollout_gates import apply_promql, summarize_step
-from deployments.rollout_policy import decide_canary, hold_percent, next_move, ramp_steps
+from deployments.rollout_policy import TimedOut, decide_canary, hold_percent, next_move, ramp_steps
 from deployments.rollout_ramp import Prober, Ramp, warm_up
 
 log = logging.getLogger(__name__)
@@ -147,14 +148,15 @@ def run_rollout(
         if prober is not None:
             prober.__enter__()
         ended_by: OperatorCommand | None = None
-        timed_out = False
+        timed_out: TimedOut = ""
         try:
             ended_by, stopped = _ramp_up(ramp, cfg, champion, challenger, steps, on_step)
             if stopped:
                 ramp.champion_only()  # no more traffic on a failing (or unjudgeable) challenger while we decide
+                timed_out = "pause" if ramp.paused_out else ""
             elif ended_by is None and hold_percent(cfg) is not None:
                 ended_by = ramp.await_approval()
-                timed_out = ended_by is None
+                timed_out = "approval" if ended_by is None else ""
         finally:
             if prober is not None:
                 prober.__exit__(None, None, None)
@@ -195,6 +197,8 @@ def _ramp_up(
                 on_step(len(steps) - 1, step)
             if got.command is not None:
                 return got.command, False
+            if ramp.paused_out:  # an operator's pause outlasted canary.pause_timeout_s: roll back
+                return None, True
             move = next_move(step, cfg)
             if move == "stop":
                 return None, True

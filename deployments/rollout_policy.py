@@ -4,7 +4,8 @@ each) to the next move, the weights to ramp through, the operator commands a can
 Nothing here talks to Ray, HTTP or MLflow: the decision object (deployments/canary_records) is computed from numbers
 only, and is what gets logged and tested. The canary's verdict: promoted, rejected (a gate failed), inconclusive (the
 evidence never sufficed; canary.on_inconclusive='extend' re-runs a step up to canary.max_extensions times first),
-aborted (an operator's abort, or no manual approval within canary.approval_timeout_s) or skipped. An operator's
+aborted (an operator's abort, no manual approval within canary.approval_timeout_s, or a pause longer than
+canary.pause_timeout_s) or skipped. An operator's
 promote or abort (OperatorCommand) ends the canary whatever the steps say; the decision records who and why.
 """
 
@@ -14,6 +15,8 @@ from typing import Literal
 
 from deployments.canary_records import ACTIONS, CanaryDecision, CanaryState, OperatorCommand, StepMetrics
 from deployments.config import CanaryConfig
+
+TimedOut = Literal["", "approval", "pause"]  # what ran out of time: no manual approval, an operator's pause, neither
 
 
 def next_move(step: StepMetrics, cfg: CanaryConfig) -> Literal["next", "extend", "stop"]:
@@ -81,13 +84,13 @@ def decide_canary(
     steps: list[StepMetrics],
     cfg: CanaryConfig,
     ended_by: OperatorCommand | None = None,
-    approval_timed_out: bool = False,
+    timed_out: TimedOut = "",
     commands: list[OperatorCommand] | None = None,
 ) -> CanaryDecision:
-    """The verdict, in this order: an operator's promote or abort (`ended_by`) decides whatever the steps say; no
-    manual approval within the timeout aborts; the first failing step rejects; a last step that stayed
-    inconclusive is inconclusive; a ramp that stopped early is rejected; otherwise every step passed: promoted
-    (with approval='manual' only by an operator's promote)."""
+    """The verdict, in this order: an operator's promote or abort (`ended_by`) decides whatever the steps say; no manual
+    approval within its timeout, or a pause longer than its timeout (`timed_out`), aborts; the first failing step
+    rejects; a last step that stayed inconclusive is inconclusive; a ramp that stopped early is rejected; otherwise
+    every step passed: promoted (with approval='manual' only by an operator's promote)."""
     gates: dict[str, float | str] = {
         "max_error_rate_increase": cfg.max_error_rate_increase,
         "max_p95_latency_ratio": cfg.max_p95_latency_ratio,
@@ -128,15 +131,17 @@ def decide_canary(
             **common,
             reason=f"aborted by {ended_by.user} {where}{why}; rolled back; evidence: {evidence}",
         )
-    if approval_timed_out:
+    if timed_out:
+        what = (
+            f"no approval within canary.approval_timeout_s={cfg.approval_timeout_s:g} s"
+            if timed_out == "approval"
+            else f"paused for longer than canary.pause_timeout_s={cfg.pause_timeout_s:g} s"
+        )
         return CanaryDecision(
             verdict="aborted",
             decided_by="timeout",
             **common,
-            reason=(
-                f"no approval within canary.approval_timeout_s={cfg.approval_timeout_s:g} s at "
-                f"{steps[-1].percent if steps else 0}%; rolled back; evidence: {evidence}"
-            ),
+            reason=f"{what} at {steps[-1].percent if steps else 0}%; rolled back; evidence: {evidence}",
         )
     for step in steps:
         if step.failures:

@@ -170,6 +170,7 @@ class Ramp:
         )
         self.challenger = challenger
         self.percent, self.epoch, self.attempt = 0, 0, 0
+        self.paused_out = False  # an operator's pause outlasted canary.pause_timeout_s (collect)
 
     def set(self, percent: int, epoch: int) -> None:
         """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
@@ -213,7 +214,7 @@ class Ramp:
     def collect(self) -> Collected:
         """Observations of the current step once it has enough evidence (or its timeout passed, or an operator
         promoted or aborted). Renews the lease while it waits; while paused, the step is not judged and its clock
-        stands still."""
+        stands still. A pause longer than canary.pause_timeout_s ends the step at once with `paused_out` set."""
         cfg = self.cfg
         start = time.monotonic()
         renew_at = start + cfg.lease_s / 3
@@ -242,6 +243,9 @@ class Ramp:
             elif command is not None and command.action == "resume" and paused_at is not None:
                 start += time.monotonic() - paused_at  # the pause does not count against the step
                 paused_at = None
+            if paused_at is not None and time.monotonic() - paused_at >= cfg.pause_timeout_s:
+                self.paused_out = True
+                return Collected(list(seen.values()), paused_at - start, "", None)
             lacking = missing_evidence(seen.values(), cfg)
             elapsed = time.monotonic() - start
             if paused_at is None and not lacking and elapsed >= cfg.bake_seconds:

@@ -37,6 +37,8 @@ def describe(status: Any) -> str:
     )
     if status.state == "awaiting-approval" and status.approval_deadline:
         line += f"; rolls back in {max(0.0, status.approval_deadline - time.time()):.0f} s unless promoted"
+    if status.state == "paused" and status.pause_deadline:
+        line += f"; rolls back in {max(0.0, status.pause_deadline - time.time()):.0f} s unless resumed"
     return line
 
 

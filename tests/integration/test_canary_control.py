@@ -3,7 +3,8 @@
 
 A canary is paused (its weight holds across more than a step's bake and several lease renewals, and no step is
 judged), resumed, then promoted early; a shadow-mode canary with manual approval waits in awaiting-approval, the
-challenger answering no client, until an operator promotes it; an approval that never comes rolls back. The tests
+challenger answering no client, until an operator promotes it; an approval that never comes, and a pause nobody
+resumes, roll back. The tests
 share one endpoint, and each canaries a version it registers against whatever is champion when it starts, so they
 pass in any order (release_candidate).
 """
@@ -283,3 +284,30 @@ def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, 
     assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]
     code, status, _ = shardline_canary(capsys, world, "status")
     assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", base, None)
+
+
+def test_a_pause_nobody_resumes_rolls_back_when_it_times_out(world, capsys, monkeypatch):
+    monkeypatch.setenv("SHARDLINE_USER", "cy")
+    client = world["client"]
+    base, ver = release_candidate(world, "good", "good-paused")
+    # a long bake: the 30% step is still baking when the operator pauses it
+    cfg = CFG.model_copy(update={"steps": [30, 100], "pause_timeout_s": 4.0, "bake_seconds": 60.0})
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = Driver(world, cfg, base, ver)
+        driver.start()
+        wait_for(lambda: read_status(client, NAME).percent == 30, 150, "the 30% step", driver)
+        code, out, err = shardline_canary(capsys, world, "pause", "--reason", "lunch")
+        assert code == 0, err
+        assert out["status"]["state"] == "paused" and out["status"]["pause_deadline"] > time.time()
+        driver.join(timeout=120)
+    assert driver.error is None, driver.error
+    result = driver.result
+    assert result.decision == "aborted" and result.reason.startswith(
+        "paused for longer than canary.pause_timeout_s=4 s at 30%; rolled back"
+    ), result.reason
+    assert not load.failed, load.failed[:5]
+    aliases = read_aliases(client, NAME)
+    assert aliases["champion"] == base and CHALLENGER not in aliases
+    tags = client.get_model_version(NAME, ver).tags
+    assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]

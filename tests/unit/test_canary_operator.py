@@ -71,9 +71,19 @@ def test_manual_approval_holds_the_last_step_below_100_and_only_an_operator_prom
         "evidence so far: 2 steps up to 50% on 16 paired requests"
     )
     assert [c.action for c in approved.commands] == ["promote"]
-    timed_out = decide_canary("m", "2", "1", steps, MANUAL, approval_timed_out=True)
+    timed_out = decide_canary("m", "2", "1", steps, MANUAL, timed_out="approval")
     assert timed_out.verdict == "aborted" and timed_out.decided_by == "timeout"
     assert timed_out.reason.startswith("no approval within canary.approval_timeout_s=60 s at 50%; rolled back")
+
+
+def test_a_pause_that_outlasts_its_timeout_rolls_back_whatever_the_step_showed():
+    cfg = CFG.model_copy(update={"pause_timeout_s": 900.0})
+    failing = [step_of(10, noisy(20, 2.10, 2.00))]  # the operator paused it to look: a timeout is no verdict on it
+    paused_out = decide_canary("m", "2", "1", failing, cfg, timed_out="pause")
+    assert paused_out.verdict == "aborted" and paused_out.decided_by == "timeout"
+    assert paused_out.reason.startswith("paused for longer than canary.pause_timeout_s=900 s at 10%; rolled back")
+    with pytest.raises(ValueError, match="pause_timeout_s"):
+        CanaryConfig(pause_timeout_s=0)
 
 
 def test_manual_approval_needs_a_step_below_100():

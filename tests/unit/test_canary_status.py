@@ -35,6 +35,22 @@ def test_a_live_canary_reports_its_state_step_and_weight():
     assert (status.step, status.steps, status.percent, status.canary_id, status.ack) == (2, 3, 50, "k", "c1")
 
 
+def test_a_paused_canary_says_when_it_rolls_back_unless_resumed():
+    import time
+
+    from flows.cli.canary import describe
+
+    now = time.time()
+    live = {"lease_expires_at": now + 10}
+    status = status_of("m", ALIASES, _state(state="paused", pause_deadline=now + 600.4, **live), now)
+    assert status.pause_deadline is not None
+    line = describe(status)
+    assert line.startswith("m: paused at 50% (step 2 of 3), champion v1, challenger v2, mode canary, canary k")
+    assert line.endswith("; rolls back in 600 s unless resumed")
+    running = status_of("m", ALIASES, _state(pause_deadline=None, **live), now)
+    assert "rolls back" not in describe(running)
+
+
 def test_a_canary_whose_decision_is_being_applied_reads_as_deciding_not_abandoned():
     """Applying a verdict (registry, then a redeploy) can outlast two leases; its driver published how long."""
     status = status_of("m", ALIASES, _state(state="deciding", lease_expires_at=NOW + 500), NOW)
