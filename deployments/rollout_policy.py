@@ -169,4 +169,11 @@ def decide_canary(
             + (" (approval='manual' and no operator promoted)" if cfg.approval == "manual" else ""),
             **common,
         )
-    return CanaryDecision(verdict="promoted", reason=f"version {candidate} passed {evidence}", **common)
+    # latency is judged on paired score calls only (a completion's time is its length's): say when there were none
+    unjudged = (
+        ""
+        if any(s.p95_ratio is not None for s in steps)
+        else "; the latency gates were not judged: no /v1/score request was answered by both versions "
+        "(canary.probe_rps > 0 sends such requests)"
+    )
+    return CanaryDecision(verdict="promoted", reason=f"version {candidate} passed {evidence}{unjudged}", **common)

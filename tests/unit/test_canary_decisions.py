@@ -57,7 +57,7 @@ def test_a_good_challenger_is_promoted_after_all_steps():
     decision = decide_canary("m", "2", "1", steps, CFG)
     assert decision.verdict == "promoted" and (decision.candidate, decision.baseline) == ("2", "1")
     assert "passed 3 steps up to 100% on 36 paired requests" in decision.reason
-    assert "2.0000 vs 2.0200" in decision.reason
+    assert "2.0000 vs 2.0200" in decision.reason and "not judged" not in decision.reason
     assert decision.gates["max_bpb_regression"] == 0.05 and decision.gates["min_paired"] == 4
     result = result_of(decision, 100, endpoint_url="http://127.0.0.1:8000")
     assert (result.decision, result.champion_version, result.challenger_version) == ("promoted", "2", "2")
@@ -272,3 +272,17 @@ def test_evidence_exactly_at_a_limit_passes_and_a_zero_ms_baseline_is_no_crash()
     assert slow.p95_ratio > 3.0 and slow.failures == []
     zero = step_of(10, [to_challenger(ch_ms=1.0, base_ms=0.0)] * 6, cfg=no_floor)
     assert zero.p95_ratio == float("inf") and zero.failures[0].startswith("p95 latency 1.0 ms is infx")
+
+
+def test_a_promotion_on_completions_alone_says_its_latency_was_not_judged():
+    # completions are paired for quality (the champion scores the same text) but their time is their length's
+    steps = []
+    for p in (10, 100):
+        obs = [to_challenger(2.00 + i % 2 * 0.01, 2.02, op="complete", ch_ms=900.0) for i in range(12)]
+        steps.append(step_of(p, obs, earlier=steps))
+    assert all(s.p95_ratio is None for s in steps)
+    decision = decide_canary("m", "2", "1", steps, CFG)
+    assert decision.verdict == "promoted" and decision.reason.endswith(
+        "; the latency gates were not judged: no /v1/score request was answered by both versions "
+        "(canary.probe_rps > 0 sends such requests)"
+    )
