@@ -80,10 +80,14 @@ _KV_KEY = (
 _KV_SECRET = re.compile(
     r"(?i)" + _KV_KEY + r"""(?:(\s*=(?!=)\s*)("[^"]*"|'[^']*'|[^\s'"&;,})\]]+)|(["']\s*:\s*b?)("[^"]*"|'[^']*'))"""
 )
-# a YAML line of a secret (`password: hunter2`, `  - api_key: "a b"`): one value to the line's end (a comment may
-# follow), so prose at a line's start ("Password: must be set") stays
+# a YAML line of a secret (`password: hunter2`, `  - 'api_key': "a b"  # c`): one value to the line's end (a comment
+# may follow after a space; CRLF lines too), so prose at a line's start ("Password: must be set") stays, and so does
+# a value that says none is set (null, ~, "")
 _YAML_SECRET = re.compile(
-    r"(?im)^([ \t]*(?:-[ \t]+)?" + _KV_KEY + r"[ \t]*:[ \t]+)(\"[^\"\n]*\"|'[^'\n]*'|[^\s'\"#]+)(?=[ \t]*(?:#[^\n]*)?$)"
+    r"(?im)^([ \t]*(?:-[ \t]+)?['\"]?" + _KV_KEY + r"['\"]?[ \t]*:[ \t]+)"
+    r"(?!(?:null|~|\"\"|'')[ \t]*(?:#[^\r\n]*)?\r?$)"
+    r"(\"(?:[^\"\\\r\n]|\\.)*\"|'(?:[^'\r\n]|'')*'|[^\s'\"#]\S*)"
+    r"(?=(?:[ \t]+#[^\r\n]*)?[ \t]*\r?$)"
 )
 # a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
 _OPTION_SECRET = re.compile(

@@ -160,6 +160,10 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         ('  - api_key: "a b"  # prod\nuser: x', '  - api_key: "***"  # prod\nuser: x'),
         ("aws_secret_access_key: wJalr/K7", "aws_secret_access_key: ***"),
         ("api_key_env: OPENAI_API_KEY\neos_token: </s>", "api_key_env: OPENAI_API_KEY\neos_token: </s>"),
+        ("db:\r\n  password: hunter2\r\n", "db:\r\n  password: ***\r\n"),
+        ("password: p#ss'x", "password: ***"),  # a '#' starts a comment only after a space
+        ("password: \"ab\\\"cd\"\n'secret': 'it''s'", "password: \"***\"\n'secret': '***'"),
+        ('password: null\napi_key: ~\ntoken_secret: ""', 'password: null\napi_key: ~\ntoken_secret: ""'),
     ],
     ids=[
         "ini-spaces",
@@ -178,6 +182,10 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         "yaml-list-quoted-comment",
         "yaml-aws",
         "yaml-names-only",
+        "yaml-crlf",
+        "yaml-hash-and-quote-inside",
+        "yaml-escaped-and-quoted-key",
+        "yaml-none-set",
     ],
 )
 def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(raw, masked):
