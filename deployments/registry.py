@@ -286,11 +286,15 @@ def champion_model(tracking_uri: str, name: str) -> tuple[str, Any] | None:
         ) from None
 
 
+_UNANSWERED = ("API request to", "The following failures occurred while downloading")
+
+
 def store_unavailable(err: BaseException) -> bool:
     """True when `err` (or what it was raised from) says a server did not answer or failed on its side: what
     infra.storage_retry.is_transient retries (a refused or timed-out connection, S3 or Azure 5xx and throttling),
-    requests' connection errors and timeouts, and MLflow's 5xx answers and "API request to ... failed" after its
-    own retries. A missing file, a model that does not build or a refused request is not."""
+    requests' connection errors and timeouts, and MLflow's 5xx answers, "API request to ... failed" after its own
+    retries and a failed download of listed files. A missing file, a model that does not build or a refused request
+    is not."""
     import requests
     from mlflow.exceptions import MlflowException, RestException
 
@@ -303,8 +307,11 @@ def store_unavailable(err: BaseException) -> bool:
         if is_transient(seen) or isinstance(seen, (requests.ConnectionError, requests.Timeout)):
             return True
         if isinstance(seen, MlflowException) and seen.get_http_status_code() >= 500:
-            if isinstance(seen, RestException) or seen.message.startswith("API request to"):
-                return True  # the server's own 5xx, or no answer at all (MLflow's rest_utils words both)
+            # the server's own 5xx, no answer at all (MLflow's rest_utils words both), or a listed file whose
+            # download failed (ArtifactRepository.download_artifacts collects its threads' errors, their causes
+            # dropped; a missing file there is a 404)
+            if isinstance(seen, RestException) or seen.message.startswith(_UNANSWERED):
+                return True
         seen = seen.__cause__ or seen.__context__
     return False
 

@@ -69,9 +69,9 @@ def skip_reason(client: Any, cfg: CanaryConfig, model_name: str, champion: str |
     if not cfg.enabled:
         return "canary.enabled is false"
     rejected = client.get_model_version(model_name, challenger).tags.get(TAG_REJECTED)
+    if champion is None and rejected:  # a rerun reused a rejected version after its champion's alias was removed
+        return f"version {challenger} was already rejected: {rejected}; no champion to serve"
     if champion is None or champion == challenger:
-        if rejected:  # a rerun reused a rejected version after its champion's alias was removed
-            return f"version {challenger} was already rejected: {rejected}; no champion to serve"
         return f"no champion other than version {challenger} (first run)"
     current = read_aliases(client, model_name).get(CHAMPION)
     if current == challenger:

@@ -187,6 +187,8 @@ def test_a_rejected_version_with_no_champion_left_is_skipped_as_rejected_not_as_
     client.delete_registered_model_alias(NAME, "champion")  # an operator removed the champion alias since
     why = skip_reason(client, CanaryConfig(), NAME, None, "2")
     assert why == "version 2 was already rejected: error rate 0.2 > 0.01; no champion to serve"
+    client.set_registered_model_alias(NAME, "champion", "2")  # an operator made it champion anyway: it serves
+    assert "first run" in skip_reason(client, CanaryConfig(), NAME, "2", "2")
 
 
 def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_text(store):
@@ -232,6 +234,7 @@ def test_a_store_that_does_not_answer_is_told_apart_from_a_model_that_does_not_l
     from botocore.exceptions import ClientError
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException, RestException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
     from deployments.registry import store_unavailable
 
@@ -249,6 +252,13 @@ def test_a_store_that_does_not_answer_is_told_apart_from_a_model_that_does_not_l
     assert store_unavailable(RestException({"error_code": "TEMPORARILY_UNAVAILABLE", "message": "db locked"}))
     throttled = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
     assert store_unavailable(ClientError(throttled, "GetObject"))
+    # ArtifactRepository.download_artifacts's own wording when a listed file's download failed (its threads'
+    # errors are collected into one MlflowException, their causes dropped): 500, unless every file was a 404
+    failed = (
+        "The following failures occurred while downloading one or more artifacts from s3://b/m:\n##### File MLmodel"
+    )
+    assert store_unavailable(MlflowException(f"{failed} #####\nConnect timeout on endpoint URL"))
+    assert not store_unavailable(MlflowException(f"{failed} #####\nnot found", error_code=RESOURCE_DOES_NOT_EXIST))
     assert not store_unavailable(MlflowException("No such artifact: 'MLmodel'"))
     assert not store_unavailable(RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no model"}))
     missing = {"Error": {"Code": "NoSuchKey"}, "ResponseMetadata": {"HTTPStatusCode": 404}}
