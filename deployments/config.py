@@ -291,10 +291,11 @@ class CanaryConfig(BaseModel):
         description="How long a manual approval is awaited; then the canary rolls back (verdict 'aborted').",
     )
     pause_timeout_s: float = Field(
-        3600.0,
+        1800.0,
         gt=0,
         description="How long an operator's pause may hold a step; then the canary rolls back (verdict "
-        "'aborted'), so a forgotten pause does not hold the model's release lock (canary.lock_timeout_s) forever.",
+        "'aborted'), so a forgotten pause does not hold the model's release lock for ever: below "
+        "canary.lock_timeout_s, a run queued behind it still gets the lock.",
     )
     on_inconclusive: Literal["rollback", "extend"] = Field(
         "rollback",

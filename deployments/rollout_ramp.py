@@ -221,6 +221,7 @@ class Ramp:
         seen: dict[tuple[str, int], dict[str, Any]] = {}
         cursor, replica = 0, ""
         paused_at: float | None = None
+        before_pause: list[dict[str, Any]] = []  # the step's evidence when the pause began
         while True:
             try:
                 got = (
@@ -235,17 +236,19 @@ class Ramp:
                 cursor = got["next"]
             except Exception as e:  # noqa: BLE001 - a router restarting mid-step; its user_config survives
                 log.warning("reading the router's observations: %s: %s", type(e).__name__, e)
+            paused_out = paused_at is not None and time.monotonic() - paused_at >= cfg.pause_timeout_s
+            if paused_out and self.control is not None:
+                self.control.next_poll = 0.0  # a resume written just before the deadline is read, not dropped
             command = self._poll()
             if command is not None and command.action in ("promote", "abort"):
                 return Collected(list(seen.values()), time.monotonic() - start, "", command)
             if command is not None and command.action == "pause":
-                paused_at = time.monotonic()
+                paused_at, before_pause = time.monotonic(), list(seen.values())
             elif command is not None and command.action == "resume" and paused_at is not None:
                 start += time.monotonic() - paused_at  # the pause does not count against the step
                 paused_at = None
-            if paused_at is not None and time.monotonic() - paused_at >= cfg.pause_timeout_s:
-                self.paused_out = True
-                return Collected(list(seen.values()), paused_at - start, "", None)
+            if paused_at is not None and paused_out:
+                return self._paused_out(before_pause, paused_at - start)
             lacking = missing_evidence(seen.values(), cfg)
             elapsed = time.monotonic() - start
             if paused_at is None and not lacking and elapsed >= cfg.bake_seconds:
@@ -267,6 +270,16 @@ class Ramp:
                 self.set(self.percent, self.epoch)
                 renew_at = time.monotonic() + cfg.lease_s / 3
             time.sleep(0.25)
+
+    def _paused_out(self, observations: list[dict[str, Any]], seconds: float) -> Collected:
+        """End a step whose pause outlasted canary.pause_timeout_s: it reads as deciding at once (no command is taken
+        any more), and the step, on the evidence it had when the pause began, is inconclusive."""
+        self.paused_out = True
+        if self.control is not None:
+            self.control.state = "deciding"
+            self.set(self.percent, self.epoch)
+        why = f"paused for longer than canary.pause_timeout_s={self.cfg.pause_timeout_s:g} s: not judged"
+        return Collected(observations, seconds, why, None)
 
     def await_approval(self) -> OperatorCommand | None:
         """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),

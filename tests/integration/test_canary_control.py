@@ -305,6 +305,9 @@ def test_a_pause_nobody_resumes_rolls_back_when_it_times_out(world, capsys, monk
     assert result.decision == "aborted" and result.reason.startswith(
         "paused for longer than canary.pause_timeout_s=4 s at 30%; rolled back"
     ), result.reason
+    paused = result.steps[-1]  # judged on what it had when the pause began: not a pass, whatever that was
+    assert paused["percent"] == 30 and paused["failures"] == []
+    assert paused["inconclusive"][0] == "paused for longer than canary.pause_timeout_s=4 s: not judged"
     assert not load.failed, load.failed[:5]
     aliases = read_aliases(client, NAME)
     assert aliases["champion"] == base and CHALLENGER not in aliases
