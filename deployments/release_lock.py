@@ -28,6 +28,15 @@ class LockTimeout(TimeoutError):
     """Another release of the same model held the lock for longer than canary.lock_timeout_s."""
 
 
+def _still_held(lock: str, model_name: str, timeout_s: float) -> LockTimeout:
+    """The one-line error of a lock not freed in time: what holds it, as far as this side can tell, and the ways out."""
+    return LockTimeout(
+        f"{lock} still held after {timeout_s:g} s: another release of {model_name!r} is still running (its canary "
+        f"may be paused or awaiting approval: `shardline canary status --model {model_name}`); let it finish, abort "
+        "it, or raise canary.lock_timeout_s"
+    )
+
+
 def _slug(model_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", model_name)
 
@@ -65,9 +74,7 @@ def _file_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise LockTimeout(
-                        f"release lock {path} of model {model_name!r} still held after {timeout_s} s"
-                    ) from None
+                    raise _still_held(f"release lock {path} of model {model_name!r}", model_name, timeout_s) from None
                 time.sleep(0.5)
         try:
             yield f"file lock {path}"
@@ -85,7 +92,7 @@ def _pg_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[s
     with engine.connect() as conn:
         while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
             if time.monotonic() > deadline:
-                raise LockTimeout(f"advisory release lock of model {model_name!r} still held after {timeout_s} s")
+                raise _still_held(f"advisory release lock of model {model_name!r}", model_name, timeout_s)
             time.sleep(0.5)
         try:
             yield f"postgres advisory lock {key}"
@@ -113,6 +120,6 @@ def _prefect_lock(model_name: str, timeout_s: float) -> Iterator[str]:
         # a short lease, renewed by Prefect while held: a killed holder frees the slot within 60 s (the minimum)
         held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s, strict=True, lease_duration=60))
     except TimeoutError:
-        raise LockTimeout(f"Prefect concurrency limit {name} still held after {timeout_s} s") from None
+        raise _still_held(f"Prefect concurrency limit {name}", model_name, timeout_s) from None
     with held:
         yield f"Prefect global concurrency limit {name}"

@@ -2,10 +2,10 @@
 
 Expected failures are the user's to fix: bad input (DataError, a failed quality gate, a TokenizerError), a failed
 validation gate (GateFailed), a rejected checkpoint (CheckpointError), a champion that does not load
-(ChampionUnloadable), a config mistake (ConfigError), an unreachable or misconfigured store or cluster
-(CredentialsError, ClusterError). Prefect's engines log a failed task or flow with its traceback; for these types the
-traceback is dropped and the one-line cause stays (in the console and in the Prefect database). Every other exception
-keeps its traceback.
+(ChampionUnloadable), another release of the model still holding its lock (LockTimeout), a config mistake
+(ConfigError), an unreachable or misconfigured store or cluster (CredentialsError, ClusterError). Prefect's engines
+log a failed task or flow with its traceback; for these types the traceback is dropped and the one-line cause stays
+(in the console and in the Prefect database). Every other exception keeps its traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 def expected_failures() -> tuple[type[BaseException], ...]:
     """The exception types that are reported as one line (imported lazily: torch and friends are heavy)."""
     from deployments.registry import ChampionUnloadable
+    from deployments.release_lock import LockTimeout
     from flows.config import ConfigError
     from infra.cluster import ClusterError
     from infra.credentials import CredentialsError
@@ -37,6 +38,7 @@ def expected_failures() -> tuple[type[BaseException], ...]:
         GateFailed,
         CheckpointError,
         ChampionUnloadable,
+        LockTimeout,
         CredentialsError,
         ClusterError,
     )
