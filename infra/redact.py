@@ -203,18 +203,20 @@ def _masked_pair(m: re.Match[str]) -> str:
     return f"{m.group(1)}{m.group(2)}={MASK}" if _secret_key(m.group(2)) else m.group(0)
 
 
+def _mask_keeping_quotes(value: str) -> str:
+    quote = value[0] if value[:1] in ("'", '"') else ""
+    return f"{quote}{MASK}{quote}"
+
+
 def _masked_value(m: re.Match[str]) -> str:
     """A _KV_SECRET match with its value masked, quotes kept."""
     sep, value = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
-    quote = value[0] if value[:1] in ("'", '"') else ""
-    return f"{m.group(1)}{sep}{quote}{MASK}{quote}"
+    return f"{m.group(1)}{sep}{_mask_keeping_quotes(value)}"
 
 
 def _masked_yaml(m: re.Match[str]) -> str:
     """A _YAML_SECRET match with its value masked, quotes kept."""
-    value = m.group(3)
-    quote = value[0] if value[:1] in ("'", '"') else ""
-    return f"{m.group(1)}{quote}{MASK}{quote}"
+    return f"{m.group(1)}{_mask_keeping_quotes(m.group(3))}"
 
 
 def clip(text: str, limit: int) -> str:

@@ -125,6 +125,18 @@ def release_candidate(world, table: str, name: str = "") -> tuple[str, str]:
     return champion, version
 
 
+def assert_aborted_back_to(world, load, base: str, ver: str) -> None:
+    """A canary that timed out: no client saw a failure, `base` is champion and alone served, and `ver` is marked
+    aborted, not rejected (it may be canaried again)."""
+    client = world["client"]
+    assert not load.failed, load.failed[:5]
+    aliases = read_aliases(client, NAME)
+    assert aliases["champion"] == base and CHALLENGER not in aliases
+    tags = client.get_model_version(NAME, ver).tags
+    assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags
+    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]
+
+
 def test_an_operator_pauses_resumes_and_promotes_a_live_canary_early(world, capsys, monkeypatch):
     monkeypatch.setenv("SHARDLINE_USER", "ana")
     client, _uri = world["client"], world["uri"]
@@ -276,12 +288,7 @@ def test_a_manual_approval_that_never_comes_rolls_back_when_it_times_out(world, 
     assert result.decision == "aborted" and result.reason.startswith(
         "no approval within canary.approval_timeout_s=4 s at 30%; rolled back"
     ), result.reason
-    assert not load.failed, load.failed[:5]
-    aliases = read_aliases(client, NAME)
-    assert aliases["champion"] == base and CHALLENGER not in aliases
-    tags = client.get_model_version(NAME, ver).tags
-    assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
-    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]
+    assert_aborted_back_to(world, load, base, ver)
     code, status, _ = shardline_canary(capsys, world, "status")
     assert (status["state"], status["champion_version"], status["challenger_version"]) == ("none", base, None)
 
@@ -308,9 +315,4 @@ def test_a_pause_nobody_resumes_rolls_back_when_it_times_out(world, capsys, monk
     paused = result.steps[-1]  # judged on what it had when the pause began: not a pass, whatever that was
     assert paused["percent"] == 30 and paused["failures"] == []
     assert paused["inconclusive"][0] == "paused for longer than canary.pause_timeout_s=4 s: not judged"
-    assert not load.failed, load.failed[:5]
-    aliases = read_aliases(client, NAME)
-    assert aliases["champion"] == base and CHALLENGER not in aliases
-    tags = client.get_model_version(NAME, ver).tags
-    assert tags[TAG_CANARY_DECISION] == "aborted" and "rejected" not in tags  # may be canaried again
-    assert endpoint.served_versions(serve_build.app_name_for(world["serve"], NAME)) == [base]
+    assert_aborted_back_to(world, load, base, ver)
