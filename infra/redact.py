@@ -5,7 +5,8 @@ One function decides what a credential looks like (`find_credential`), one rewri
 (`sig`, `X-Amz-*`, `token`, ...), and the secret parts of connection strings (`AccountKey=`,
 `SharedAccessSignature=`, `Password=`); in text also environment-style secrets (`AWS_SECRET_ACCESS_KEY=...`),
 secret keys in code, JSON, INI, YAML and repr forms (`aws_secret_access_key = ...`, `{"password": "..."}`,
-a `password: ...` line), header lines of
+a `password: ...` line, the
+lines of a `password: |` block), header lines of
 a secret (`x-api-key: ...`), a command line's secret option (`--password x`), signed query strings
 printed without their scheme and host (urllib3's "Max retries exceeded with url: /c/b?sv=...&sig=..."), tokens of a
 known shape (GitHub, GitLab, Hugging Face, AWS access key ids, JWTs) and `Bearer`/`Basic` tokens.
@@ -74,7 +75,7 @@ _QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`
 _KV_KEY = (
     r"(?<![A-Za-z0-9])((?:[A-Za-z0-9]+[_-]){0,6}(?:password|passwd|secret|secret[_-]access[_-]key|secret[_-]key|"
     r"access[_-]key|api[_-]?key|account[_-]?key|sas[_-]token|session[_-]token|security[_-]token|access[_-]token|"
-    r"refresh[_-]token|auth[_-]token|private[_-]token|passphrase|signature))"
+    r"refresh[_-]token|auth[_-]token|private[_-]token|private[_-]key|passphrase|signature))"
 )
 # `=` with spaces around it too (`aws_secret_access_key = ...` in ~/.aws/credentials and INI files), not `==`
 _KV_SECRET = re.compile(
@@ -85,9 +86,14 @@ _KV_SECRET = re.compile(
 # a value that says none is set (null, ~, "")
 _YAML_SECRET = re.compile(
     r"(?im)^([ \t]*(?:-[ \t]+)?['\"]?" + _KV_KEY + r"['\"]?[ \t]*:[ \t]+)"
-    r"(?!(?:null|~|\"\"|'')[ \t]*(?:#[^\r\n]*)?\r?$)"
+    r"(?!(?:null|~|\"\"|''|[|>][1-9+-]{0,2})[ \t]*(?:#[^\r\n]*)?\r?$)"
     r"(\"(?:[^\"\\\r\n]|\\.)*\"|'(?:[^'\r\n]|'')*'|[^\s'\"#]\S*)"
     r"(?=(?:[ \t]+#[^\r\n]*)?[ \t]*\r?$)"
+)
+# the head of a YAML block scalar of a secret (`password: |`, `  private_key: >-  # pem`): _yaml_blocks masks the
+# lines below it that are indented deeper, the value
+_YAML_BLOCK_HEAD = re.compile(
+    r"(?im)^([ \t]*)(?:-[ \t]+)?['\"]?" + _KV_KEY + r"['\"]?[ \t]*:[ \t]*[|>][1-9+-]{0,2}[ \t]*(?:#[^\r\n]*)?\r?$"
 )
 # a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
 _OPTION_SECRET = re.compile(
@@ -191,6 +197,8 @@ def redact(text: Any) -> str:
     if ":" in s:
         s = _HEADER_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", s)
         s = _YAML_SECRET.sub(_masked_yaml, s)
+        if ("|" in s or ">" in s) and _YAML_BLOCK_HEAD.search(s):
+            s = _yaml_blocks(s)
     if "--" in s:
         s = _OPTION_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", s)
     s = _TOKEN.sub(MASK, s)
@@ -217,6 +225,25 @@ def _masked_value(m: re.Match[str]) -> str:
 def _masked_yaml(m: re.Match[str]) -> str:
     """A _YAML_SECRET match with its value masked, quotes kept."""
     return f"{m.group(1)}{_mask_keeping_quotes(m.group(3))}"
+
+
+def _yaml_blocks(text: str) -> str:
+    """`text` with the value of every YAML block scalar of a secret masked: each non-blank line below a
+    _YAML_BLOCK_HEAD that is indented deeper than the head becomes `***` at its indentation (blank lines inside the
+    block stay blank); the block ends at the first line indented no deeper."""
+    out: list[str] = []
+    head_indent: int | None = None
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        content = body.lstrip(" \t")
+        indent = len(body) - len(content)
+        if head_indent is not None and (not content or indent > head_indent):
+            out.append(body[:indent] + (MASK if content else "") + line[len(body) :])
+            continue
+        head = _YAML_BLOCK_HEAD.match(body)
+        head_indent = len(head.group(1)) if head else None
+        out.append(line)
+    return "".join(out)
 
 
 def clip(text: str, limit: int) -> str:

@@ -164,6 +164,18 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         ("password: p#ss'x", "password: ***"),  # a '#' starts a comment only after a space
         ("password: \"ab\\\"cd\"\n'secret': 'it''s'", "password: \"***\"\n'secret': '***'"),
         ('password: null\napi_key: ~\ntoken_secret: ""', 'password: null\napi_key: ~\ntoken_secret: ""'),
+        (
+            "db:\n  password: |\n    hunter2\n\n    line2\n  host: db",
+            "db:\n  password: |\n    ***\n\n    ***\n  host: db",
+        ),
+        (
+            "- private_key: >-  # pem\r\n    MIIEv\r\n    QDx\r\nuser: x\r\n  password: |\n",
+            "- private_key: >-  # pem\r\n    ***\r\n    ***\r\nuser: x\r\n  password: |\n",
+        ),
+        (
+            "notes: |\n  password is required\nsecret: |2+\n  s3cr3t",
+            "notes: |\n  password is required\nsecret: |2+\n  ***",
+        ),
     ],
     ids=[
         "ini-spaces",
@@ -186,6 +198,9 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         "yaml-hash-and-quote-inside",
         "yaml-escaped-and-quoted-key",
         "yaml-none-set",
+        "yaml-block",
+        "yaml-folded-block-crlf-in-a-list",
+        "yaml-block-indicators-and-a-plain-block",
     ],
 )
 def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(raw, masked):
@@ -210,6 +225,8 @@ def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a
         "TESTS_PASSED=3 FOO_PASSTHROUGH=1",
         "api_key_env=OPENAI_API_KEY secret_block=shardline-s3 {'api_key_env': 'X'}",
         "hf_model.py hf_config ghp_short",
+        "private_key_path: /etc/ssl/k.pem\nprivate_key_file=k.pem",  # where a key is, not the key
+        "a -> b: |x| > 2",
     ],
 )
 def test_words_that_name_secrets_without_holding_one_are_unchanged(clean):
