@@ -272,7 +272,11 @@ class CanaryConfig(BaseModel):
     max_probe_bytes: int = Field(1024, ge=16, description="Held-out text per probe request is cut to this.")
     seed: int = Field(0, description="Seed of routing, probe order and the bootstrap.")
     lock_timeout_s: float = Field(
-        3600.0, gt=0, description="How long a run waits for the model's release lock (another run's canary)."
+        7200.0,
+        gt=0,
+        description="How long a run waits for the model's release lock (another run's canary). The default outlasts "
+        "a manual approval's default wait (canary.approval_timeout_s, 3600) with its steps, so a run queued behind "
+        "a canary nobody approves gets the lock once that canary rolls back, rather than failing just before.",
     )
     mode: Literal["canary", "shadow"] = Field(
         "canary",

@@ -86,6 +86,12 @@ def test_a_pause_that_outlasts_its_timeout_rolls_back_whatever_the_step_showed()
         CanaryConfig(pause_timeout_s=0)
 
 
+def test_by_default_a_run_queued_behind_an_unapproved_canary_outlasts_its_approval_and_pause_waits():
+    # the queued run holds a trained, validated model: it should get the lock when that canary rolls back
+    defaults = CanaryConfig()
+    assert defaults.lock_timeout_s > defaults.approval_timeout_s + defaults.pause_timeout_s
+
+
 def test_manual_approval_needs_a_step_below_100():
     with pytest.raises(ValueError, match=r"canary.steps=\[100\] has none"):
         CanaryConfig(approval="manual", steps=[100])
