@@ -150,10 +150,10 @@ def run_rollout(
         ended_by: OperatorCommand | None = None
         timed_out: TimedOut = ""
         try:
-            ended_by, stopped = _ramp_up(ramp, cfg, champion, challenger, steps, on_step)
+            ended_by, stopped, paused_out = _ramp_up(ramp, cfg, champion, challenger, steps, on_step)
             if stopped:
                 ramp.champion_only()  # no more traffic on a failing (or unjudgeable) challenger while we decide
-                timed_out = "pause" if ramp.paused_out else ""
+                timed_out = "pause" if paused_out else ""
             elif ended_by is None and hold_percent(cfg) is not None:
                 ended_by = ramp.await_approval()
                 timed_out = "approval" if ended_by is None else ""
@@ -175,9 +175,10 @@ def _ramp_up(
     challenger: str,
     steps: list[StepMetrics],
     on_step: Callable[[int, StepMetrics], None] | None,
-) -> tuple[OperatorCommand | None, bool]:
+) -> tuple[OperatorCommand | None, bool, bool]:
     """Each weight of the ramp in turn, an inconclusive step again while canary.on_inconclusive allows; appends the
-    judged steps. Returns (the operator's promote or abort that ended it, whether a step stopped it)."""
+    judged steps. Returns (the operator's promote or abort that ended it, whether a step stopped it, whether that
+    was a pause that outlasted canary.pause_timeout_s)."""
     epoch = 0
     for percent in ramp_steps(cfg):
         ramp.attempt = 0
@@ -196,12 +197,12 @@ def _ramp_up(
             if on_step is not None:
                 on_step(len(steps) - 1, step)
             if got.command is not None:
-                return got.command, False
-            if ramp.paused_out:  # an operator's pause outlasted canary.pause_timeout_s: roll back
-                return None, True
+                return got.command, False, False
+            if got.paused_out:  # an operator's pause outlasted canary.pause_timeout_s: roll back
+                return None, True, True
             move = next_move(step, cfg)
             if move == "stop":
-                return None, True
+                return None, True, False
             if move == "next":
                 break
             ramp.attempt += 1
@@ -212,7 +213,7 @@ def _ramp_up(
                 ramp.attempt,
                 cfg.max_extensions,
             )
-    return None, False
+    return None, False, False
 
 
 def _finish(

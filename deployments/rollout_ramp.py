@@ -136,12 +136,14 @@ class Prober:
 
 class Collected(NamedTuple):
     """What one step's collection ended with: its observations and seconds, the evidence shortfall ("" when it had
-    enough) and the operator's promote or abort that ended it early (None when the evidence did)."""
+    enough), the operator's promote or abort that ended it early (None when the evidence did) and whether an
+    operator's pause outlasted canary.pause_timeout_s (then the canary rolls back)."""
 
     observations: list[dict[str, Any]]
     seconds: float
     shortfall: str
     command: OperatorCommand | None
+    paused_out: bool = False
 
 
 class Ramp:
@@ -170,7 +172,6 @@ class Ramp:
         )
         self.challenger = challenger
         self.percent, self.epoch, self.attempt = 0, 0, 0
-        self.paused_out = False  # an operator's pause outlasted canary.pause_timeout_s (collect)
 
     def set(self, percent: int, epoch: int) -> None:
         """Weight and step, with a fresh lease; the champion's replicas are untouched (a lightweight update)."""
@@ -214,7 +215,7 @@ class Ramp:
     def collect(self) -> Collected:
         """Observations of the current step once it has enough evidence (or its timeout passed, or an operator
         promoted or aborted). Renews the lease while it waits; while paused, the step is not judged and its clock
-        stands still. A pause longer than canary.pause_timeout_s ends the step at once with `paused_out` set."""
+        stands still. A pause longer than canary.pause_timeout_s ends the step at once, `paused_out` set."""
         cfg = self.cfg
         start = time.monotonic()
         renew_at = start + cfg.lease_s / 3
@@ -274,12 +275,11 @@ class Ramp:
     def _paused_out(self, observations: list[dict[str, Any]], seconds: float) -> Collected:
         """End a step whose pause outlasted canary.pause_timeout_s: it reads as deciding at once (no command is taken
         any more), and the step, on the evidence it had when the pause began, is inconclusive."""
-        self.paused_out = True
         if self.control is not None:
             self.control.state = "deciding"
             self.set(self.percent, self.epoch)
         why = f"paused for longer than canary.pause_timeout_s={self.cfg.pause_timeout_s:g} s: not judged"
-        return Collected(observations, seconds, why, None)
+        return Collected(observations, seconds, why, None, paused_out=True)
 
     def await_approval(self) -> OperatorCommand | None:
         """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),
