@@ -93,7 +93,7 @@ def check_stop(value: Any) -> Any:
         return value
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
-    raise ValueError(f"a string or a list of at most {MAX_STOP} strings, got {_shown(value)}")
+    raise ValueError(f"a string or a list of at most {MAX_STOP} strings, got {shown(value)}")
 
 
 # OpenAI's `stop`, on completions and chat alike: checked before its union's members, so a wrong type is named
@@ -101,9 +101,13 @@ def check_stop(value: Any) -> Any:
 Stop = Annotated[str | list[str] | None, BeforeValidator(check_stop)]
 
 
-def _shown(value: Any) -> str:
-    """A value as an error message quotes it: at most 60 characters."""
-    text = json.dumps(value) if isinstance(value, (dict, list, int, float, bool)) else repr(value)
+def shown(value: Any, as_json: bool = True) -> str:
+    """A value as an error message quotes it, as JSON (or as Python's repr): at most 60 characters (a client's value
+    may be of any size or depth: one nested close to the JSON parser's limit is named by its type, not re-encoded)."""
+    try:
+        text = json.dumps(value) if as_json and isinstance(value, (dict, list, int, float, bool)) else repr(value)
+    except RecursionError:
+        text = f"a deeply nested {type(value).__name__}"
     return clip(text, 60)
 
 
@@ -214,7 +218,9 @@ def model_or_error(model: type[M], data: Any) -> M:
     except ValidationError as e:
         first = e.errors()[0]
         where = field_path(first["loc"]) or "body"
-        if first["type"] == "extra_forbidden":
+        if first["type"] == "extra_forbidden":  # the last part is the client's own key, whatever it reads
+            within, key = field_path(first["loc"][:-1]), str(first["loc"][-1])
+            where = clip(f"{within}.{key}" if within else key, 100)
             raise ApiError(400, f"{where}: unsupported parameter", param=where, code="unsupported_parameter") from None
         message = str(first["msg"]).removeprefix("Value error, ")
         raise ApiError(400, f"{where}: {message}", param=None if where == "body" else where) from None
@@ -246,7 +252,7 @@ def validate(
             if value is not None and value != neutral and (neutral is not None or value):
                 raise ApiError(
                     400,
-                    f"{name}: only {neutral!r} is supported, got {getattr(req, name)!r}",
+                    f"{name}: only {neutral!r} is supported, got {shown(getattr(req, name), as_json=False)}",
                     param=name,
                     code="unsupported_parameter",
                 )
@@ -272,7 +278,7 @@ def model_not_found(model: str, served: list[str]) -> ApiError:
     """OpenAI's 404 model_not_found, naming what is served."""
     return ApiError(
         404,
-        f"model: {_shown(model)} is not served here; served: {', '.join(served) or 'none'}",
+        f"model: {shown(model)} is not served here; served: {', '.join(served) or 'none'}",
         param="model",
         code="model_not_found",
     )

@@ -28,6 +28,7 @@ from deployments.openai_api import (
     StreamOptions,
     envelope,
     model_or_error,
+    shown,
     usage,
     validate,
 )
@@ -198,7 +199,10 @@ def parse_chat(data: Any, max_tokens_cap: int) -> tuple[CompletionRequest, list[
             continue
         if value is not None and value != neutral and not (name in _EMPTY_IS_NEUTRAL and value in ([], {})):
             raise ApiError(
-                400, f"{name}: only {neutral!r} is supported, got {value!r}", param=name, code="unsupported_parameter"
+                400,
+                f"{name}: only {neutral!r} is supported, got {shown(value, as_json=False)}",
+                param=name,
+                code="unsupported_parameter",
             )
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "max_tokens and max_completion_tokens: give one", param="max_completion_tokens")

@@ -218,7 +218,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
             if req.model is not None and req.model != cfg.model_name:
                 raise ApiError(
                     404,
-                    f"model: {req.model!r} is not served here (this is {cfg.model_name!r})",
+                    f"model: {oai.shown(req.model)} is not served here (this is {cfg.model_name!r})",
                     param="model",
                     code="model_not_found",
                 )

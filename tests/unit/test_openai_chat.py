@@ -74,6 +74,12 @@ def test_a_conversation_that_sends_the_endpoints_own_reply_back_renders():
         ({"messages": HI, "tools": [{"type": "function"}]}, "tools: only None is supported", "tools"),
         ({"messages": HI, "functions": [{"name": "f"}]}, "functions: only None is supported", "functions"),
         ({"messages": HI, "functionz": []}, "functionz: unsupported parameter", "functionz"),
+        (
+            {"messages": [{"role": "user", "content": "x", "dict": 1}]},
+            "messages[0].dict: unsupported parameter",  # a key that reads like a union member's label is named
+            "messages[0].dict",
+        ),
+        ({"messages": HI, "tools": ["t" * 5000]}, f"tools: only None is supported, got ['{'t' * 55}...", "tools"),
         ({"messages": HI, "store": True}, "store: only False is supported, got True", "store"),
         ({"messages": HI, "reasoning_effort": "low"}, "reasoning_effort: only None is supported", "reasoning_effort"),
         ({"messages": [{"role": "user"}]}, "messages[0].content: required for a user message", "messages[0].content"),

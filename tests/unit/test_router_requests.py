@@ -3,12 +3,14 @@ against the OpenAI completions protocol (every refusal a 400 with OpenAI's error
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 import time
 
 import pytest
 
-from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest, parse_json, validate
+from deployments.openai_api import ApiError, CompletionRequest, ScoreRequest, parse_json, shown, validate
 from deployments.router_config import RouterConfig
 from deployments.serve_app import Router
 
@@ -168,11 +170,38 @@ def _parse(endpoint: str, body: object, cfg: RouterConfig = CFG):
             400,
             'stop: a string or a list of at most 4 strings, got ["a", 1]',
         ),
+        # unknown keys that read like pydantic's names of a union's members are still named
+        ("completions", {"prompt": "ab", "list": 1}, 400, "list: unsupported parameter"),
+        ("completions", {"prompt": "ab", "foo[0]": 1}, 400, "foo[0]: unsupported parameter"),
+        # a client's value is quoted short
+        (
+            "completions",
+            {"prompt": "ab", "suffix": "z" * 5000},
+            400,
+            f"suffix: only None is supported, got '{'z' * 56}...",
+        ),
     ],
 )
 def test_bad_requests_get_a_status_and_a_one_line_cause(endpoint, body, status, message):
     assert _parse(endpoint, body) == (status, message)
     assert "\n" not in message
+
+
+def test_a_stop_nested_near_the_parsers_depth_limit_is_a_400_at_every_depth():
+    # past some depth the parser refuses the body; just short of it, quoting the value in the message would recurse
+    # too deep: every depth is a 400, none an exception (a 500)
+    limit = sys.getrecursionlimit()
+    answers = {
+        _parse("completions", ('{"prompt": "ab", "stop": ' + "[" * depth + "]" * depth + "}").encode())
+        for depth in range(limit - 200, limit + 10)
+    }
+    assert {status for status, _ in answers} == {400}
+    assert {message.split(":")[0] for _, message in answers} == {"stop", "body is not JSON this endpoint accepts"}
+    assert shown([[[]]]) == "[[[]]]"
+    nested: list = []
+    for _ in range(limit):
+        nested = [nested]
+    assert shown(nested) == "a deeply nested list"
 
 
 def test_good_requests_become_request_objects():
@@ -282,8 +311,6 @@ def test_the_token_check_takes_the_scheme_in_any_case_and_answers_as_openai_does
 
 def test_a_content_length_that_is_not_ascii_digits_is_read_as_absent():
     """'²' is a digit to str.isdigit but not to int(): the body is then read and bounded as it streams."""
-    import asyncio
-
     from starlette.requests import Request
 
     from deployments.http_io import read_body
@@ -306,3 +333,14 @@ def test_an_unknown_model_is_quoted_short():
 
     err = model_not_found("m" * 5000, ["alpha"])
     assert err.status == 404 and err.message == "model: '" + "m" * 56 + "... is not served here; served: alpha"
+
+
+def test_a_router_reached_directly_quotes_an_unknown_model_short():
+    """A router's own route (KubeRay exposes it) answers a 404 of its own, clipped as the gateway's is."""
+    router = Router("shardline-m", {})
+    router.reconfigure({"model_name": "m", "champion": "1"})
+    body = json.dumps({"model": "x" * 5000, "prompt": "ab"}).encode()
+    reply = asyncio.run(router.respond("POST", "/v1/completions", {}, body))
+    error = json.loads(reply["body"])["error"]
+    assert reply["status"] == 404 and error["code"] == "model_not_found"
+    assert error["message"] == "model: '" + "x" * 56 + "... is not served here (this is 'm')"
