@@ -77,6 +77,7 @@ class TokenCodec:
         table = byte_level_table() if byte_level else {}
         fallback = bool(getattr(tokenizer.model, "byte_fallback", False))
         self.pieces: list[bytes] = []
+        byte_ids: list[int] = []  # SentencePiece's byte-fallback ids
         for i in range(self.vocab):
             token = tokenizer.id_to_token(i)
             if token is None or token in special:
@@ -85,8 +86,14 @@ class TokenCodec:
                 self.pieces.append(bytes(table[c] for c in token))
             elif fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
                 self.pieces.append(bytes([int(token[3:5], 16)]))  # SentencePiece's byte fallback: one raw byte
+                byte_ids.append(i)
             else:
                 self.pieces.append(_decoded(tokenizer, i))
+        # a byte-fallback id whose byte is also a token of its own (`<0x61>` and `a`) reads by its name, so the two
+        # are told apart in `top_logprobs` (a dict by label)
+        fallback_of = set(byte_ids)
+        own = {p for i, p in enumerate(self.pieces) if p and i not in fallback_of and i not in self.special_ids}
+        self.named_ids = self.special_ids | {i for i in byte_ids if self.pieces[i] in own}
 
     def encode(self, text: bytes) -> list[int]:
         return self.scored(text)[0]
@@ -110,9 +117,9 @@ class TokenCodec:
 
     def label(self, token: int) -> str:
         """The id's text when its bytes are whole characters, else its bytes as `bytes:\\xNN...` (OpenAI's form); a
-        special token, which stands for no text, by its own name (`</s>`), so that no two read the same in
-        `top_logprobs`."""
-        if token in self.special_ids:
+        special token, which stands for no text, and a byte-fallback id whose byte has a token of its own, by its
+        own name (`</s>`, `<0x61>`), so that no two read the same in `top_logprobs`."""
+        if token in self.named_ids:
             return str(self.tokenizer.id_to_token(token))
         raw = self.piece(token)
         try:

@@ -49,11 +49,17 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen
     return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
 
 
-def top_entries(logprobs: torch.Tensor, k: int, codec: Codec = BYTES) -> dict[str, float]:
-    if k <= 0:
-        return {}
-    values, ids = torch.topk(logprobs, k)
-    return {codec.label(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
+def top_entries(logprobs: torch.Tensor, k: int, codec: Codec = BYTES, chosen: int | None = None) -> dict[str, float]:
+    """The k likeliest tokens' labels and logprobs, likeliest first, and the chosen token's (the sampled one, or the
+    prompt's own) after them when it is not among them: OpenAI's "the logprob of the sampled token is always
+    returned, so there may be up to logprobs+1 elements" (logprobs 0 gives that one alone)."""
+    out: dict[str, float] = {}
+    if k > 0:
+        values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+        out = {codec.label(int(i)): float(v) for v, i in zip(values, ids, strict=True)}
+    if chosen is not None:
+        out.setdefault(codec.label(chosen), float(logprobs[chosen]))
+    return out
 
 
 def prompt_logprobs(
@@ -70,7 +76,7 @@ def prompt_logprobs(
                 break
             lp = torch.log_softmax(model(window[None, :-1])[0].float(), -1)
             for t, target in enumerate(window[1:].tolist()):
-                out.append((float(lp[t, target]), top_entries(lp[t], k, codec)))
+                out.append((float(lp[t, target]), top_entries(lp[t], k, codec, target)))
     return out
 
 
@@ -147,7 +153,7 @@ class Completion:
         if self.logprobs is not None:
             lp = torch.log_softmax(logits, -1)
             label = self.codec.label(token)
-            top = top_entries(lp, self.logprobs, self.codec)
+            top = top_entries(lp, self.logprobs, self.codec, token)
             self.pending.append(_Token(label, float(lp[token]), top, before + _flushed(new, piece)))
         out: list[dict[str, Any]] = []
         cut = self.scanner.find(self.text)

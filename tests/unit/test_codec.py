@@ -180,6 +180,20 @@ def _sentencepiece_style():
     return tok
 
 
+def test_a_byte_fallback_id_whose_byte_has_its_own_token_reads_by_its_name_in_top_logprobs():
+    """`<0x61>` and `a` both stand for b"a": labelled alike, one overwrote the other in `top_logprobs` (a dict)."""
+    from deployments.generation import top_entries
+
+    tok = _sentencepiece_style()
+    codec = TokenCodec(tok)
+    fallback_a, a, fallback_e2 = (tok.token_to_id(t) for t in ("<0x61>", "a", "<0xE2>"))
+    assert [codec.label(i) for i in (fallback_a, a, fallback_e2)] == ["<0x61>", "a", "bytes:\\xe2"]
+    assert codec.piece(fallback_a) == codec.piece(a) == b"a"  # the text they stand for is unchanged
+    logprobs = torch.full((codec.vocab,), -9.0)
+    logprobs[[fallback_a, a]] = torch.tensor([-0.5, -0.75])
+    assert top_entries(logprobs, 2, codec) == {"<0x61>": -0.5, "a": -0.75}
+
+
 def test_a_sentencepiece_style_tokenizer_keeps_its_spaces_and_bytes_and_names_its_special_tokens():
     """Decoded one id at a time, every `▁word` lost its space (the decoder strips a text's first one) and every
     `<0xNN>` became U+FFFD: a completion read `thecat`, and a stop string ` cat` never matched."""

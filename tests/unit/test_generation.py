@@ -76,6 +76,23 @@ def test_logprobs_are_the_models_and_offsets_count_characters():
     assert token_text(0xE9) == "bytes:\\xe9" and token_text(ord("x")) == "x"
 
 
+def test_the_sampled_or_prompt_token_is_always_in_its_top_logprobs_as_openai_returns_it():
+    """OpenAI: "the logprob of the sampled token is always returned, so there may be up to logprobs+1 elements";
+    logprobs 0 returns that one alone. A sampled token outside the top k was missing from its own entry."""
+    model = _bigram(b"ab" * 20 + b"ac", smoothing=0.5)  # after 'a', 'b' is likeliest by far
+    for logprobs in (0, 1):
+        events = list(generate(model, b"a", 8, 40, temperature=2.0, seed=3, logprobs=logprobs))
+        lp = merge_logprobs([e["logprobs"] for e in events if "text" in e])
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert top[token] == logprob and len(top) <= logprobs + 1
+        outside = [(t, top) for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True) if len(top) > logprobs]
+        assert outside  # at temperature 2 some sampled byte was outside the top k: it comes after them
+        assert all(list(top)[-1] == token for token, top in outside)
+    scored = prompt_logprobs(model, b"acb", 8, 1)  # the prompt's 'c' and 'b' are not the likeliest after 'a', 'c'
+    assert [list(top) for _, top in scored[1:]] == [["b", "c"], [max(scored[2][1], key=scored[2][1].get), "b"]]
+    assert [lp for lp, _ in scored[1:]] == [scored[1][1]["c"], scored[2][1]["b"]]
+
+
 def test_a_cancelled_generation_stops_before_the_next_step():
     calls = []
     model = _bigram(TEXT)
