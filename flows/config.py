@@ -230,9 +230,12 @@ class _StackTable(BaseModel):
 
 
 def load_stack_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
+    path: str | Path | None = None, overrides: list[str] | None = None, probe_endpoint: bool = False
 ) -> tuple[StackConfig, PipelineConfig]:
     """The `[stack]` table of a config file (settings of `shardline up`) and the pipeline sections beside it.
+    `probe_endpoint`: also ask whoever listens on serve.port whether shardline can serve there (check_serving),
+    for the commands that serve (`run`, `serve`, `up`, `notify-dataset`); the others (`down`, `serve --stop`,
+    `shard`, `canary`, ...) must work whatever holds that port.
 
     Raises:
         ConfigError: as for load_config, with keys of the stack table named `stack.KEY`.
@@ -248,7 +251,7 @@ def load_stack_config(
     check_no_credentials(stack.model_dump(exclude={"backend"}), origin, prefix="stack")
     check_no_credentials(config, origin)
     check_remote_storage(config, origin)
-    check_serving(config, origin)
+    check_serving(config, origin, probe=probe_endpoint)
     return stack, config
 
 
@@ -346,16 +349,17 @@ def check_tokenizer_fits(config: PipelineConfig, origin: str = "config") -> None
         raise ConfigError(f"{origin}: {e}") from None
 
 
-def check_serving(config: PipelineConfig, origin: str = "config") -> None:
-    """ConfigError when the canary is on but the live endpoint it ramps on is off, or when the endpoint's address
-    cannot host shardline's gateway (a route prefix or port held by something shardline did not start): found
-    before anything trains, so nothing is registered for a model that could not be served."""
+def check_serving(config: PipelineConfig, origin: str = "config", probe: bool = True) -> None:
+    """ConfigError when the canary is on but the live endpoint it ramps on is off, or (`probe`: an HTTP request to
+    serve.port) when the endpoint's address cannot host shardline's gateway (a route prefix or port held by
+    something shardline did not start): found before anything trains, so nothing is registered for a model that
+    could not be served."""
     if config.canary.enabled and not config.serve.enabled:
         raise ConfigError(
             f"{origin}: canary.enabled = true needs serve.enabled = true (the canary ramps on the live "
             "endpoint); set canary.enabled = false to end runs at the registry"
         )
-    if config.serve.enabled:
+    if config.serve.enabled and probe:
         try:
             check_endpoint_free(config.serve)
         except EndpointConflict as e:
@@ -383,12 +387,15 @@ def check_remote_storage(config: PipelineConfig, origin: str = "config", trackin
         raise ConfigError(f"{origin}: {redact(e)}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, probe_endpoint: bool = False
+) -> PipelineConfig:
     """Build a PipelineConfig from an optional TOML file and `section.key=value` overrides.
 
     A `[stack]` table is `shardline up`'s; it is checked and set aside, so one file can serve both commands.
+    `probe_endpoint`: as for load_stack_config (the flow probes at its start whatever the caller chose).
 
     Raises:
         ConfigError: the file is missing or not TOML, or a key is unknown or a value invalid.
     """
-    return load_stack_config(path, overrides)[1]
+    return load_stack_config(path, overrides, probe_endpoint)[1]

@@ -49,11 +49,11 @@ def table(rows: list[tuple[str, Any]]) -> str:
     return "\n".join([line, *body, line])
 
 
-def config_or_none(args: argparse.Namespace) -> Any:
+def config_or_none(args: argparse.Namespace, probe_endpoint: bool = False) -> Any:
     """The PipelineConfig of `--config` and `--set`, with the environment prepared; None after printing the one-line
-    mistake to stderr (the caller exits 2)."""
+    mistake to stderr (the caller exits 2). `probe_endpoint`: for a command that serves (flows.config.load_config)."""
     try:
-        config = load_config(args.config, args.set)
+        config = load_config(args.config, args.set, probe_endpoint)
     except ConfigError as e:
         print(f"shardline: {e}", file=sys.stderr)
         return None

@@ -61,7 +61,7 @@ def _cmd_notify(args: argparse.Namespace) -> int:
 
     try:
         source = resolve_source(args.source)
-        load_config(args.config, args.set)  # refuse a bad config here, not in a run started later
+        load_config(args.config, args.set, probe_endpoint=True)  # refuse a bad config here, not in a run started later
         overrides, _ = read_raw(args.config, args.set)
         overrides.pop("stack", None)  # `shardline up`'s table, not a run's
     except (ValueError, ConfigError) as e:

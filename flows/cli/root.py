@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from typing import NoReturn
 
 from flows.cli._utilities import (
     answer_quickly,
@@ -22,7 +23,7 @@ from flows.cli.stack import add_stack_commands
 
 @exit_codes("pipeline")
 def _cmd_run(args: argparse.Namespace) -> int:
-    config = config_or_none(args)
+    config = config_or_none(args, probe_endpoint=True)
     if config is None:
         return 2
     from flows import log_hygiene
@@ -97,9 +98,20 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors mask credentials: a mistyped flag is echoed with its value
+    (`unrecognized arguments: --tracking_uri http://u:pw@host`). Its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        from infra.redact import redact
+
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {redact(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every pipeline setting lives in the TOML config, not in flags."""
-    parser = argparse.ArgumentParser(prog="shardline", description=__doc__)
+    parser = _Parser(prog="shardline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the whole pipeline once")
     run.add_argument("--config", metavar="FILE.toml", help="pipeline config (default: built-in defaults)")

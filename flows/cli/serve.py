@@ -14,7 +14,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from flows.cli._utilities import config_or_none, exit_with_error
     from infra.redact import first_line
 
-    config = config_or_none(args)
+    config = config_or_none(args, probe_endpoint=not args.stop)  # removing it works whatever holds the port
     if config is None:
         return 2
     from deployments.endpoint import EndpointError

@@ -12,7 +12,7 @@ from infra.redact import redact
 FLAG_KEYS = {"backend": "backend", "host": "host", "prefect_port": "prefect_port", "mlflow_port": "mlflow_port"}
 
 
-def _configs(args: argparse.Namespace):
+def _configs(args: argparse.Namespace, probe_endpoint: bool = False):
     overrides = list(args.set)
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
@@ -23,7 +23,7 @@ def _configs(args: argparse.Namespace):
                 if isinstance(value, str)
                 else f"stack.{key}={value}"
             )
-    return load_stack_config(args.config, overrides)
+    return load_stack_config(args.config, overrides, probe_endpoint)
 
 
 def summary_lines(status: dict) -> list[str]:
@@ -63,7 +63,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from flows.stack.stack import status, up
 
     try:
-        stack_cfg, pipeline_cfg = _configs(args)
+        stack_cfg, pipeline_cfg = _configs(args, probe_endpoint=True)
     except ConfigError as e:
         print(f"shardline: {redact(e)}", file=sys.stderr)
         return 2

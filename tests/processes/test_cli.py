@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,3 +71,43 @@ def test_a_damaged_stack_record_is_one_line_that_says_what_to_do(tmp_path):
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"shardline: {command} failed: StackStateError: {tmp_path / 'stack.json'}: not a stack")
         assert line.endswith("if no stack runs here, remove it")
+
+
+def test_a_usage_error_masks_a_credential_it_echoes(tmp_path):
+    proc = _shardline("lineage", "--tracking_uri", "http://alice:hunter2@mlflow:5000", home=tmp_path)
+    assert proc.returncode == 2 and "hunter2" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "shardline: error: unrecognized arguments: --tracking_uri http://alice:***@mlflow:5000"
+    )
+
+
+def test_a_port_held_by_another_program_refuses_only_the_commands_that_serve_there(tmp_path):
+    """`down`, `canary status` and `shard` never serve: whatever holds serve.port must not stop them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        held = ("--set", f"serve.port={port}")
+        proc = _shardline("run", *held, home=tmp_path / "home")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip() == (
+            f"shardline: config (with --set): serve.port={port}: http://127.0.0.1:{port} is held by another process "
+            "that is not Ray Serve (GET /-/routes answered 404); set serve.port to a free port"
+        )
+        for command in (["down"], ["canary", "status", "--json"]):
+            proc = _shardline(*command, *held, home=tmp_path / "home")
+            assert proc.returncode == 0 and "held by another process" not in proc.stderr, (command, proc.stderr)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
