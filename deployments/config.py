@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,6 +21,18 @@ class RegistryConfig(BaseModel):
         description="MLflow tracking server; empty uses $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME.",
     )
     experiment: str = Field("shardline", min_length=1, description="MLflow experiment holding the run tree.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _a_uri_that_parses(cls, uri: str) -> str:
+        """A URI MLflow would fail to parse deep in a run (`http://[::1:5000`, a port out of range), refused at
+        load with the field named (the value is quoted by the caller's redacting message)."""
+        if "://" in uri:
+            try:
+                urlsplit(uri).port  # noqa: B018 - parsing the port checks the host's brackets and the port's range
+            except ValueError as e:
+                raise ValueError(f"not a URI MLflow can reach ({e})") from None
+        return uri
 
 
 class Autoscaling(BaseModel):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 MASK = "***"
 _SECRET_QUERY_KEYS = {
@@ -69,7 +69,9 @@ _BEARER = re.compile(
     r"\b((?i:bearer)|Basic)\s+"
     r"(?=[A-Za-z]*[0-9]|[A-Za-z]*[._~+/=-][A-Za-z0-9._~+/=-]|[A-Za-z]*[a-z][A-Z])[A-Za-z0-9._~+/=-]{8,}"
 )
-_QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=([^&#\s]*)")  # `&amp;`: an HTML-escaped one
+# `&amp;`: an HTML-escaped one; a value already masked and quoted (`sig=***'`) is left as it is, so text masked twice
+# (a message built from a masked value) keeps its closing quote
+_QUERY_PAIR = re.compile(r"([?&;](?:amp;)?)([^=&#?;\s]+)=(?!\*\*\*['\"])([^&#\s]*)")
 # in text: a secret key as code, JSON or a repr writes it (`client_secret=...`, `"password": "..."`,
 # `{'aws_secret_access_key': '...'}`); the `:` form only after a quoted key, so prose ("Password: must be set") stays
 _KV_KEY = (
@@ -152,8 +154,8 @@ def find_credential(value: str) -> str | None:
             return "a token in the URI"  # https://ghp_...@github.com: the user is the token
         if found is not None:
             return "a password in the URI" if found[1] is not None else "a user/token in the URI"
-        parts = urlsplit(uri)
-        for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+        query = uri.partition("?")[2].partition("#")[0]  # not urlsplit: it raises on a malformed host (`http://[::1`)
+        for key, _ in parse_qsl(query, keep_blank_values=True):
             if _secret_key(key):
                 return f"query key {key!r}"
     match = _CONN.search(value)

@@ -112,6 +112,22 @@ def test_bad_value_names_key_and_value():
 
 
 @pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("http://[::1:5000", "Invalid IPv6 URL"),
+        ("http://mlflow:99999", "Port out of range 0-65535"),
+        ("http://u:hunter2@mlflow:abc/x", "Port could not be cast to integer value as 'abc'"),
+    ],
+)
+def test_a_tracking_uri_mlflow_cannot_parse_is_named_at_load_masked(uri, why):
+    """It failed deep in a command as a bare `ValueError: Invalid IPv6 URL` (the credential check raised it)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f'registry.tracking_uri="{uri}"'])
+    assert f"registry.tracking_uri: not a URI MLflow can reach ({why})" in str(e.value)
+    assert "hunter2" not in str(e.value)
+
+
+@pytest.mark.parametrize(
     "moved",
     [
         "canary.host=0.0.0.0",

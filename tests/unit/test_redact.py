@@ -207,6 +207,15 @@ def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(
     assert redact(raw) == masked
 
 
+def test_a_malformed_uri_is_still_judged_and_text_masked_twice_keeps_its_quotes():
+    # urlsplit raises on a bracketed host left open: the check must answer, not raise
+    assert find_credential("http://[::1:5000") is None
+    assert find_credential("s3://[bucket/x?sig=abc") == "query key 'sig'"
+    once = redact("data.source='s3://bucket/c?X-Amz-Signature=abc' holds a signed URL")
+    assert once == "data.source='s3://bucket/c?X-Amz-Signature=***' holds a signed URL" and redact(once) == once
+    assert redact("GET /c/b?sv=1&sig=ab'cd") == "GET /c/b?sv=1&sig=***"  # a quote inside a value is masked with it
+
+
 def test_a_token_as_the_user_of_a_url_is_a_token_and_an_azure_container_is_not_a_credential():
     assert find_credential(f"https://{GHP}@github.com/o/r.git") == "a token in the URI"
     assert find_credential("ssh://git@github.com/o/r.git") == "a user/token in the URI"  # a user deploy_all allows
