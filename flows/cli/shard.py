@@ -36,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_shard(args: argparse.Namespace) -> int:
     """Exit 0 with the shard set; 2 for a config mistake, 1 when the stage failed (one line each, no traceback)."""
     from flows.cli._utilities import prepare_environment
+    from training import tokenizer as tk
     from training.data import DataError
     from training.data.build import check_locations
 
@@ -43,7 +44,9 @@ def cmd_shard(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
         _check_local_source(config.data)
-    except (ConfigError, DataError) as e:
+        if config.tokenizer.kind == "file":  # a missing or broken tokenizer file too, before the stage's run opens
+            tk.load(config.tokenizer.path)
+    except (ConfigError, DataError, tk.TokenizerError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
     prepare_environment()

@@ -96,7 +96,7 @@ def test_a_failed_stage_exits_1_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_shard_with_a_tokenizer_prints_its_ids_and_a_bad_tokenizer_exits_1(tmp_path):
+def test_shard_with_a_tokenizer_prints_its_ids_and_a_bad_tokenizer_exits_2_before_the_stage_runs(tmp_path):
     corpus = make_corpus(tmp_path / "c", n=40)
     base = [
         "--set",
@@ -114,9 +114,14 @@ def test_shard_with_a_tokenizer_prints_its_ids_and_a_bad_tokenizer_exits_1(tmp_p
     assert out["vocab_size"] == 300 and out["token_dtype"] == "<u2"
     assert f"tokenizer {out['tokenizer_sha256'][:12]}, 300 ids, <u2" in proc.stderr  # the table goes to stderr
 
+    # a tokenizer file that is not one, or not there, is a config mistake: refused before the stage's MLflow run
     bad = tmp_path / "tokenizer.json"
     bad.write_text("not json", encoding="utf-8")
-    proc = _shardline(*base, "--set", "tokenizer.kind=file", "--set", f"tokenizer.path={bad}", home=tmp_path / "home")
-    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("shardline: shard failed: TokenizerError: ") and str(bad) in last
+    for path, why in ((bad, "not a tokenizer.json"), (tmp_path / "typo.json", "No such file or directory")):
+        proc = _shardline(
+            *base, "--set", "tokenizer.kind=file", "--set", f"tokenizer.path={path}", home=tmp_path / "h2"
+        )
+        assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("shardline: tokenizer.path") and str(path) in line and why in line
+        assert not (tmp_path / "h2" / "mlflow.db").exists()
