@@ -130,8 +130,7 @@ def weight_files(directory: str) -> list[str]:
     if WEIGHTS in names:
         return [storage.join(base, WEIGHTS)]
     if WEIGHTS_INDEX in names:
-        index = json.loads(storage.read_bytes(storage.join(base, WEIGHTS_INDEX)))
-        files = sorted(set(index.get("weight_map", {}).values()))
+        files = _indexed_files(storage.read_bytes(storage.join(base, WEIGHTS_INDEX)), f"{directory}/{WEIGHTS_INDEX}")
         missing = [f for f in files if f not in names]
         if not files or missing:
             raise ValueError(f"{directory}: {WEIGHTS_INDEX} names files that are not there: {missing or 'none'}")
@@ -140,6 +139,19 @@ def weight_files(directory: str) -> list[str]:
         "pytorch_model.bin" in names
     )
     raise ValueError(f"{directory}: missing {WEIGHTS}{pickled}")
+
+
+def _indexed_files(raw: bytes, where: str) -> list[str]:
+    """The weight files a safetensors index names (`{"weight_map": {tensor: file}}`), or ValueError naming the
+    index when it is not one."""
+    try:
+        index = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f'{where}: not a safetensors index (expected {{"weight_map": {{tensor: file name}}}})')
+    return sorted(set(weight_map.values()))
 
 
 def load_pretrained(model: nn.Module, directory: str) -> None:

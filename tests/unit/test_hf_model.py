@@ -179,6 +179,25 @@ def test_a_weights_directory_missing_files_is_one_line_at_config_load(tmp_path):
         load_config(tmp_path / "run.toml")
 
 
+@pytest.mark.parametrize(
+    ("index", "why"),
+    [
+        ('{"weight_map": null}', "not a safetensors index"),
+        ("[]", "not a safetensors index"),
+        ('{"weight_map": {"a": {"x": 1}}}', "not a safetensors index"),
+        ("{nope", "not JSON (Expecting property name"),
+    ],
+)
+def test_a_broken_safetensors_index_is_one_line_naming_it_at_config_load(tmp_path, index, why):
+    directory, _ = _saved(tmp_path)
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f'train.hf_weights="{directory}"', "train.seq_len=32"])
+    (line,) = str(err.value).splitlines()
+    assert f"{directory}/model.safetensors.index.json: {why}" in line
+
+
 def test_a_transformers_model_decodes_with_its_kv_cache_as_it_recomputes(mlflow_store):
     """Validation logs a transformers model as MLflow's transformers flavor; the endpoint's backend is the KV-cached
     model rebuilt from its safetensors. Greedy completions through the engine equal recomputing the window while they
