@@ -52,17 +52,22 @@ def parse_backend(text: str) -> Backend:
         url = make_url(text)
     except ArgumentError:
         raise StackError("stack.backend: expected postgresql://USER@HOST:PORT/NAME") from None
+    except ValueError:  # `host:abc`: SQLAlchemy's int() of the port
+        raise StackError("stack.backend: the port is not a number in 1-65535") from None
     # hide_password covers user:password@ only; a `?password=` (libpq's own spelling) is masked by redact
     shown = redact(url.render_as_string(hide_password=True))
     if url.get_backend_name() != "postgresql" or not url.username or not url.host or not url.database:
         raise StackError(f"stack.backend: expected postgresql://USER@HOST:PORT/NAME, got {shown!r}")
+    port = 5432 if url.port is None else url.port
+    if not 0 < port < 65536:
+        raise StackError(f"stack.backend: the port is not a number in 1-65535, got {shown!r}")
     query_password = url.query.get("password", "")
     if not isinstance(query_password, str):  # `?password=a&password=b`: SQLAlchemy keeps both
         query_password = query_password[-1]
     return Backend(
         user=url.username,
         host=url.host,
-        port=url.port or 5432,
+        port=port,
         name=url.database,
         password=url.password or query_password,
     )

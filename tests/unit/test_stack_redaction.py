@@ -46,6 +46,13 @@ def test_a_mistyped_backend_is_refused_without_its_password(text):
     assert SECRET not in str(caught.value) and "***" in str(caught.value)
 
 
+@pytest.mark.parametrize("port", ["abc", "99999999", "0"])
+def test_a_backend_port_that_is_no_port_is_a_stack_error_without_its_password(port):
+    with pytest.raises(StackError, match="stack.backend: the port is not a number in 1-65535") as caught:
+        parse_backend(f"postgresql://u:{SECRET}@db:{port}/x")
+    assert SECRET not in str(caught.value)
+
+
 def test_up_refuses_a_mistyped_backend_without_printing_its_password(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path))
     # `up` points this process at the stack's servers first; restored after the test
