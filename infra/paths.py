@@ -7,9 +7,16 @@ from pathlib import Path
 
 
 def shardline_home() -> Path:
-    """Return `$SHARDLINE_HOME` (default `./.shardline`), absolute, created if missing."""
+    """Return `$SHARDLINE_HOME` (default `./.shardline`), absolute, created if missing.
+
+    Raises:
+        NotADirectoryError: it, or a folder above it, is a file (one line naming SHARDLINE_HOME).
+    """
     home = Path(os.environ.get("SHARDLINE_HOME", ".shardline")).expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise NotADirectoryError(f"SHARDLINE_HOME={home}: a file is in the way of this state directory") from None
     return home
 
 
