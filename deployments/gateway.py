@@ -27,6 +27,7 @@ from deployments.http_io import (
     check_token,
     endpoint_of,
     error_reply,
+    failure_line,
     peek,
     read_body,
     reply,
@@ -306,7 +307,7 @@ async def _relay(stream: Any) -> Any:
         done = True
     except Exception as e:  # noqa: BLE001 - the router replica died mid-stream: the client gets an error event
         done = True
-        cause = f"{type(e).__name__}: {first_line(e)}"[:300]
+        cause = failure_line(e)
         yield oai.sse(
             oai.error_body(f"the model's router failed mid-stream: {cause}", "server_error", code="router_failed")
         )

@@ -13,10 +13,22 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray.exceptions import RayTaskError
+
 from deployments.openai_api import ApiError
+from infra.redact import first_line
 
 JSON = "application/json"
 EVENT_STREAM = "text/event-stream"
+
+
+def failure_line(e: BaseException) -> str:
+    """How a failure reads in a client's error message: `Type: first line`, credentials masked, at most 300
+    characters. A replica's failure arrives as a RayTaskError whose text is the replica's traceback (its pid and
+    address, file paths): it reads as its cause."""
+    while isinstance(e, RayTaskError) and isinstance(e.cause, BaseException) and e.cause is not e:
+        e = e.cause
+    return f"{type(e).__name__}: {first_line(e)}"[:300]
 
 
 def reply(status: int, payload: Any, headers: dict[str, str] | None = None, media_type: str = JSON) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from deployments import openai_api as oai
-from deployments.http_io import EVENT_STREAM, error_reply
+from deployments.http_io import EVENT_STREAM, error_reply, failure_line
 from deployments.openai_api import ApiError, CompletionRequest, EmptyEncoding, empty_encoding
 from deployments.openai_chat import chat_chunk, chat_id
 from deployments.router_config import VERSION_HEADER, Job
@@ -138,7 +138,7 @@ class RouterStreams:
                     else:
                         served |= event
             except Exception as e:  # noqa: BLE001 - a replica dying mid-stream: the client gets an error event
-                served = {**served, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+                served = {**served, "ok": False, "error": failure_line(e)}
                 yield oai.sse(
                     oai.error_body(
                         f"model version {version} failed mid-stream: {served['error']}",
@@ -169,9 +169,9 @@ class RouterStreams:
             stream = self._handle(version).options(stream=True).complete_stream.remote(prompt, params)
             return stream, {**await stream.__anext__(), "prompt": prompt}
         except EmptyEncoding as e:  # the prompt encodes to no tokens for this version: the client's 400
-            return None, {"version": version, "ok": False, "refused": True, "error": f"{type(e).__name__}: {e}"[:300]}
+            return None, {"version": version, "ok": False, "refused": True, "error": failure_line(e)}
         except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
-            return None, {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            return None, {"version": version, "ok": False, "error": failure_line(e)}
         except asyncio.CancelledError:  # the request was cancelled while its first event was awaited
             if stream is not None:
                 stream.cancel()

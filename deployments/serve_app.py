@@ -26,6 +26,7 @@ from deployments.http_io import (
     check_token,
     endpoint_of,
     error_reply,
+    failure_line,
     read_body,
     reply,
     to_response,
@@ -123,9 +124,9 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         try:
             out = {**await getattr(self._handle(version), op).remote(*args), "ok": True}
         except EmptyEncoding as e:  # through Ray, a RayTaskError that is also an instance of its cause
-            out = {"version": version, "ok": False, "refused": True, "error": f"{type(e).__name__}: {e}"[:300]}
+            out = {"version": version, "ok": False, "refused": True, "error": failure_line(e)}
         except Exception as e:  # noqa: BLE001 - a replica failure is an observation, not a router failure
-            out = {"version": version, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            out = {"version": version, "ok": False, "error": failure_line(e)}
         finally:
             self.inflight[version] -= 1
         if not out.get("refused"):

@@ -217,3 +217,46 @@ def test_a_client_gone_before_the_first_token_chunk_cancels_the_replicas_generat
     # each request recorded once, as served (the model did not fail; its client left)
     assert [o["champion"]["ok"] for o in router.observations] == [True, True, True]
     assert _errors_counted(router) == 0
+
+
+def _ray_task_error(cause: Exception) -> Exception:
+    """A replica's failure as a deployment handle raises it: a RayTaskError whose text is the replica's traceback."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        raise cause
+    except Exception:  # noqa: BLE001 - the traceback text Ray formats on the replica
+        import traceback
+
+        text = traceback.format_exc()
+    return RayTaskError("handle_request", text, cause, pid=4242, ip="10.1.2.3").as_instanceof_cause()
+
+
+def test_a_replica_failure_reaches_the_client_as_one_masked_line_not_the_replicas_traceback():
+    server = _server("1")
+    failure = OSError("could not read s3://mlflow/a?X-Amz-Signature=deadbeef AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI")
+
+    async def fails(*args: Any) -> Any:
+        raise _ray_task_error(failure)
+
+    async def fails_to_stream(*args: Any) -> Any:
+        raise _ray_task_error(failure)
+        yield  # an async generator, as complete_stream is
+
+    server.score = server.complete = fails  # type: ignore[method-assign] - the replica's calls, failing
+    server.complete_stream = fails_to_stream  # type: ignore[method-assign]
+    router, _ = _router({"1": server})
+    expected = (
+        "model version 1 failed: OSError: could not read s3://mlflow/a?X-Amz-Signature=*** AWS_SECRET_ACCESS_KEY=***"
+    )
+
+    async def scenario() -> list[dict[str, Any]]:
+        scored = await router.respond("POST", "/v1/score", {}, b'{"text": "ab"}')
+        whole = await router.respond("POST", "/v1/completions", {}, b'{"prompt": "ab", "max_tokens": 2}')
+        streamed = await _stream(router, "/v1/completions", {"prompt": "ab", "max_tokens": 2, "stream": True})
+        return [scored, whole, streamed[0]]
+
+    for reply in asyncio.run(scenario()):
+        status, error, headers = _error(reply)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert error["message"] == expected and error["code"] == "model_failed"
