@@ -103,7 +103,20 @@ class Gateway:
         async with self._lock:
             if not force and time.monotonic() - self.refreshed_at < REFRESH_S:
                 return
-            apps = await asyncio.to_thread(_router_apps, self.app_name)
+            try:
+                apps = await asyncio.to_thread(_router_apps, self.app_name)
+            except Exception as e:  # noqa: BLE001 - Serve's controller restarting: answer from the last list
+                if not self.models:
+                    raise ApiError(
+                        503,
+                        f"the served models could not be read from Ray Serve: {failure_line(e)}",
+                        kind="server_error",
+                        code="serve_unavailable",
+                        retry_after=1,
+                    ) from None
+                log.warning("the served models were not re-read (the last list is kept): %s", failure_line(e))
+                self.refreshed_at = time.monotonic()  # tried again after REFRESH_S, not on every request
+                return
             found: dict[str, dict[str, Any]] = {}
             for app in apps:
                 try:

@@ -4,9 +4,11 @@ raised, is not resent: the request would run twice."""
 
 from __future__ import annotations
 
+import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from deployments.gateway import _replica_gone
+from deployments.openai_api import ApiError
 
 
 def test_only_a_router_replica_that_died_is_sent_the_request_again():
@@ -45,6 +47,48 @@ def test_a_request_routes_on_the_list_it_has_while_a_stale_one_is_re_read_beside
         gw.models, gw.refreshed_at = {"m": {"app": "shardline-m", "champion": "1", "created": 0.0}}, 0.0
         await gw._refresh()  # /v1/models and /healthz wait for the list they show
         assert gw.models == {} and len(reads) == 2
+
+    asyncio.run(scenario())
+
+
+def test_when_serves_status_cannot_be_read_the_gateway_answers_from_its_last_list_or_a_503(monkeypatch):
+    """Serve's controller restarting: the status read raised out of the gateway (a bare 500 from Serve) on
+    /healthz, /v1/models, /metrics and a request naming a model it did not know."""
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    from deployments import gateway as gw_module
+    from deployments.gateway import Gateway
+
+    reads = []
+
+    def router_apps(own: str) -> list[str]:
+        reads.append(own)
+        raise RuntimeError("the Serve controller is unavailable")
+
+    monkeypatch.setattr(gw_module, "_router_apps", router_apps)
+
+    def get(path: str) -> Request:
+        return Request({"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""})
+
+    async def scenario() -> None:
+        gw = Gateway("shardline-gateway")
+        refused = await gw(get("/v1/models"))  # nothing read yet: nothing to answer from
+        error = json.loads(refused.body)["error"]
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert error["code"] == "serve_unavailable" and error["message"] == (
+            "the served models could not be read from Ray Serve: RuntimeError: the Serve controller is unavailable"
+        )
+        gw.models = {"m": {"app": "shardline-m", "champion": "1", "created": 0.0}}  # read long ago: stale
+        listed = await gw(get("/v1/models"))
+        assert listed.status_code == 200 and [c["id"] for c in json.loads(listed.body)["data"]] == ["m"]
+        assert len(reads) == 2 and (await gw(get("/v1/models"))).status_code == 200
+        assert len(reads) == 2  # a failed re-read counts as one: the next waits REFRESH_S, not every request
+        with pytest.raises(ApiError) as unknown:  # a model it does not know forces a re-read: it fails too
+            await gw._app_for("typo")
+        assert unknown.value.status == 404 and unknown.value.code == "model_not_found" and len(reads) == 3
 
     asyncio.run(scenario())
 
