@@ -41,6 +41,7 @@ class RouterConfig(BaseModel):
     epoch: int = 0  # the canary step
     seed: int = 0
     max_request_bytes: int = 65536
+    body_timeout_s: float = 10.0  # serve.body_timeout_s, for a body sent to the router's own route (KubeRay)
     max_prompt_bytes: int = 4096
     max_tokens_cap: int = 256
     chat_template: str = ""  # serve.chat_template, for every version: '' = each version's own (router: _render)

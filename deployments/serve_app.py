@@ -50,7 +50,7 @@ from deployments.serve_metrics import RouterMetrics
 from training.chat_template import ChatFormat
 
 log = logging.getLogger(__name__)
-BODY_TIMEOUT_S = 10.0  # a body sent to a router directly (an application with its own route) must arrive by then
+BODY_TIMEOUT_S = 10.0  # a body sent to the router's own route before its first configuration arrives
 
 
 class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
@@ -152,12 +152,16 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
 
             return to_response(reply(200, await self.metrics_exposition(), media_type=CONTENT_TYPE_LATEST))
         limit = self.cfg.max_request_bytes if self.cfg else 65536
+        timeout_s = self.cfg.body_timeout_s if self.cfg else BODY_TIMEOUT_S
         try:
-            body = await read_body(request, limit, BODY_TIMEOUT_S) if request.method == "POST" else b""
+            body = await read_body(request, limit, timeout_s) if request.method == "POST" else b""
         except ApiError as e:
             self.metrics.rejected("none", e.status)
             return to_response(error_reply(e))
-        out = self.respond_stream(request.method, request.url.path, dict(request.headers), body)
+        # this router is the ingress: a client's own request id is not trusted (one id sent again and again would
+        # keep its requests out of the canary's evidence, which counts an id once); the gateway sets its own
+        headers = {**dict(request.headers), REQUEST_ID_HEADER: uuid.uuid4().hex}
+        out = self.respond_stream(request.method, request.url.path, headers, body)
         head = await out.__anext__()
         if "body" in head:
             return to_response(head)

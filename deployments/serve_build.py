@@ -72,6 +72,7 @@ def router_config(
         model_name=model_name,
         champion=champion,
         max_request_bytes=serve.max_request_bytes,
+        body_timeout_s=serve.body_timeout_s,
         max_prompt_bytes=serve.max_prompt_bytes,
         max_tokens_cap=serve.max_tokens_cap,
         chat_template=serve.chat_template,

@@ -260,3 +260,30 @@ def test_a_replica_failure_reaches_the_client_as_one_masked_line_not_the_replica
         status, error, headers = _error(reply)
         assert status == 503 and headers["retry-after"] == "1"
         assert error["message"] == expected and error["code"] == "model_failed"
+
+
+def test_the_routers_own_route_sets_request_ids_itself_and_takes_serves_body_timeout():
+    """On KubeRay the router is the ingress: a client repeating one request id kept all but its first request out of
+    the canary's evidence (which counts an id once), and serve.body_timeout_s did not reach it (10 s always)."""
+    from starlette.requests import Request
+
+    router, _ = _router({"1": _server("1")}, body_timeout_s=0.2)
+
+    def post(body: bytes | None) -> Request:
+        async def receive() -> dict[str, Any]:
+            if body is None:  # a client that never sends its body
+                await asyncio.sleep(30)
+            return {"type": "http.request", "body": body or b"", "more_body": False}
+
+        headers = [(b"content-length", b"14"), (b"x-shardline-request-id", b"same-id")]
+        return Request({"type": "http", "method": "POST", "path": "/v1/score", "headers": headers}, receive)
+
+    async def scenario() -> list[Any]:
+        return [await router(post(b'{"text": "ab"}')) for _ in range(2)] + [await router(post(None))]
+
+    first, second, trickled = asyncio.run(scenario())
+    assert first.status_code == second.status_code == 200
+    ids = [o["request_id"] for o in router.observations]
+    assert len(ids) == 2 and len(set(ids)) == 2 and "same-id" not in ids
+    assert trickled.status_code == 408  # after the configured 0.2 s, which the message names
+    assert json.loads(trickled.body)["error"]["message"] == "request body not received within serve.body_timeout_s=0.2"
