@@ -95,7 +95,11 @@ def check_token(headers: dict[str, str], token_sha256: str) -> None:
     if not token_sha256:
         return
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    digest = hashlib.sha256(token.strip().encode()).hexdigest()
+    try:  # ASGI servers decode header bytes as latin-1: encoding back gives the bytes the client sent (UTF-8)
+        raw = token.strip().encode("latin-1")
+    except UnicodeEncodeError:  # a str that did not come from the wire (a caller's own dict)
+        raw = token.strip().encode()
+    digest = hashlib.sha256(raw).hexdigest()
     if scheme.lower() != "bearer" or not hmac.compare_digest(digest, token_sha256):  # the scheme is case-insensitive
         # as OpenAI answers a wrong key
         raise ApiError(401, "missing or wrong bearer token", kind="invalid_request_error", code="invalid_api_key")

@@ -24,7 +24,12 @@ def api_token(serve: ServeConfig) -> str:
 
 
 def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest() if token else ""
+    """The sha256 replicas compare a request's bearer token with ("" = no auth). Surrounding whitespace is not the
+    token (a Kubernetes secret made `--from-file` ends in a newline; a client's header is stripped too); a token
+    that is only whitespace still requires one, which nothing matches: it fails closed."""
+    if not token:
+        return ""
+    return hashlib.sha256((token.strip() or token).encode()).hexdigest()
 
 
 def replica_runtime_env(cluster_mode: str) -> dict[str, Any] | None:

@@ -309,6 +309,23 @@ def test_the_token_check_takes_the_scheme_in_any_case_and_answers_as_openai_does
         )  # fmt: skip
 
 
+def test_a_configured_token_with_a_newline_or_non_ascii_text_is_matched_as_the_client_sends_it():
+    """A secret made with `kubectl create secret --from-file` ends in a newline, and a header carries UTF-8 bytes
+    that the ASGI server hands over decoded as latin-1: neither token could ever authenticate."""
+    from starlette.requests import Request
+
+    from deployments.http_io import check_token
+    from deployments.serving import token_digest
+
+    for configured, sent in (("s3cret\n", "s3cret"), ("pässwort-1", "pässwort-1")):
+        raw = [(b"authorization", b"Bearer " + sent.encode())]  # the bytes curl sends
+        headers = dict(Request({"type": "http", "method": "POST", "path": "/", "headers": raw}).headers)
+        check_token(headers, token_digest(configured))
+    assert token_digest("") == "" and token_digest(" \n") not in ("", token_digest(""))  # whitespace fails closed
+    with pytest.raises(ApiError):
+        check_token({"authorization": "Bearer "}, token_digest(" \n"))
+
+
 def test_a_content_length_that_is_not_ascii_digits_is_read_as_absent():
     """'²' is a digit to str.isdigit but not to int(): the body is then read and bounded as it streams."""
     from starlette.requests import Request
