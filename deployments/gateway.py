@@ -38,7 +38,7 @@ from deployments.openai_api import ApiError
 from deployments.router_config import REQUEST_ID_HEADER, ROUTER
 from deployments.router_metrics_share import labelled, merge_expositions
 from deployments.serve_metrics import RouterMetrics
-from infra.redact import first_line
+from infra.redact import clip, first_line
 
 log = logging.getLogger(__name__)
 REFRESH_S = 2.0
@@ -150,12 +150,13 @@ class Gateway:
             endpoint = endpoint_of(path)
             if endpoint == "models":
                 if request.method != "GET":
-                    raise ApiError(405, f"{path} takes GET")
+                    raise ApiError(405, f"{clip(path, 100)} takes GET", allow="GET")
                 return to_response(reply(200, await self._model_cards(path.partition("/v1/models/")[2]), headers))
             if not endpoint:
-                raise ApiError(404, f"no such endpoint: {request.method} {path or '/'}", code="not_found")
+                where = f"{clip(request.method, 16)} {clip(path, 100) or '/'}"
+                raise ApiError(404, f"no such endpoint: {where}", code="not_found")
             if request.method != "POST":
-                raise ApiError(405, f"{path} takes POST")
+                raise ApiError(405, f"{clip(path, 100)} takes POST", allow="POST")
             self._admit()
         except ApiError as e:
             self.metrics.rejected(endpoint_of(path) or "none", e.status)

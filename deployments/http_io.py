@@ -40,6 +40,8 @@ def error_reply(e: ApiError, headers: dict[str, str] | None = None) -> dict[str,
     extra = dict(headers or {})
     if e.retry_after is not None:
         extra["retry-after"] = str(max(1, round(e.retry_after)))
+    if e.allow is not None:
+        extra["allow"] = e.allow
     return reply(e.status, e.body(), extra)
 
 

@@ -41,10 +41,12 @@ class ApiError(Exception):
         code: str | None = None,
         kind: str = "invalid_request_error",
         retry_after: float | None = None,
+        allow: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.retry_after = retry_after
+        self.allow = allow  # a 405's Allow header (RFC 9110): the method the path takes
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.param, self.code)

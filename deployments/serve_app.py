@@ -47,6 +47,7 @@ from deployments.router_evidence import EvidenceRecorder
 from deployments.router_metrics_share import MetricsSharing
 from deployments.router_stream import RouterStreams, prompt_piece
 from deployments.serve_metrics import RouterMetrics
+from infra.redact import clip
 from training.chat_template import ChatFormat
 
 log = logging.getLogger(__name__)
@@ -194,21 +195,21 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
                 return self._healthz()
             endpoint = endpoint_of(path)
             if not endpoint:
-                raise ApiError(404, f"no such endpoint: {method} {path or '/'}", code="not_found")
+                raise ApiError(404, f"no such endpoint: {clip(method, 16)} {clip(path, 100) or '/'}", code="not_found")
             if self.cfg is None:
                 raise ApiError(503, "the router has no configuration yet", kind="server_error", retry_after=1)
             cfg = self.cfg
             check_token(headers, cfg.token_sha256)
             if endpoint == "models":
                 if method != "GET":
-                    raise ApiError(405, f"{path} takes GET")
+                    raise ApiError(405, f"{clip(path, 100)} takes GET", allow="GET")
                 card = oai.model_card(cfg.model_name, cfg.champion)
                 named = path.partition("/v1/models/")[2]  # GET /v1/models/NAME: one model's card
                 if named and named != cfg.model_name:
                     raise oai.model_not_found(named, [cfg.model_name])
                 return reply(200, card if named else oai.model_list([card]))
             if method != "POST":
-                raise ApiError(405, f"{path} takes POST")
+                raise ApiError(405, f"{clip(path, 100)} takes POST", allow="POST")
             messages = None
             req: CompletionRequest | ScoreRequest
             if endpoint == "chat":  # rendered once the version that answers is chosen (_render)
@@ -229,7 +230,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
                 )
             variant = headers.get(VARIANT_HEADER, "")
             if variant not in ("", "champion", "challenger"):
-                raise ApiError(400, f"{VARIANT_HEADER}: {variant!r} is not champion or challenger")
+                raise ApiError(400, f"{VARIANT_HEADER}: {oai.shown(variant)} is not champion or challenger")
             if variant == "challenger" and cfg.challenger is None:
                 raise ApiError(
                     404, f"{VARIANT_HEADER}: {cfg.model_name} has no challenger deployed", code="no_challenger"

@@ -153,3 +153,36 @@ def test_refusals_are_counted_by_endpoint_from_a_fixed_set_not_by_the_url_a_clie
     gw.refreshed_at = time.monotonic()  # the model list (empty) is fresh: the scrape asks Serve for nothing
     scraped = asyncio.run(gw._metrics()).body.decode()
     assert f'endpoint="none",gateway_replica="{gw.replica}",model="",status="404"}} 5.0' in scraped
+
+
+def test_a_wrong_method_gets_405_with_allow_and_echoed_paths_and_variants_are_quoted_short():
+    import asyncio
+    import json
+
+    from starlette.requests import Request
+
+    from deployments.gateway import Gateway
+    from deployments.serve_app import Router
+
+    def request(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> Request:
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b'{"prompt": "ab"}', "more_body": False}
+
+        return Request({"type": "http", "method": method, "path": path, "headers": headers or []}, receive)
+
+    gw = Gateway("shardline-gateway")
+    for method, path, allow in (("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET")):
+        answer = asyncio.run(gw(request(method, path)))
+        assert answer.status_code == 405 and answer.headers["allow"] == allow
+        assert json.loads(answer.body)["error"]["message"] == f"{path} takes {allow}"
+    long_path = "/" + "p" * 5000
+    missing = json.loads(asyncio.run(gw(request("GET", long_path))).body)["error"]["message"]
+    assert missing == f"no such endpoint: GET /{'p' * 96}..."
+    router = Router("shardline-m", {})
+    router.reconfigure({"model_name": "m", "champion": "1"})
+    variant = [(b"x-shardline-variant", b"v" * 5000)]
+    refused = asyncio.run(router(request("POST", "/v1/completions", variant)))
+    assert refused.status_code == 400
+    assert json.loads(refused.body)["error"]["message"] == (
+        f"x-shardline-variant: '{'v' * 56}... is not champion or challenger"
+    )
