@@ -19,7 +19,14 @@ from infra.paths import shardline_home
 from infra.redact import redact
 from infra.remote import RemoteConfigError, check_remote_config
 from training.chat_template import ChatFormat
-from training.config import DEFAULT_FACTORY, TokenizerConfig, TrainConfig, ValidationConfig, check_global_batch
+from training.config import (
+    DEFAULT_FACTORY,
+    GPT_MODULE,
+    TokenizerConfig,
+    TrainConfig,
+    ValidationConfig,
+    check_global_batch,
+)
 from training.data.config import DataConfig
 
 
@@ -56,7 +63,7 @@ class PipelineConfig(BaseModel):
         a tokenizer file is read, and checked, as a pipeline run starts: check_tokenizer_fits)."""
         t = self.train
         check_global_batch(t, t.workers)
-        if t.model_factory == DEFAULT_FACTORY and t.d_model % t.n_head:
+        if (t.model_factory == DEFAULT_FACTORY or t.lightning_module == GPT_MODULE) and t.d_model % t.n_head:
             raise ValueError(f"train.d_model={t.d_model} is not divisible by train.n_head={t.n_head}")
         ids = {"bytes": 256, "train": self.tokenizer.vocab_size}.get(self.tokenizer.kind)
         if ids is None:

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 DEFAULT_FACTORY = "training.model:build_gpt"
 LIGHTNING_FACTORY = "training.lightning_loop:lightning_model"  # a Lightning run's model: the module's `.model`
+GPT_MODULE = "training.lightning_example:ByteGPTModule"  # the shipped LightningModule: the built-in GPT inside
 
 
 class TrainConfig(BaseModel):
@@ -189,6 +190,8 @@ class TrainConfig(BaseModel):
                 f"train.powersgd_rank={self.powersgd_rank} compresses DDP's gradients; set train.parallelism='ddp' "
                 "or train.powersgd_rank=0"
             )
+        if self.powersgd_rank and self.workers < 2:  # it compresses what ranks exchange
+            raise ValueError(f"train.powersgd_rank={self.powersgd_rank} needs at least 2 train.workers, got 1")
         return self
 
     def _lightning_factory(self) -> None:

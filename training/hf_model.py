@@ -102,6 +102,11 @@ def resolve_hf_config(value: dict[str, Any] | str, seq_len: int) -> dict[str, An
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and int(positions) < seq_len:
         raise ValueError(f"max_position_embeddings {positions} is shorter than train.seq_len {seq_len}")
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        # grouped-query attention shares each key/value head among heads/kv_heads query heads; transformers does
+        # not check it, and the first forward pass fails with a shape error that names no setting
+        raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
     return spec
 
 

@@ -248,6 +248,19 @@ def test_a_config_path_that_never_ends_or_nests_too_deep_is_a_one_line_error(tmp
         ),
         (["data.source=hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"], "data.source='\\*\\*\\*' holds a token"),
         (["stack.artifacts=s3://b/p?X-Amz-Signature=abc"], "stack.artifacts='s3://b/p\\?X-Amz-Signature=\\*\\*\\*'"),
+        (
+            ['train.parallelism="ddp"', "train.powersgd_rank=4", "train.workers=1", "train.global_batch=0"],
+            "train.powersgd_rank=4 needs at least 2 train.workers, got 1",
+        ),
+        (
+            ['train.loop="lightning"', 'train.lightning_module="training.lightning_example:ByteGPTModule"']
+            + ['train.parallelism="ddp"', "train.d_model=130"],
+            "train.d_model=130 is not divisible by train.n_head=4",  # the shipped module builds the built-in GPT
+        ),
+        (
+            ['train.hf_config={model_type="llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=48}'],
+            "train.hf_config: num_key_value_heads 4 does not divide num_attention_heads 6",
+        ),
     ],
 )
 def test_what_would_fail_after_a_stage_published_is_refused_at_load(overrides, message):

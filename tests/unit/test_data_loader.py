@@ -84,3 +84,13 @@ def test_only_allow_listed_extensions_are_read_and_nothing_is_unpickled(tmp_path
     cfg = TrainConfig(steps=1, micro_batch=1, seq_len=8)
     assert len(list(train_batches([str(shard)], 0, 1, cfg, 0, num_workers=0))) == 1
     assert not Path("/tmp/shardline-unpickled").exists()
+
+
+def test_a_shard_without_records_is_named_when_training_draws_it(shard_set, tmp_path):
+    empty = tmp_path / "zz-empty.tar"
+    tarfile.open(empty, "w").close()
+    cfg = TrainConfig(workers=1, steps=2000, micro_batch=2, seq_len=16, seed=3)
+    with pytest.raises(ValueError) as err:  # drawn at random, with replacement: within 2000 steps
+        for _ in train_batches([*shard_set.train_shards, str(empty)], 0, 1, cfg, 0, num_workers=0):
+            pass
+    assert str(err.value) == f"train_batches: shard {empty} holds no .txt records"

@@ -126,9 +126,10 @@ class RankStream(torch.utils.data.IterableDataset):
 def _resampled(shards: list[str], rng: random.Random, field: str = "txt") -> Iterator[bytes]:
     """Endless records: pick a shard at random (with replacement), yield its records in a shuffled order."""
     while True:
-        texts = [text for _, text in iter_texts([rng.choice(shards)], field)]
+        shard = rng.choice(shards)
+        texts = [text for _, text in iter_texts([shard], field)]
         if not texts:
-            raise ValueError(f"train_batches: shard {shards[0]} holds no .{field} records")
+            raise ValueError(f"train_batches: shard {shard} holds no .{field} records")
         rng.shuffle(texts)
         yield from texts
 
