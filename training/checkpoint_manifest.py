@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.metadata import Metadata
 
 from training.dcp_metadata import METADATA_FILE, read_metadata
 
@@ -151,8 +151,29 @@ def read_manifests(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
             raise CheckpointError(
                 f"{m}: unknown manifest format {body.get('format') if isinstance(body, dict) else body!r}"
             )
-        bodies[int(body["rank"])] = body
+        bodies[_checked_manifest(m, body)] = body
     return bodies
+
+
+def _checked_manifest(path: Path, body: dict[str, Any]) -> int:
+    """The rank of a manifest whose fields have the shapes verification reads, or CheckpointError naming the
+    manifest and the field (a damaged or hand-edited one must not surface as a KeyError in a resume)."""
+
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for field in ("rank", "world_size", "step"):
+        if not whole(body.get(field)):
+            raise CheckpointError(f"{path}: {field} must be a whole number, got {body.get(field)!r}")
+    files, tensors = body.get("files"), body.get("tensors") or {}
+    if not isinstance(files, dict) or not all(
+        isinstance(rec, dict) and whole(rec.get("bytes")) and any(isinstance(rec.get(a), str) for a in FILE_DIGESTS)
+        for rec in files.values()
+    ):
+        raise CheckpointError(f"{path}: files must map each file to its bytes and checksum")
+    if not isinstance(tensors, dict) or not all(isinstance(rec, dict) for rec in tensors.values()):
+        raise CheckpointError(f"{path}: tensors must map each chunk to its checksum record")
+    return int(body["rank"])
 
 
 def verify_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
@@ -208,8 +229,10 @@ def verify_checkpoint(directory: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointError(f"{d / METADATA_FILE}: not named by rank 0's manifest")
     try:
         md = read_metadata(d)
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{d / METADATA_FILE}: unreadable: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any failure to decode bytes a checksum vouched for: damaged at save time
+        raise CheckpointError(f"{d / METADATA_FILE}: unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{d / METADATA_FILE}: holds a {type(md).__name__}, not DCP's Metadata")
     for index, info in (md.storage_data or {}).items():
         rel = str(info.relative_path)
         if rel not in sizes:

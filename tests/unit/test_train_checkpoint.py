@@ -158,6 +158,44 @@ def test_missing_rank_manifest_is_partial(saved):
         ck.verify_checkpoint(saved[0])
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b.pop("rank"), "rank must be a whole number, got None"),
+        (lambda b: b.update(world_size="x"), "world_size must be a whole number, got 'x'"),
+        (lambda b: b.update(files=[]), "files must map each file to its bytes and checksum"),
+        (lambda b: b["files"].update({".metadata": None}), "files must map each file to its bytes and checksum"),
+        (lambda b: b.update(tensors=[1]), "tensors must map each chunk to its checksum record"),
+    ],
+    ids=["no-rank", "world-size-text", "files-a-list", "file-record-null", "tensors-a-list"],
+)
+def test_a_manifest_of_the_wrong_shape_is_a_checkpoint_error_and_resume_falls_back_past_it(
+    saved, tmp_path, damage, message
+):
+    """It raised KeyError or TypeError, and a damaged newest checkpoint stopped resume instead of being skipped."""
+    import shutil
+
+    newer = tmp_path / "newer"
+    shutil.copytree(saved[0], newer)
+    manifest = newer / ck.manifest_name(0)
+    body = json.loads(manifest.read_text())
+    body["step"] = 9
+    damage(body)
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.verify_checkpoint(newer)
+    assert str(err.value) == f"{manifest}: {message}"
+    assert ck.latest_complete([str(saved[0]), str(newer)]) == (3, str(saved[0]))
+
+
+def test_a_metadata_file_of_another_type_is_a_checkpoint_error(saved):
+    directory = saved[0]
+    (directory / ".metadata").write_bytes(pickle.dumps(7))  # allowed by the unpickler, but no DCP Metadata
+    _rehash_file(directory, ".metadata")
+    with pytest.raises(ck.CheckpointError, match=r"\.metadata: holds a int, not DCP's Metadata$"):
+        ck.verify_checkpoint(directory)
+
+
 def test_metadata_naming_an_absent_file_is_caught(saved, tmp_path):
     # Rank 0's manifest names .metadata; a .metadata pointing at a file nobody listed must still be caught.
     directory = saved[0]
