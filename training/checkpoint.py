@@ -133,8 +133,14 @@ def _no_pickled_leaves(directory: str | os.PathLike) -> None:
 
 
 def check_shapes(directory: str | os.PathLike, prefix: str, target: dict[str, Any]) -> None:
-    """CheckpointError naming the first tensor whose saved (global) shape differs from the model's."""
+    """CheckpointError when the checkpoint's entries under `prefix` are not the model's: keys missing or unexpected
+    (a model of another depth: DCP would load the keys both have and ignore the rest), or the first tensor whose
+    saved (global) shape differs."""
     saved = read_metadata(directory).state_dict_metadata
+    have = {k[len(prefix) :] for k in saved if k.startswith(prefix)}
+    if set(target) != have:
+        extra, missing = sorted(have - set(target)), sorted(set(target) - have)
+        raise CheckpointError(f"{directory}: model keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
     for key, value in target.items():
         md = saved.get(f"{prefix}{key}")
         shape = getattr(md, "size", None)
@@ -217,10 +223,6 @@ def load_unsharded(model: nn.Module, directory: str | os.PathLike) -> Checkpoint
     info = verify_checkpoint(directory)
     _no_pickled_leaves(directory)
     target = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    have = {k[len("model.") :] for k in read_metadata(directory).state_dict_metadata if k.startswith("model.")}
-    if set(target) != have:
-        extra, missing = sorted(have - set(target)), sorted(set(target) - have)
-        raise CheckpointError(f"{directory}: model keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
     check_shapes(directory, "model.", target)
     state = {"model": target}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is

@@ -388,3 +388,20 @@ def test_resume_into_another_width_is_a_checkpoint_error_not_a_base_exception(sa
         assert isinstance(e, ck.CheckpointError) and "shape [256, 16] in the checkpoint but [256, 32]" in str(e)
     else:
         pytest.fail("a checkpoint of another width loaded")
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_a_checkpoint_of_another_depth_is_refused_before_workers_start_and_on_resume(saved, n_layer):
+    """check_shapes compared only the keys the model has: a deeper checkpoint resumed into a shallower model with its
+    extra blocks ignored, and the check before any worker starts let both depths through."""
+    from training.resume import InitSource, check_init_checkpoint
+
+    other = CFG.model_copy(update={"n_layer": n_layer})
+    init = InitSource(checkpoint_uri=str(saved[0]), label="a checkpoint of 2 blocks")
+    with pytest.raises(ck.CheckpointError, match=r": model keys differ: missing \[.*\], unexpected \[.*\]$") as err:
+        check_init_checkpoint(init, other)
+    block = "'blocks.2." if n_layer == 3 else "unexpected ['blocks.1."
+    assert block in str(err.value)
+    model = parallelize(build_gpt(other), other, CPU, 1)
+    with pytest.raises(ck.CheckpointError, match="model keys differ"):
+        ck.load_checkpoint(saved[0], model, build_optimizer(model, other, CPU), rank=0, world_size=1)
