@@ -126,4 +126,9 @@ class DataConfig(BaseModel):
                 f"data.format={self.format!r} needs a data.source of that format; 'stdlib' is the "
                 "interpreter's .py files (data.format='text')"
             )
+        if self.min_record_bytes > self.max_record_bytes:  # every record would be bad input, found after reading all
+            raise ValueError(
+                f"data.min_record_bytes={self.min_record_bytes} > data.max_record_bytes={self.max_record_bytes}: "
+                "no record could be kept"
+            )
         return self
