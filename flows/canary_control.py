@@ -29,7 +29,7 @@ def canary_control(action: Action, reason: str = "", config: PipelineConfig = Pi
     from deployments.canary_control import CommandRefused, current_user, read_status, send_command
     from deployments.registry import client_for
 
-    with shardline_run(config, "canary-control", uses_ray=False, action=action, reason=reason) as run:
+    with shardline_run(config, "canary-control", uses_ray=False, serves=False, action=action, reason=reason) as run:
         if action not in ACTIONS:
             raise ConfigError(f"action: {action!r} is not one of {', '.join(ACTIONS)}")
         client, name = client_for(run.tracking_uri), config.registry.model_name

@@ -84,7 +84,13 @@ def _logger(name: str) -> logging.Logger | logging.LoggerAdapter:
 
 @contextmanager
 def shardline_run(
-    config: PipelineConfig, name: str, *, origin: str = "flow parameter", uses_ray: bool = True, **parameters: Any
+    config: PipelineConfig,
+    name: str,
+    *,
+    origin: str = "flow parameter",
+    uses_ray: bool = True,
+    serves: bool = True,
+    **parameters: Any,
 ) -> Iterator[ShardlineRun]:
     """Refuse a bad config before anything starts, open the run's MLflow parent run, and close all of it after.
 
@@ -98,6 +104,7 @@ def shardline_run(
         name: the flow's name; names the parent run when there is no Prefect flow run (`shardline shard`).
         origin: how the config reached the run, for messages ("flow parameter", "config").
         uses_ray: the run connects to Ray (every flow; `shardline shard` only with data.engine='ray').
+        serves: the run may serve on serve.port, which is then probed (not `shardline shard`, not canary control).
         **parameters: the run's other parameters; refused like the config when one holds a credential.
     """
     log_hygiene.install()  # masked credentials, one-line expected failures (also when a worker runs the flow)
@@ -108,7 +115,7 @@ def shardline_run(
         logger = _logger(name)
         tracking_uri = resolve_tracking_uri(config.registry.tracking_uri)
         check_remote_storage(config, origin, tracking_uri)  # before anything is submitted to a remote cluster
-        check_serving(config, origin)
+        check_serving(config, origin, probe=serves)
         key, run_name, stage = _parent_key(name)
         parent = open_parent_run(tracking_uri, config.registry.experiment, key, run_name)
         if stage != "pipeline":

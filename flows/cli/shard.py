@@ -44,12 +44,12 @@ def cmd_shard(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         check_locations(config.data)  # a bad location is a config mistake, and must fail before anything logs it
         _check_local_source(config.data)
+        prepare_environment()  # the stack's Prefect (its storage Secret blocks) before a tokenizer on a store is read
         if config.tokenizer.kind == "file":  # a missing or broken tokenizer file too, before the stage's run opens
             tk.load(config.tokenizer.path)
     except (ConfigError, DataError, tk.TokenizerError) as e:
         print(f"shardline: {e}", file=sys.stderr)
         return 2
-    prepare_environment()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("shardline").setLevel(logging.INFO)
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
@@ -123,7 +123,7 @@ def _shard(config) -> dict:
     from infra.cluster import provision
     from tasks.data import shard_dataset
 
-    with shardline_run(config, "shard", origin="config", uses_ray=config.data.engine == "ray") as run:
+    with shardline_run(config, "shard", origin="config", uses_ray=config.data.engine == "ray", serves=False) as run:
         if config.data.engine == "ray":
             run.cluster = provision(config.cluster)
         shards = shard_dataset.fn(config.data, run.lineage, run.cluster, config.tokenizer)

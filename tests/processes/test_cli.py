@@ -105,7 +105,12 @@ def test_a_port_held_by_another_program_refuses_only_the_commands_that_serve_the
             f"shardline: config (with --set): serve.port={port}: http://127.0.0.1:{port} is held by another process "
             "that is not Ray Serve (GET /-/routes answered 404); set serve.port to a free port"
         )
-        for command in (["down"], ["canary", "status", "--json"]):
+        corpus = tmp_path / "corpus"
+        corpus.mkdir()
+        for n in range(20):
+            (corpus / f"{n}.txt").write_text(f"def f{n}():\n    return {n}\n" * 50)
+        shard = ["shard", "--set", f"data.source={corpus}", "--set", f"data.output={tmp_path / 'out'}"]
+        for command in (["down"], ["canary", "status", "--json"], shard):
             proc = _shardline(*command, *held, home=tmp_path / "home")
             assert proc.returncode == 0 and "held by another process" not in proc.stderr, (command, proc.stderr)
     finally:
