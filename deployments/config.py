@@ -9,6 +9,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from infra.redact import find_credential
+
 
 class RegistryConfig(BaseModel):
     """Where runs and models are tracked, and the registered model's name."""
@@ -25,13 +27,18 @@ class RegistryConfig(BaseModel):
     @field_validator("tracking_uri")
     @classmethod
     def _a_uri_that_parses(cls, uri: str) -> str:
-        """A URI MLflow would fail to parse deep in a run (`http://[::1:5000`, a port out of range), refused at
-        load with the field named (the value is quoted by the caller's redacting message)."""
-        if "://" in uri:
+        """An http(s) server address MLflow would fail to parse deep in a run (`http://[::1:5000`, a port out of
+        range), refused at load with the field named. The message quotes nothing of the value (the caller's message
+        quotes it masked), and a URI holding a credential is left to the credential check, whose refusal says so
+        (urlsplit reads a password's text before a '/' as the port)."""
+        if uri.lower().startswith(("http://", "https://")) and find_credential(uri) is None:
             try:
                 urlsplit(uri).port  # noqa: B018 - parsing the port checks the host's brackets and the port's range
-            except ValueError as e:
-                raise ValueError(f"not a URI MLflow can reach ({e})") from None
+            except ValueError:
+                raise ValueError(
+                    "not a server address MLflow can reach: its host or port does not parse (an IPv6 host is written "
+                    "in brackets, a port is a number up to 65535)"
+                ) from None
         return uri
 
 
