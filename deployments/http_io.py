@@ -19,6 +19,7 @@ from deployments.openai_api import ApiError
 from infra.redact import first_line
 
 JSON = "application/json"
+TOKEN_SPACE = b" \t\r\n\x0b\x0c"  # what surrounds a bearer token without being part of it: ASCII whitespace
 EVENT_STREAM = "text/event-stream"
 
 
@@ -98,10 +99,10 @@ def check_token(headers: dict[str, str], token_sha256: str) -> None:
         return
     scheme, _, token = headers.get("authorization", "").partition(" ")
     try:  # ASGI servers decode header bytes as latin-1: encoding back gives the bytes the client sent (UTF-8)
-        raw = token.strip().encode("latin-1")
+        raw = token.encode("latin-1")
     except UnicodeEncodeError:  # a str that did not come from the wire (a caller's own dict)
-        raw = token.strip().encode()
-    digest = hashlib.sha256(raw).hexdigest()
+        raw = token.encode()
+    digest = hashlib.sha256(raw.strip(TOKEN_SPACE)).hexdigest()  # bytes: str.strip would eat \x85 and \xa0
     if scheme.lower() != "bearer" or not hmac.compare_digest(digest, token_sha256):  # the scheme is case-insensitive
         # as OpenAI answers a wrong key
         raise ApiError(401, "missing or wrong bearer token", kind="invalid_request_error", code="invalid_api_key")

@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from deployments.config import ServeConfig
+from deployments.http_io import TOKEN_SPACE
 
 
 def api_token(serve: ServeConfig) -> str:
@@ -19,17 +20,22 @@ def api_token(serve: ServeConfig) -> str:
     if serve.auth_secret_block:
         from prefect.blocks.system import Secret
 
-        return str(Secret.load(serve.auth_secret_block).get())  # type: ignore[union-attr]  # sync: not a coroutine
-    return os.environ.get(serve.auth_token_env, "") if serve.auth_token_env else ""
+        token = str(Secret.load(serve.auth_secret_block).get())  # type: ignore[union-attr]  # sync: not a coroutine
+    else:
+        token = os.environ.get(serve.auth_token_env, "") if serve.auth_token_env else ""
+    # ASCII whitespace around it is not the token (a Kubernetes secret made `--from-file` ends in a newline): the
+    # replicas' digest and the canary's own requests use it without (a header cannot carry the newline)
+    return token.encode().strip(TOKEN_SPACE).decode() or token
 
 
 def token_digest(token: str) -> str:
-    """The sha256 replicas compare a request's bearer token with ("" = no auth). Surrounding whitespace is not the
-    token (a Kubernetes secret made `--from-file` ends in a newline; a client's header is stripped too); a token
-    that is only whitespace still requires one, which nothing matches: it fails closed."""
+    """The sha256 replicas compare a request's bearer token with ("" = no auth), of its UTF-8 bytes without
+    surrounding ASCII whitespace, as check_token reads a client's; a token that is only whitespace still requires
+    one, which nothing matches: it fails closed."""
     if not token:
         return ""
-    return hashlib.sha256((token.strip() or token).encode()).hexdigest()
+    raw = token.encode()
+    return hashlib.sha256(raw.strip(TOKEN_SPACE) or raw).hexdigest()
 
 
 def replica_runtime_env(cluster_mode: str) -> dict[str, Any] | None:

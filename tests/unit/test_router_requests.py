@@ -317,13 +317,30 @@ def test_a_configured_token_with_a_newline_or_non_ascii_text_is_matched_as_the_c
     from deployments.http_io import check_token
     from deployments.serving import token_digest
 
-    for configured, sent in (("s3cret\n", "s3cret"), ("pässwort-1", "pässwort-1")):
+    pairs = [("s3cret\n", "s3cret"), ("pässwort-1", "pässwort-1"), ("voilà", "voilà"), ("мех", "мех")]
+    pairs += [("abc\xa0", "abc\xa0"), ("s3cret\u3000", "s3cret\u3000")]  # UTF-8 ending in 0xA0/0x85, Unicode spaces
+    for configured, sent in pairs:
         raw = [(b"authorization", b"Bearer " + sent.encode())]  # the bytes curl sends
         headers = dict(Request({"type": "http", "method": "POST", "path": "/", "headers": raw}).headers)
         check_token(headers, token_digest(configured))
+    for wrong in ("", " ", "s3cre", "s3cret x"):
+        with pytest.raises(ApiError):
+            check_token({"authorization": f"Bearer {wrong}"}, token_digest("s3cret\n"))
     assert token_digest("") == "" and token_digest(" \n") not in ("", token_digest(""))  # whitespace fails closed
     with pytest.raises(ApiError):
         check_token({"authorization": "Bearer "}, token_digest(" \n"))
+
+
+def test_the_api_token_is_read_without_the_newline_a_secret_file_ends_in(monkeypatch):
+    """The canary's own requests send it: httpx refuses a header ending in a newline, so every warm-up and probe
+    request failed, and its error quoted the header."""
+    from deployments.config import ServeConfig
+    from deployments.serving import api_token
+
+    monkeypatch.setenv("SHARDLINE_TEST_TOKEN", "s3cret\n")
+    assert api_token(ServeConfig(auth_token_env="SHARDLINE_TEST_TOKEN")) == "s3cret"
+    monkeypatch.setenv("SHARDLINE_TEST_TOKEN", "voilà\xa0")  # Unicode space is the token's own
+    assert api_token(ServeConfig(auth_token_env="SHARDLINE_TEST_TOKEN")) == "voilà\xa0"
 
 
 def test_a_content_length_that_is_not_ascii_digits_is_read_as_absent():
