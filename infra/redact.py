@@ -95,7 +95,8 @@ _YAML_SECRET = re.compile(
 # the head of a YAML block scalar of a secret (`password: |`, `  private_key: >-  # pem`): _yaml_blocks masks the
 # lines below it that are indented deeper, the value
 _YAML_BLOCK_HEAD = re.compile(
-    r"(?im)^([ \t]*)(?:-[ \t]+)?['\"]?" + _KV_KEY + r"['\"]?[ \t]*:[ \t]*[|>][1-9+-]{0,2}[ \t]*(?:#[^\r\n]*)?\r?$"
+    r"(?im)^([ \t]*)(?:-[ \t]+)?['\"]?(?:" + _KV_KEY + r"|x-api-key|api-key|private-token|x-auth-token)['\"]?[ \t]*:"
+    r"[ \t]*(?:[!&][^\s]*[ \t]+){0,2}[|>][1-9+-]{0,2}[ \t]*(?:#[^\r\n]*)?\r?$"  # a tag or an anchor may come first
 )
 # a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
 _OPTION_SECRET = re.compile(
@@ -197,10 +198,10 @@ def redact(text: Any) -> str:
     if "=" in s or ":" in s:
         s = _KV_SECRET.sub(_masked_value, s)
     if ":" in s:
+        if ("|" in s or ">" in s) and _YAML_BLOCK_HEAD.search(s):  # first: the header rule masks a head's `|`
+            s = _yaml_blocks(s)
         s = _HEADER_SECRET.sub(lambda m: f"{m.group(1)}{MASK}", s)
         s = _YAML_SECRET.sub(_masked_yaml, s)
-        if ("|" in s or ">" in s) and _YAML_BLOCK_HEAD.search(s):
-            s = _yaml_blocks(s)
     if "--" in s:
         s = _OPTION_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", s)
     s = _TOKEN.sub(MASK, s)

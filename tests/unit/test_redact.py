@@ -176,6 +176,11 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
             "notes: |\n  password is required\nsecret: |2+\n  s3cr3t",
             "notes: |\n  password is required\nsecret: |2+\n  ***",
         ),
+        ("x-api-key: |\n  sk-live-abcdef123\nnext: 1", "x-api-key: ***\n  ***\nnext: 1"),  # a header's name too
+        (
+            "db_password: !!str |\n  hunter2\npassword: &a >-\n  hunter3",
+            "db_password: !!str |\n  ***\npassword: &a >-\n  ***",
+        ),
     ],
     ids=[
         "ini-spaces",
@@ -201,6 +206,8 @@ def test_key_ids_and_longer_names_are_unchanged(clean):
         "yaml-block",
         "yaml-folded-block-crlf-in-a-list",
         "yaml-block-indicators-and-a-plain-block",
+        "yaml-block-of-a-header-name",
+        "yaml-block-tagged-and-anchored",
     ],
 )
 def test_ini_assignments_options_odbc_braces_and_secret_header_lines_are_masked(raw, masked):
