@@ -92,10 +92,12 @@ _YAML_SECRET = re.compile(
     r"(\"(?:[^\"\\\r\n]|\\.)*\"|'(?:[^'\r\n]|'')*'|[^\s'\"#]\S*)"
     r"(?=(?:[ \t]+#[^\r\n]*)?[ \t]*\r?$)"
 )
+# names of HTTP headers that carry a secret (a header line of one, or a YAML block under one, is masked)
+_SECRET_HEADERS = "x-amz-security-token|x-api-key|api-key|x-goog-api-key|private-token|x-auth-token"
 # the head of a YAML block scalar of a secret (`password: |`, `  private_key: >-  # pem`): _yaml_blocks masks the
 # lines below it that are indented deeper, the value
 _YAML_BLOCK_HEAD = re.compile(
-    r"(?im)^([ \t]*)(?:-[ \t]+)?['\"]?(?:" + _KV_KEY + r"|x-api-key|api-key|private-token|x-auth-token)['\"]?[ \t]*:"
+    r"(?im)^([ \t]*)(?:-[ \t]+)?['\"]?(?:" + _KV_KEY + "|" + _SECRET_HEADERS + r")['\"]?[ \t]*:"
     r"[ \t]*(?:[!&][^\s]*[ \t]+){0,2}[|>][1-9+-]{0,2}[ \t]*(?:#[^\r\n]*)?\r?$"  # a tag or an anchor may come first
 )
 # a command line's secret option (`--password x`, `--api-key=x`); a value starting with '-' is the next option
@@ -104,9 +106,7 @@ _OPTION_SECRET = re.compile(
     r"(\s+|=)(?!-)([^\s'\"]+)"
 )
 # an HTTP header line that carries a secret (a logged request: `x-api-key: ...`); Authorization is _BEARER's
-_HEADER_SECRET = re.compile(
-    r"(?im)^(\s*(?:x-amz-security-token|x-api-key|api-key|x-goog-api-key|private-token|x-auth-token)\s*:\s*)(\S+)"
-)
+_HEADER_SECRET = re.compile(r"(?im)^(\s*(?:" + _SECRET_HEADERS + r")\s*:\s*)(\S+)")
 # tokens of a known shape wherever they stand (length floors keep names like `hf_model` or `ghp_x` as they are)
 _TOKEN = re.compile(
     r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_\w{50,}|glpat-[\w-]{20,}|hf_[A-Za-z0-9]{30,}|(?:AKIA|ASIA)[0-9A-Z]{16}"
