@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from deployments import openai_api as oai
 from deployments.http_io import (
+    READS,
     check_token,
     endpoint_of,
     error_reply,
@@ -142,9 +143,9 @@ class Gateway:
         path = request.url.path.rstrip("/")
         headers = {GATEWAY_HEADER: "1"}
         try:
-            if request.method == "GET" and path.endswith("/healthz"):
+            if request.method in READS and path.endswith("/healthz"):
                 return await self._healthz(request.query_params.get("model"), headers)
-            if request.method == "GET" and path.endswith("/metrics"):
+            if request.method in READS and path.endswith("/metrics"):
                 return await self._metrics()
             check_token(dict(request.headers), self.cfg.token_sha256)
             endpoint = endpoint_of(path)

@@ -21,6 +21,9 @@ from infra.redact import first_line
 JSON = "application/json"
 TOKEN_SPACE = b" \t\r\n\x0b\x0c"  # what surrounds a bearer token without being part of it: ASCII whitespace
 EVENT_STREAM = "text/event-stream"
+# the methods /healthz and /metrics answer: a load balancer's health check is often a HEAD (the HTTP server sends
+# the GET reply's status and headers, without the body)
+READS = ("GET", "HEAD")
 
 
 def failure_line(e: BaseException) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 from deployments import openai_api as oai
 from deployments.http_io import (
+    READS,
     check_token,
     endpoint_of,
     error_reply,
@@ -148,7 +149,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
 
     # ----- requests: over HTTP (an application with a route of its own) or from the gateway's handle
     async def __call__(self, request: Any) -> Any:
-        if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
+        if request.method in READS and request.url.path.rstrip("/").endswith("/metrics"):
             from prometheus_client import CONTENT_TYPE_LATEST
 
             return to_response(reply(200, await self.metrics_exposition(), media_type=CONTENT_TYPE_LATEST))
@@ -191,7 +192,7 @@ class Router(EvidenceRecorder, MetricsSharing, RouterStreams, RouterChat):
         path = path.rstrip("/")
         endpoint = ""
         try:
-            if method == "GET" and path.endswith("/healthz"):
+            if method in READS and path.endswith("/healthz"):
                 return self._healthz()
             endpoint = endpoint_of(path)
             if not endpoint:

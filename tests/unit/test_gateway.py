@@ -186,3 +186,32 @@ def test_a_wrong_method_gets_405_with_allow_and_echoed_paths_and_variants_are_qu
     assert json.loads(refused.body)["error"]["message"] == (
         f"x-shardline-variant: '{'v' * 56}... is not champion or challenger"
     )
+
+
+def test_a_head_health_check_is_answered_like_a_get_even_with_a_token_set(monkeypatch):
+    """Load balancers often check health with HEAD: it was a 401 (token required) or a 404 at the gateway and a 404
+    at a router that is the ingress; it gets GET's status and headers (the HTTP server drops the body)."""
+    import asyncio
+    import hashlib
+
+    from starlette.requests import Request
+
+    from deployments import gateway as gw_module
+    from deployments.gateway import Gateway
+    from deployments.serve_app import Router
+
+    monkeypatch.setattr(gw_module, "_router_apps", lambda own: [])
+
+    def head(path: str) -> Request:
+        return Request({"type": "http", "method": "HEAD", "path": path, "headers": [], "query_string": b""})
+
+    gw = Gateway("shardline-gateway")
+    gw.reconfigure({"token_sha256": hashlib.sha256(b"secret-token").hexdigest()})
+    assert asyncio.run(gw(head("/healthz"))).status_code == 200
+    assert asyncio.run(gw(head("/metrics"))).status_code == 200
+    assert asyncio.run(gw(head("/v1/models"))).status_code == 401  # the API itself still asks for the token
+    router = Router("shardline-m", {})
+    router.reconfigure({"model_name": "m", "champion": "1"})
+    answer = asyncio.run(router(head("/healthz")))
+    assert answer.status_code == 200 and answer.headers["x-shardline-model-version"] == "1"
+    assert asyncio.run(router(head("/metrics"))).status_code == 200
