@@ -72,6 +72,11 @@ class Gateway:
         self.cfg = GatewayConfig()
         self.models: dict[str, dict[str, Any]] = {}  # model name -> {"app", "champion", "created"}
         self.refreshed_at = 0.0
+        # when the read that gave the list (or a failed re-read that kept it) began: a request naming a model the
+        # gateway does not know forces a re-read, and those queued behind one that began after they asked take its
+        # answer rather than re-read one after another (concurrent requests for a mistyped model name were each a
+        # Serve status read and an RPC to every router, serialised on the lock)
+        self.read_at = float("-inf")
         self._lock = asyncio.Lock()
         self._reloading: asyncio.Future[None] | None = None  # the background refresh in flight, if any
         self.metrics = RouterMetrics("")  # requests the gateway refuses itself (model "" = none chosen yet)
@@ -101,9 +106,13 @@ class Gateway:
         await self._reload(force)
 
     async def _reload(self, force: bool) -> None:
+        asked = time.monotonic()
         async with self._lock:
             if not force and time.monotonic() - self.refreshed_at < REFRESH_S:
                 return
+            if force and self.read_at >= asked:  # a read that began after this was asked for ended while it waited
+                return
+            began = time.monotonic()
             try:
                 apps = await asyncio.to_thread(_router_apps, self.app_name)
             except Exception as e:  # noqa: BLE001 - Serve's controller restarting: answer from the last list
@@ -116,7 +125,7 @@ class Gateway:
                         retry_after=1,
                     ) from None
                 log.warning("the served models were not re-read (the last list is kept): %s", failure_line(e))
-                self.refreshed_at = time.monotonic()  # tried again after REFRESH_S, not on every request
+                self.refreshed_at, self.read_at = time.monotonic(), began  # tried again after REFRESH_S
                 return
             found: dict[str, dict[str, Any]] = {}
             for app in apps:
@@ -132,7 +141,7 @@ class Gateway:
                         "champion": cfg["champion"],
                         "created": known.get("created", time.time()),
                     }
-            self.models, self.refreshed_at = found, time.monotonic()
+            self.models, self.refreshed_at, self.read_at = found, time.monotonic(), began
 
     async def get_models(self) -> dict[str, dict[str, Any]]:
         """The served models as the gateway sees them now (`shardline status` reads this)."""

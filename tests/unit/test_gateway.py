@@ -188,6 +188,39 @@ def test_a_wrong_method_gets_405_with_allow_and_echoed_paths_and_variants_are_qu
     )
 
 
+def test_concurrent_requests_for_an_unknown_model_share_re_reads_instead_of_queueing_one_each(monkeypatch):
+    """Each request naming a model the gateway does not know forces a re-read (it may have been deployed a moment
+    ago); those that queued on the lock behind a read that began after they asked take its answer: 8 concurrent
+    requests for a mistyped name were 8 reads one after another, now 2 (the first, and one for all who asked during
+    it). A later request still reads again."""
+    import asyncio
+    import time
+
+    from deployments import gateway as gw_module
+    from deployments.gateway import Gateway
+
+    reads = []
+
+    def router_apps(own: str) -> list[str]:
+        reads.append(own)
+        time.sleep(0.05)  # Serve's status read takes a while; requests pile up behind it
+        return []
+
+    monkeypatch.setattr(gw_module, "_router_apps", router_apps)
+
+    async def scenario() -> None:
+        gw = Gateway("shardline-gateway")
+        gw.models = {"m": {"app": "shardline-m", "champion": "1", "created": 0.0}}
+        answers = await asyncio.gather(*(gw._app_for("typo") for _ in range(8)), return_exceptions=True)
+        assert all(isinstance(a, ApiError) and a.code == "model_not_found" for a in answers)
+        assert len(reads) == 2
+        with pytest.raises(ApiError):
+            await gw._app_for("typo")
+        assert len(reads) == 3
+
+    asyncio.run(scenario())
+
+
 def test_a_head_health_check_is_answered_like_a_get_even_with_a_token_set(monkeypatch):
     """Load balancers often check health with HEAD: it was a 401 (token required) or a 404 at the gateway and a 404
     at a router that is the ingress; it gets GET's status and headers (the HTTP server drops the body)."""
