@@ -52,6 +52,8 @@ def canary_command(
     user: str = "",
 ) -> int:
     """Run one `shardline canary` action against the registry at `tracking_uri`; prints, returns the exit code."""
+    if missing := missing_store(tracking_uri):
+        return exit_with_error(f"canary {action}: {missing}", code=2)
     from mlflow.exceptions import MlflowException
 
     from deployments.canary_control import CommandRefused, read_status, send_command
@@ -80,6 +82,25 @@ def canary_command(
             flush=True,
         )
     return 0
+
+
+def missing_store(tracking_uri: str) -> str:
+    """Why `tracking_uri` names no registry to read: a SQLite file that does not exist (a mistyped path; MLflow
+    would create an empty registry there and every canary would read as none); '' when it may. shardline's own
+    store ($SHARDLINE_HOME/mlflow.db) is created on first use, as `shardline run` would."""
+    from pathlib import Path
+
+    from infra.paths import shardline_home
+
+    if not tracking_uri.startswith("sqlite:///"):
+        return ""
+    path = Path(tracking_uri.removeprefix("sqlite:///").partition("?")[0])
+    if path.exists() or path.absolute() == (shardline_home() / "mlflow.db").absolute():
+        return ""
+    return (
+        f"no MLflow database at {path}: check registry.tracking_uri or $MLFLOW_TRACKING_URI "
+        "(a `shardline up` stack's server is used when neither is set)"
+    )
 
 
 def tracking_uri_for(configured: str) -> str:

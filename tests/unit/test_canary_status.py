@@ -90,3 +90,21 @@ def test_a_version_description_says_what_it_was_trained_on_and_how_it_was_decide
     assert version_description({}, "run-x", "Champion without a canary: first run.").startswith(
         "Trained on dataset unknown by train run run-x.\n"
     )
+
+
+def test_a_mistyped_sqlite_registry_is_refused_and_not_created(tmp_path, monkeypatch, capsys):
+    """`canary status` against a SQLite path that does not exist read as "no canary" while MLflow created an empty
+    registry there; it is a bad argument (exit 2) naming the path. shardline's own store may be created."""
+    from flows.cli.canary import canary_command, missing_store
+
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    typo = tmp_path / "mlflw.db"
+    assert canary_command("status", "m", f"sqlite:///{typo}") == 2
+    assert capsys.readouterr().err.strip() == (
+        f"shardline: canary status: no MLflow database at {typo}: check registry.tracking_uri or "
+        "$MLFLOW_TRACKING_URI (a `shardline up` stack's server is used when neither is set)"
+    )
+    assert not typo.exists()
+    assert missing_store(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}") == ""  # the default store, made on use
+    typo.write_bytes(b"")
+    assert missing_store(f"sqlite:///{typo}") == "" and missing_store("http://127.0.0.1:5000") == ""
