@@ -140,7 +140,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for model, why in sorted(endpoint.get("not_served", {}).items()):
                 print(f"  NOT SERVED {model}: {why}")
         print("\n".join(summary_lines(report)))
-    return 0 if all(p["up"] for p in report.values()) else 1
+    # like a service manager's status: 0 only when a stack is recorded and every part of it answers
+    return 0 if report and all(p["up"] for p in report.values()) else 1
 
 
 def add_stack_commands(sub: argparse._SubParsersAction) -> None:

@@ -209,6 +209,8 @@ def test_down_without_a_head_stops_every_other_part(home, spawned, capsys):
     assert all(_gone(p) for p in servers.values())
     assert not state_path().exists()
     assert "endpoint  was not running" in capsys.readouterr().out
+    assert main(["status"]) == 1  # nothing is up: a script's `shardline status && ...` must not go on
+    assert "no stack is recorded here" in capsys.readouterr().out
 
 
 def test_down_goes_on_after_a_part_fails_and_exits_non_zero(home, spawned, capsys, monkeypatch):
