@@ -115,6 +115,13 @@ class TokenCodec:
     def piece(self, token: int) -> bytes:
         return self.pieces[token] if 0 <= token < len(self.pieces) else b""
 
+    def spans(self, text: bytes) -> tuple[list[str], list[int]]:
+        """The labels of `text`'s ids (those `encode` gives) and the character each starts at in `text`, from the
+        tokenizer's own offsets: a label can be longer than what it covers (Metaspace's first `▁the` is ` the`, the
+        text `the`), so offsets counted by labels ran a character ahead from the second token on."""
+        enc = self.tokenizer.encode(text.decode("utf-8"), add_special_tokens=False)
+        return [self.label(i) for i in enc.ids], [start for start, _ in enc.offsets]
+
     def label(self, token: int) -> str:
         """The id's text when its bytes are whole characters, else its bytes as `bytes:\\xNN...` (OpenAI's form); a
         special token, which stands for no text, and a byte-fallback id whose byte has a token of its own, by its

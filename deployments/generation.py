@@ -261,8 +261,9 @@ def _piece(text: str, tokens: list[_Token], logprobs: int | None) -> dict[str, A
 def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0, start: int | None = None) -> dict[str, Any]:
     """One OpenAI `logprobs` object from the pieces' parts. A completion's piece says where each of its tokens
     starts in the completion's text: counted from `start`, where the completion begins in the answer (after an
-    echoed prompt; `offset` unless given). A part without them (the echoed prompt, or a piece from a replica of
-    older code) is counted by its labels, from `offset` on."""
+    echoed prompt; `offset` unless given); an echoed prompt's part (`echo`) says where in the prompt, counted from
+    `offset`. A part without them (an echoed prompt of bytes, or a piece from a replica of older code) is counted
+    by its labels, from `offset` on."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     position, start = offset, offset if start is None else start
     for part in pieces:
@@ -271,7 +272,8 @@ def merge_logprobs(pieces: list[dict[str, Any] | None], offset: int = 0, start: 
         for key in ("tokens", "token_logprobs", "top_logprobs"):
             out[key] += part[key]
         if "text_offset" in part:
-            out["text_offset"] += [start + at for at in part["text_offset"]]
+            base = offset if part.get("echo") else start
+            out["text_offset"] += [base + at for at in part["text_offset"]]
             continue
         for token in part["tokens"]:
             raw = label_bytes(token)

@@ -260,7 +260,7 @@ class ModelServer:
                             prompt_logprobs, self.model, prompt, self.seq_len, k, self.codec
                         )
                         if not isinstance(self.codec, ByteCodec):  # the router labels bytes itself
-                            head["prompt_tokens"] = [self.codec.label(i) for i in self.codec.encode(prompt)]
+                            head["prompt_tokens"], head["prompt_offsets"] = self.codec.spans(prompt)
                     yield head
                     continue
                 if "finish_reason" in event:

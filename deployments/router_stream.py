@@ -24,18 +24,21 @@ from deployments.router_config import VERSION_HEADER, Job
 
 
 def prompt_piece(head: dict[str, Any]) -> dict[str, Any] | None:
-    """The echoed prompt's logprobs: the replica's labels of its prompt tokens (a tokenizer's ids), else the
-    prompt's bytes."""
+    """The echoed prompt's logprobs: the replica's labels of its prompt tokens (a tokenizer's ids) and where each
+    starts in the prompt, else the prompt's bytes (merge_logprobs counts their characters)."""
     from deployments.codec import byte_label
 
     scored = head.get("prompt_logprobs")
     if scored is None:
         return None
-    return {
+    piece = {
         "tokens": head.get("prompt_tokens") or [byte_label(b) for b in head["prompt"]],
         "token_logprobs": [lp for lp, _ in scored],
         "top_logprobs": [top for _, top in scored],
     }
+    if head.get("prompt_offsets") is not None:
+        piece |= {"text_offset": head["prompt_offsets"], "echo": True}
+    return piece
 
 
 class RouterStreams:

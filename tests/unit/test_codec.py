@@ -220,3 +220,21 @@ def test_a_sentencepiece_style_tokenizer_keeps_its_spaces_and_bytes_and_names_it
     assert "".join(e.get("text", "") for e in events) == " the cat the"
     events = list(generate(scripted, b"the", SEQ, 3, temperature=0, codec=codec, stop=[" cat"]))
     assert "".join(e.get("text", "") for e in events) == " the" and events[-1]["finish_reason"] == "stop"
+
+
+def test_an_echoed_prompt_s_offsets_are_where_its_tokens_start_not_a_count_of_their_labels():
+    """Metaspace's first `▁the` is labelled ` the` but covers `the`: counted by labels, every later echoed token's
+    text_offset ran a character ahead (` cat` at 4 in "the cat"). The tokenizer's own offsets place them, byte
+    fallback ids of one character included, and the completion's offsets still follow the prompt."""
+    from deployments.router_stream import prompt_piece
+
+    codec = TokenCodec(_sentencepiece_style())
+    prompt = "the ✓ cat".encode()
+    labels, offsets = codec.spans(prompt)
+    assert labels == [" the", " ", "bytes:\\xe2", "bytes:\\x9c", "bytes:\\x93", " cat"]
+    assert offsets == [0, 3, 4, 4, 4, 5]
+    scored = [(None, None)] + [(-1.0, {})] * (len(labels) - 1)
+    head = prompt_piece({"prompt_logprobs": scored, "prompt_tokens": labels, "prompt_offsets": offsets})
+    completion = {"tokens": [" the"], "token_logprobs": [-0.5], "top_logprobs": [{}], "text_offset": [0]}
+    merged = merge_logprobs([head, completion], start=len("the ✓ cat"))
+    assert merged["text_offset"] == [0, 3, 4, 4, 4, 5, 9] and merged["tokens"] == [*labels, " the"]
