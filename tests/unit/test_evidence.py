@@ -116,3 +116,28 @@ def test_a_routers_own_metrics_route_labels_its_series_by_replica():
         if s.name == "shardline_requests_total" and s.labels["outcome"] == "ok"
     ]
     assert [(s.labels["router_replica"], s.value) for s in samples] == [(replica_label(router.replica_id), 1.0)]
+
+
+def test_in_shadow_mode_a_request_the_champion_failed_leaves_the_step_inconclusive_not_the_challenger_rejected():
+    """The router mirrors a copy of each request to the challenger; the champion answers the client. A request the
+    champion failed was recorded as routed to the challenger: the step failed with "routed to the challenger got no
+    model answer" and the version was rejected for good, though its mirror answered."""
+    from deployments.config import CanaryConfig
+    from deployments.rollout_gates import summarize_step
+
+    router = Router("shardline-m", {})
+    router.reconfigure(RouterConfig(model_name="m", champion="1", challenger="2", canary_id="k").model_dump())
+    job = router._prepare("POST", "/v1/score", {}, json.dumps({"text": "hello"}).encode())
+
+    def call(version: str, ok: bool = True) -> dict:
+        if not ok:
+            return {"version": version, "ok": False, "error": "RuntimeError: the champion's replica died"}
+        return {"version": version, "ok": True, "bits": 200.0, "bytes": 100, "latency_ms": 10.0}
+
+    for _ in range(20):
+        router._record(job, True, call("1"), call("1"), None, 12.0, mirror=call("2"))
+    router._record(job, True, call("1", ok=False), call("1"), None, 12.0, mirror=call("2"))
+    assert router.observations[-1]["role"] == "champion" and not router.observations[-1]["client_ok"]
+    step = summarize_step(10, list(router.observations), "1", "2", CanaryConfig(mode="shadow", min_requests=20))
+    assert step.challenger.errors == 0 and not step.failures
+    assert any("the champion alone answered" in why for why in step.inconclusive), step.inconclusive
