@@ -36,6 +36,7 @@ from deployments.canary_records import CanaryState, OperatorCommand
 from deployments.config import CanaryConfig
 from deployments.registry import CHALLENGER, CHAMPION, TAG_CANARY_COMMAND, TAG_CANARY_ID, TAG_CANARY_STATE, read_aliases
 from deployments.rollout_policy import command_error
+from infra.redact import first_line
 
 log = logging.getLogger(__name__)
 USER_ENV = "SHARDLINE_USER"  # who gives a command, when the login name is not it (a shared service account)
@@ -165,7 +166,10 @@ def send_command(
     )
     version = status.challenger_version
     client.set_model_version_tag(name, version, TAG_CANARY_COMMAND, command.model_dump_json())
-    record_command(client, command)
+    try:  # the command is sent (the driver reads the tag); its audit copy on the canary's run is a record of it
+        record_command(client, command)
+    except Exception as e:  # noqa: BLE001 - e.g. no write access to the artifact store from this machine
+        log.warning("%s was sent, but its record on the canary's run was not logged: %s", action, first_line(e))
     deadline = time.monotonic() + wait_s
     while True:
         state = read_state(client, name, version) or {}

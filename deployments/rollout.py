@@ -204,6 +204,9 @@ def _ramp_up(
             if move == "stop":
                 return None, True, False
             if move == "next":
+                command, paused_out = ramp.between_steps()  # before the next weight, or the verdict, is set
+                if command is not None or paused_out:
+                    return command, paused_out, paused_out
                 break
             ramp.attempt += 1
             log.info(

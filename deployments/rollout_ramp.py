@@ -231,7 +231,9 @@ class Ramp:
                     .result(timeout_s=30)
                 )
                 if got["replica_id"] != replica:  # a restarted router starts counting again; keep what we saw
-                    replica, cursor = got["replica_id"], 0
+                    asked, replica, cursor = cursor, got["replica_id"], 0
+                    if asked:  # read past the new replica's first observations: read it again from its start
+                        got = {"items": [], "next": 0}
                 for ob in got["items"]:
                     seen[(replica, ob["seq"])] = ob
                 cursor = got["next"]
@@ -281,6 +283,38 @@ class Ramp:
         why = f"paused for longer than canary.pause_timeout_s={self.cfg.pause_timeout_s:g} s: not judged"
         return Collected(observations, seconds, why, None, paused_out=True)
 
+    def between_steps(self) -> tuple[OperatorCommand | None, bool]:
+        """Commands given while a step was being judged, read before the weight moves on (or the verdict is made):
+        the last poll of `collect` was up to canary.control_poll_s before its end, and summarising the step and
+        reading PromQL gates takes seconds more. A promote or abort ends the ramp (the command); a pause holds the
+        current weight until a resume, promote or abort, or until canary.pause_timeout_s (then `True`: roll back)."""
+        if self.control is None:
+            return None, False
+        self.control.next_poll = 0.0
+        command = self._poll()
+        if command is None or command.action == "resume":
+            return None, False
+        if command.action in ("promote", "abort"):
+            return command, False
+        paused_at = time.monotonic()
+        renew_at = paused_at + self.cfg.lease_s / 3
+        while True:
+            if paused_out := time.monotonic() - paused_at >= self.cfg.pause_timeout_s:
+                self.control.next_poll = 0.0  # a command written just before the deadline is read, not dropped
+            command = self._poll()
+            if command is not None and command.action == "resume":
+                return None, False
+            if command is not None and command.action in ("promote", "abort"):
+                return command, False
+            if paused_out:
+                self.control.state = "deciding"
+                self.set(self.percent, self.epoch)
+                return None, True
+            if time.monotonic() >= renew_at:
+                self.set(self.percent, self.epoch)
+                renew_at = time.monotonic() + self.cfg.lease_s / 3
+            time.sleep(0.25)
+
     def await_approval(self) -> OperatorCommand | None:
         """Hold the current weight in state awaiting-approval until an operator promotes or aborts (the command),
         or canary.approval_timeout_s passes (None). Renews the lease while it waits."""
@@ -298,4 +332,6 @@ class Ramp:
                 self.set(self.percent, self.epoch)
                 renew_at = time.monotonic() + self.cfg.lease_s / 3
             time.sleep(0.25)
-        return None
+        self.control.next_poll = 0.0  # a promote written in the last poll interval is read, not timed out
+        command = self._poll()
+        return command if command is not None and command.action in ("promote", "abort") else None
