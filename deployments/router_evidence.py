@@ -71,7 +71,8 @@ class EvidenceRecorder:
             "request_id": job.request_id,
             "router_replica": self.replica_id,
             "op": "complete" if endpoint in ("completions", "chat") else "score",
-            "role": "challenger" if to_challenger else "champion",
+            # who answered the client: the champion in shadow mode, whose failures say nothing of the challenger
+            "role": "challenger" if to_challenger and mirror is None else "champion",
             "challenger": slim(challenger_call),
             "champion": slim(champion_call),
             "shadow": slim(shadow),
