@@ -61,6 +61,7 @@ def summary_lines(status: dict) -> list[str]:
 def _cmd_up(args: argparse.Namespace) -> int:
     from flows.stack.procs import StackError
     from flows.stack.stack import status, up
+    from flows.stack.state import StackBusy
 
     try:
         stack_cfg, pipeline_cfg = _configs(args, probe_endpoint=True)
@@ -70,6 +71,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print("shardline up:", flush=True)
     try:
         up(stack_cfg, pipeline_cfg, say=lambda line: print(line, flush=True))
+    except StackBusy as e:  # nothing started: no note about what is recorded
+        print(f"shardline: {redact(e)}", file=sys.stderr)
+        return 1
     except StackError as e:
         print(f"shardline: {redact(e)}\n  (what did start is recorded; `shardline down` stops it)", file=sys.stderr)
         return 1

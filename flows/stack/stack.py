@@ -10,7 +10,16 @@ from flows.stack.config import StackConfig
 from flows.stack.postgres import ensure_databases, parse_backend
 from flows.stack.procs import StackError
 from flows.stack.service import stop_part
-from flows.stack.state import PARTS, PartState, StackState, dump_status, read_state, state_path, write_state
+from flows.stack.state import (
+    PARTS,
+    PartState,
+    StackState,
+    dump_status,
+    read_state,
+    stack_lock,
+    state_path,
+    write_state,
+)
 from infra.paths import quiet_telemetry, shardline_home
 from infra.redact import first_line
 
@@ -18,9 +27,11 @@ from infra.redact import first_line
 def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) -> StackState:
     """Bring every part up (keeping those already answering), record each as it comes, deploy prefect.yaml.
 
-    Idempotent: a second `up` finds every part answering and changes nothing but the deployments.
+    Idempotent: a second `up` finds every part answering and changes nothing but the deployments. Runs under the
+    stack lock (state.stack_lock): an `up` or `down` already running makes this one fail at once.
 
     Raises:
+        StackBusy: another `up` or `down` runs on this $SHARDLINE_HOME (a StackError; nothing was started).
         StackError: a part did not come up; the parts started before it stay recorded, so `down` stops them.
     """
     quiet_telemetry()
@@ -28,6 +39,12 @@ def up(cfg: StackConfig, pipeline_config, say: Callable[[str], None] = print) ->
     # the endpoint (serve_up takes the release lock on this Prefect server) must see the stack's servers.
     os.environ["PREFECT_API_URL"] = prefect_server.api_url(cfg)
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.tracking_url(cfg)
+    with stack_lock():
+        return _up(cfg, pipeline_config, say)
+
+
+def _up(cfg: StackConfig, pipeline_config, say: Callable[[str], None]) -> StackState:
+    """`up` with the stack lock held: the record is read here, after any other `up` or `down` wrote its last."""
     home = shardline_home()
     old = read_state()
     state = StackState(home=str(home), parts=dict(old.parts) if old and old.home == str(home) else {})
@@ -79,11 +96,19 @@ def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:
 
     Parts that were already running when `up` came (started_by_us false) are left alone, and so is every process
     that `up` did not record. A part that fails to stop is reported in one line and stays recorded, and the parts
-    after it are still stopped. The state file is removed once nothing recorded is left running.
+    after it are still stopped. The state file is removed once nothing recorded is left running. Runs under the
+    stack lock (state.stack_lock): an `up` or `down` already running makes this one fail at once.
 
     Raises:
+        StackBusy: another `up` or `down` runs on this $SHARDLINE_HOME (a StackError; nothing was stopped).
         StackError: some part could not be stopped (named); it stays recorded for the next `down`.
     """
+    with stack_lock():
+        return _down(pipeline_config, say)
+
+
+def _down(pipeline_config, say: Callable[[str], None]) -> list[str]:
+    """`down` with the stack lock held, so no `up` records a part after this read the record."""
     state = read_state()
     if state is None:
         say("no stack recorded in " + str(state_path()))

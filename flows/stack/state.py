@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from flows.stack.procs import Proc, http_ok, is_ours
+from flows.stack.procs import Proc, StackError, http_ok, is_ours
 from infra.paths import shardline_home
 
 PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
@@ -36,6 +40,10 @@ class StackStateError(RuntimeError):
     """$SHARDLINE_HOME/stack.json is there but unreadable (damaged, or written by another version)."""
 
 
+class StackBusy(StackError):
+    """Another `shardline up` or `down` holds this $SHARDLINE_HOME's stack lock."""
+
+
 def state_path() -> Path:
     return shardline_home() / "stack.json"
 
@@ -55,11 +63,49 @@ def read_state() -> StackState | None:
 
 
 def write_state(state: StackState) -> None:
-    """Replace the state file atomically, so a concurrent reader never sees half of it."""
+    """Replace the state file atomically, so a concurrent reader never sees half of it.
+
+    Each write goes through a temp file of its own in the same directory (same file system, so os.replace is
+    atomic): with one shared name, two writers truncated and renamed each other's file, and one of them failed
+    with FileNotFoundError or a reader saw a damaged record.
+    """
     path = state_path()
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(state.model_dump_json(indent=2))
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=".stack.", suffix=".json.tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(state.model_dump_json(indent=2))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def stack_lock() -> Iterator[None]:
+    """Hold $SHARDLINE_HOME/stack.lock exclusively for a whole `up` or `down`; read the state inside it.
+
+    A second `up` or `down` fails at once rather than waiting: a waiting one would sit silent for as long as the
+    first takes to start every server (minutes), and then redo what the first just did, so the operator is told
+    instead. Two at once each read the record before the other wrote it, and each started (and recorded) a server,
+    of which only one stayed recorded: the other was left running where `down` never stops it.
+    The lock is an flock, so it goes with the process that held it, however it ended; the spawned servers do not
+    inherit it (Popen closes every other descriptor).
+
+    Raises:
+        StackBusy: another `shardline up` or `down` runs on this $SHARDLINE_HOME.
+    """
+    path = shardline_home() / "stack.lock"
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StackBusy(
+                f"another `shardline up/down` is running on {path.parent}; wait for it to finish, then try again"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def part_up(part: PartState) -> bool:

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import flows.stack.service as service
 import flows.stack.worker as worker
 from flows.cli.root import main
 from flows.config import load_stack_config
-from flows.stack import endpoint, ray_head
+from flows.stack import endpoint, mlflow_server, prefect_server, ray_head, stack
 from flows.stack.config import StackConfig
-from flows.stack.procs import Proc, is_ours, spawn, stop
+from flows.stack.procs import Proc, StackError, is_ours, spawn, stop
 from flows.stack.state import PartState, StackState, read_state, state_path, write_state
 from infra import head, process
 from infra.ray_env import ClusterError
@@ -228,6 +229,67 @@ def test_down_goes_on_after_a_part_fails_and_exits_non_zero(home, spawned, capsy
     assert "could not stop endpoint" in err
     state = read_state()
     assert state is not None and list(state.parts) == ["endpoint"]  # kept for the next `down`
+
+
+# ---- two `up`s at once: the record stays whole and one server of each part is started (state, stack.up) --------
+
+
+def test_concurrent_writers_of_the_record_neither_fail_nor_damage_it(home):
+    state = StackState(home=str(home), parts={"prefect": PartState(name="prefect", url="http://127.0.0.1:4200/api")})
+    errors: list[BaseException] = []
+
+    def writes() -> None:
+        for _ in range(300):
+            try:
+                write_state(state)
+                assert read_state() == state  # never half a file
+            except BaseException as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+    threads = [threading.Thread(target=writes) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in home.iterdir() if p.name.startswith(("stack.json", ".stack."))] == ["stack.json"]
+
+
+def test_a_second_up_or_down_while_one_runs_fails_at_once_and_starts_nothing(home, spawned, monkeypatch, capsys):
+    """Each `up` read the record before the other wrote it, so each started a worker and only one stayed recorded."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")  # `up` points this process at the stack
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:2")
+    sets = ["stack.ray=false", "stack.endpoint=false", "stack.deploy=false", "stack.prometheus=false"]
+    cfg, pipe = load_stack_config(None, sets)
+    monkeypatch.setattr(prefect_server, "start", lambda *args: PartState(name="prefect", url="http://127.0.0.1:1/api"))
+    monkeypatch.setattr(mlflow_server, "start", lambda *args: PartState(name="mlflow", url="http://127.0.0.1:2"))
+    starting, release = threading.Event(), threading.Event()
+
+    def worker_start(cfg, home, recorded, api_url, tracking_uri):  # the first `up` waits for its worker here
+        if starting.is_set():
+            return PartState(name="worker", procs=[spawned(["sleep", "30"])], started_by_us=True)
+        starting.set()
+        release.wait(10)
+        return PartState(name="worker", procs=[spawned(["sleep", "30"])], started_by_us=True)
+
+    monkeypatch.setattr(worker, "start", worker_start)
+    first = threading.Thread(target=stack.up, args=(cfg, pipe), kwargs={"say": lambda line: None})
+    first.start()
+    try:
+        assert starting.wait(10)
+        with pytest.raises(StackError, match=r"^another `shardline up/down` is running on ") as busy:
+            stack.up(cfg, pipe, say=lambda line: None)
+        assert "\n" not in str(busy.value)
+        assert main(["down"]) == 1
+        err = capsys.readouterr().err
+        assert "another `shardline up/down` is running" in err and len(err.strip().splitlines()) == 1
+    finally:
+        release.set()
+        first.join(10)
+    state = read_state()
+    assert len(spawned.all) == 1 and state is not None
+    assert state.parts["worker"].procs == spawned.all and is_ours(spawned.all[0])  # the one started is recorded
+    assert main(["down"]) == 0 and _gone(spawned.all[0])  # and the lock went with the first `up`
 
 
 # ---- `down` stops only the Ray head `up` started (ray_head.stop) ---------------------------------------------------
