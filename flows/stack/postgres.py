@@ -39,11 +39,16 @@ class Backend(BaseModel):
         return {"PGPASSWORD": self.password} if self.password else {}
 
 
+class BackendError(StackError):
+    """`stack.backend` is not a URL the stack can use; raised before anything starts."""
+
+
 def parse_backend(text: str) -> Backend:
     """Parse `stack.backend`.
 
     Raises:
-        StackError: not a postgresql:// URL with user, host and database name (the message hides the password).
+        BackendError: not a postgresql:// URL with user, host and database name, or a password with an unescaped '@'
+            (the message hides the password).
     """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
@@ -51,16 +56,20 @@ def parse_backend(text: str) -> Backend:
     try:
         url = make_url(text)
     except ArgumentError:
-        raise StackError("stack.backend: expected postgresql://USER@HOST:PORT/NAME") from None
+        raise BackendError("stack.backend: expected postgresql://USER@HOST:PORT/NAME") from None
     except ValueError:  # `host:abc`: SQLAlchemy's int() of the port
-        raise StackError("stack.backend: the port is not a number in 1-65535") from None
+        raise BackendError("stack.backend: the port is not a number in 1-65535") from None
+    if "@" in (url.host or ""):
+        # `user:pa@ss@host`: the password ends at its first '@' and the rest of it is taken for the host, which the
+        # state file, `status` and libpq's "could not translate host name" show; the message quotes none of it
+        raise BackendError("stack.backend: the password holds an '@'; escape @ in the password as %40") from None
     # hide_password covers user:password@ only; a `?password=` (libpq's own spelling) is masked by redact
     shown = redact(url.render_as_string(hide_password=True))
     if url.get_backend_name() != "postgresql" or not url.username or not url.host or not url.database:
-        raise StackError(f"stack.backend: expected postgresql://USER@HOST:PORT/NAME, got {shown!r}")
+        raise BackendError(f"stack.backend: expected postgresql://USER@HOST:PORT/NAME, got {shown!r}")
     port = 5432 if url.port is None else url.port
     if not 0 < port < 65536:
-        raise StackError(f"stack.backend: the port is not a number in 1-65535, got {shown!r}")
+        raise BackendError(f"stack.backend: the port is not a number in 1-65535, got {shown!r}")
     query_password = url.query.get("password", "")
     if not isinstance(query_password, str):  # `?password=a&password=b`: SQLAlchemy keeps both
         query_password = query_password[-1]
