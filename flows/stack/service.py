@@ -45,7 +45,7 @@ def ensure_service(
 ) -> PartState:
     """Return the part as running: the recorded one if it answers at `url`, one already answering on the port
     (kept, and marked not ours so `down` leaves it), or a new process started here and waited for. A recorded part
-    at another URL is stopped first when this stack started it.
+    that is not kept (at another URL, or failing its health check) is stopped first when this stack started it.
 
     Raises:
         StackError: the port is taken by something that does not answer like this service, or it did not start.
@@ -53,9 +53,11 @@ def ensure_service(
     detail = {**(detail or {}), "health_url": health_url}
     if recorded is not None and recorded.url == url and part_up(recorded):
         return recorded
-    if recorded is not None and recorded.url != url:
-        # moved to another port or host: the old server of this stack is not left running unrecorded, nor kept
-        # listening where the config no longer says (a 0.0.0.0 one answers on 127.0.0.1 too)
+    if recorded is not None:
+        # moved to another port or host, or hung (alive, not answering): the old server of this stack is not left
+        # running unrecorded once its replacement is recorded, nor kept listening where the config no longer says
+        # (a 0.0.0.0 one answers on 127.0.0.1 too), nor left holding the port its replacement needs.
+        # stop_part stops only processes this stack started and that are still the ones it recorded.
         stop_part(recorded)
     if http_ok(health_url):
         return PartState(name=name, url=url, port=port, started_by_us=False, detail=detail)

@@ -177,6 +177,32 @@ def test_a_part_moved_to_another_host_is_restarted_where_the_config_says(spawned
     assert _gone(wide) and part.url == f"http://127.0.0.1:{port}" and is_ours(part.procs[0])
 
 
+def _listens_and_never_answers(port: int) -> list[str]:
+    code = (
+        "import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)"
+    )
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("hung", ["listener gone", "listening"])
+def test_a_hung_server_this_stack_started_is_stopped_before_its_replacement_starts(hung, spawned, tmp_path):
+    """Recorded, ours, alive and failing its health check: it was left running unrecorded beside its replacement,
+    or, still holding the port, it made `up` fail with the port taken."""
+    port = _free_port()
+    old = spawned(["sleep", "30"] if hung == "listener gone" else _listens_and_never_answers(port))
+    deadline = time.monotonic() + 5
+    while hung == "listening" and not service.port_open("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    recorded = PartState(
+        name="prefect", url=url, port=port, procs=[old], started_by_us=True, detail={"health_url": f"{url}/"}
+    )
+    part = _ensure_http(recorded, "127.0.0.1", port, tmp_path)
+    spawned.all.extend(part.procs)
+    assert _gone(old) and part.started_by_us and part.procs != [old] and is_ours(part.procs[0])
+
+
 def test_a_moved_part_this_stack_did_not_start_is_left_running(spawned, tmp_path):
     port = _free_port()
     foreign = spawned(["sleep", "30"])
