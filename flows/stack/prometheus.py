@@ -95,7 +95,8 @@ def write_config(path: Path, text: str) -> bool:
 
 def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> PartState:
     """Render prometheus.yml, then keep the recorded server (reloaded with SIGHUP if the config changed) or start
-    one and wait until /-/ready answers; `serve` is the pipeline's ServeConfig.
+    one and wait until /-/ready answers; `serve` is the pipeline's ServeConfig. A recorded server that is not kept
+    is stopped first when this stack started it.
 
     Raises:
         Unavailable: no `prometheus` binary, or the port is taken by a server this stack did not start.
@@ -119,8 +120,10 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> Pa
         if changed and recorded.started_by_us:
             reload(recorded)
         return recorded.model_copy(update={"detail": {**recorded.detail, **detail}})
-    if recorded is not None and recorded.url != url:
-        stop_part(recorded)  # moved to another port or host: the old server of this stack is not left running
+    if recorded is not None:
+        # moved to another port or host, or not ready (still loading its TSDB, or hung): the old server of this
+        # stack is stopped before the port check, which would take it for someone else's and have `up` forget it
+        stop_part(recorded)
     if port_open(cfg.host, cfg.prometheus_port):
         raise Unavailable(
             f"port {cfg.host}:{cfg.prometheus_port} is taken by a server this stack did not start "

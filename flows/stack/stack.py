@@ -8,7 +8,7 @@ from collections.abc import Callable
 from flows.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
 from flows.stack.config import StackConfig
 from flows.stack.postgres import ensure_databases, parse_backend
-from flows.stack.procs import StackError
+from flows.stack.procs import StackError, is_ours
 from flows.stack.service import stop_part
 from flows.stack.state import (
     PARTS,
@@ -80,15 +80,25 @@ def _up(cfg: StackConfig, pipeline_config, say: Callable[[str], None]) -> StackS
         try:
             record(prometheus.start(cfg, home, state.parts.get("prometheus"), pipeline_config.serve))
         except prometheus.Unavailable as e:
-            state.parts.pop("prometheus", None)
-            write_state(state)
             say(f"  prometheus SKIPPED: {e}")
+            forget_unless_running(state, "prometheus", say)
     if cfg.deploy:
         commit = deploy.deploy_all(prefect.url)
         prefect.detail["deployed_commit"] = commit
         write_state(state)
         say(f"  deployed  prefect.yaml at commit {commit[:12]} to pool {cfg.work_pool!r}")
     return state
+
+
+def forget_unless_running(state: StackState, name: str, say: Callable[[str], None]) -> None:
+    """Drop a skipped part's record, unless a process this stack started for it still runs: that one stays
+    recorded, so `down` stops it (dropped, it would run on where no `down` ever finds it)."""
+    part = state.parts.get(name)
+    if part is not None and part.started_by_us and any(is_ours(p) for p in part.procs):
+        say(f"  {name:<9} the one an earlier `up` started still runs: kept on record, so `shardline down` stops it")
+        return
+    state.parts.pop(name, None)
+    write_state(state)
 
 
 def down(pipeline_config, say: Callable[[str], None] = print) -> list[str]:

@@ -20,7 +20,7 @@ import flows.stack.service as service
 import flows.stack.worker as worker
 from flows.cli.root import main
 from flows.config import load_stack_config
-from flows.stack import endpoint, mlflow_server, prefect_server, ray_head, stack
+from flows.stack import endpoint, mlflow_server, prefect_server, prometheus, ray_head, stack
 from flows.stack.config import StackConfig
 from flows.stack.procs import Proc, StackError, is_ours, spawn, stop
 from flows.stack.state import PartState, StackState, read_state, state_path, write_state
@@ -212,6 +212,67 @@ def test_a_moved_part_this_stack_did_not_start_is_left_running(spawned, tmp_path
     assert is_ours(foreign) and is_ours(part.procs[0])
 
 
+# ---- a Prometheus `up` started is stopped or kept on record, never forgotten (prometheus.start, stack.up) ---------
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.monotonic() + 5
+    while not service.port_open("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _fake_prometheus(bin_dir: Path) -> None:
+    """A `prometheus` on PATH: Python's http.server at --web.listen-address, answering /-/ready from the data dir."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "prometheus"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in --web.listen-address=*) addr="${a#*=}";; '
+        '--storage.tsdb.path=*) data="${a#*=}";; esac; done\n'
+        'mkdir -p "$data/-" && touch "$data/-/ready"\n'
+        f'exec {sys.executable} -m http.server "${{addr##*:}}" --bind "${{addr%:*}}" --directory "$data"\n'
+    )
+    script.chmod(0o755)
+
+
+def test_a_prometheus_up_started_that_is_not_ready_yet_is_stopped_and_replaced(home, spawned, monkeypatch):
+    """Prometheus answers 503 on /-/ready while it loads its TSDB: it was taken for someone else's server on the
+    port, and `up` dropped its record with it still running."""
+    port = _free_port()
+    loading = spawned(_http_server(port, home))  # listens; 404 on /-/ready
+    _wait_listening(port)
+    _fake_prometheus(home / "bin")
+    monkeypatch.setenv("PATH", f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    cfg = StackConfig(prometheus_port=port, start_timeout_s=10.0)
+    url = prometheus.server_url(cfg)
+    recorded = PartState(
+        name="prometheus",
+        url=url,
+        port=port,
+        procs=[loading],
+        started_by_us=True,
+        detail={"health_url": f"{url}/-/ready"},
+    )
+    _, pipe = load_stack_config(None, [])
+    part = prometheus.start(cfg, home, recorded, pipe.serve)
+    spawned.all.extend(part.procs)
+    assert _gone(loading) and part.started_by_us and part.procs != [loading] and is_ours(part.procs[0])
+
+
+def test_a_prometheus_up_started_stays_recorded_when_a_later_up_skips_the_part(home, spawned, monkeypatch, capsys):
+    running = spawned(["sleep", "30"])
+    recorded = PartState(name="prometheus", url="http://127.0.0.1:9095", port=9095, procs=[running], started_by_us=True)
+    write_state(StackState(home=str(home), parts={"prometheus": recorded}))
+    cfg, pipe = _up_without_servers(monkeypatch, [])
+    (home / "no-prometheus").mkdir()
+    monkeypatch.setenv("PATH", str(home / "no-prometheus"))  # this `up` finds no binary: the part is skipped
+    stack.up(cfg, pipe, say=print)
+    assert "prometheus SKIPPED: no `prometheus` binary" in capsys.readouterr().out
+    state = read_state()
+    assert state is not None and state.parts["prometheus"].procs == [running]
+    assert main(["down"]) == 0 and _gone(running)
+
+
 # ---- `down` never starts a Ray head and stops every part it can (stack.down, endpoint.stop) ------------------------
 
 
@@ -260,6 +321,17 @@ def test_down_goes_on_after_a_part_fails_and_exits_non_zero(home, spawned, capsy
 # ---- two `up`s at once: the record stays whole and one server of each part is started (state, stack.up) --------
 
 
+def _up_without_servers(monkeypatch: pytest.MonkeyPatch, sets: list[str]):
+    """Configs for an `up` whose Prefect and MLflow are records only (no server starts), without Ray, endpoint or
+    deployments; the worker is whatever the test sets."""
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")  # `up` points this process at the stack
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:2")
+    monkeypatch.setattr(prefect_server, "start", lambda *args: PartState(name="prefect", url="http://127.0.0.1:1/api"))
+    monkeypatch.setattr(mlflow_server, "start", lambda *args: PartState(name="mlflow", url="http://127.0.0.1:2"))
+    monkeypatch.setattr(worker, "start", lambda *args: PartState(name="worker", url="http://127.0.0.1:1/pool"))
+    return load_stack_config(None, ["stack.ray=false", "stack.endpoint=false", "stack.deploy=false", *sets])
+
+
 def test_concurrent_writers_of_the_record_neither_fail_nor_damage_it(home):
     state = StackState(home=str(home), parts={"prefect": PartState(name="prefect", url="http://127.0.0.1:4200/api")})
     errors: list[BaseException] = []
@@ -283,12 +355,7 @@ def test_concurrent_writers_of_the_record_neither_fail_nor_damage_it(home):
 
 def test_a_second_up_or_down_while_one_runs_fails_at_once_and_starts_nothing(home, spawned, monkeypatch, capsys):
     """Each `up` read the record before the other wrote it, so each started a worker and only one stayed recorded."""
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")  # `up` points this process at the stack
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:2")
-    sets = ["stack.ray=false", "stack.endpoint=false", "stack.deploy=false", "stack.prometheus=false"]
-    cfg, pipe = load_stack_config(None, sets)
-    monkeypatch.setattr(prefect_server, "start", lambda *args: PartState(name="prefect", url="http://127.0.0.1:1/api"))
-    monkeypatch.setattr(mlflow_server, "start", lambda *args: PartState(name="mlflow", url="http://127.0.0.1:2"))
+    cfg, pipe = _up_without_servers(monkeypatch, ["stack.prometheus=false"])
     starting, release = threading.Event(), threading.Event()
 
     def worker_start(cfg, home, recorded, api_url, tracking_uri):  # the first `up` waits for its worker here
