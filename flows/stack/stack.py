@@ -64,7 +64,11 @@ def _up(cfg: StackConfig, pipeline_config, say: Callable[[str], None]) -> StackS
                 name="postgres",
                 url=backend.display,
                 port=backend.port,
-                detail={"databases": ",".join(backend.databases.values()), "created": ",".join(created) or "none"},
+                detail={
+                    "host": backend.host,  # with port: what `status` dials to tell whether the server is up
+                    "databases": ",".join(backend.databases.values()),
+                    "created": ",".join(created) or "none",
+                },
             )
         )
     else:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from flows.stack.procs import Proc, StackError, http_ok, is_ours
+from flows.stack.procs import Proc, StackError, http_ok, is_ours, port_open
 from infra.paths import shardline_home
 
 PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
@@ -109,11 +109,30 @@ def stack_lock() -> Iterator[None]:
 
 
 def part_up(part: PartState) -> bool:
-    """Whether a recorded part is up: its processes alive (if we started it) and its URL answering (if it has one)."""
+    """Whether a recorded part is up: its processes alive (if we started it) and its URL answering (if it has one).
+
+    A part with neither processes nor a health URL (PostgreSQL: shardline only uses the server) is up while its
+    detail's host accepts TCP connections on its port; without that check it always read as DOWN.
+    """
     if part.started_by_us and part.procs and not all(is_ours(p) for p in part.procs):
         return False
     health = part.detail.get("health_url", "")
-    return http_ok(health) if health else bool(part.procs) and all(is_ours(p) for p in part.procs)
+    if health:
+        return http_ok(health)
+    if part.procs:
+        return all(is_ours(p) for p in part.procs)
+    return _accepts(part.detail.get("host", ""), part.port)
+
+
+def _accepts(host: str, port: int) -> bool:
+    """True if host:port accepts TCP connections; False too when the host name does not resolve (status reports,
+    it does not fail)."""
+    if not host or not port:
+        return False
+    try:
+        return port_open(host, port)
+    except OSError:
+        return False
 
 
 def stack_environment() -> dict[str, str]:

@@ -273,6 +273,29 @@ def test_a_prometheus_up_started_stays_recorded_when_a_later_up_skips_the_part(h
     assert main(["down"]) == 0 and _gone(running)
 
 
+# ---- `status` of the PostgreSQL part: up while its server accepts connections (state.part_up) ---------------------
+
+
+def test_status_shows_the_postgres_backend_up_while_it_accepts_connections(home, monkeypatch):
+    """shardline starts no PostgreSQL, so the part has no processes and no health URL: it always read as DOWN."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    monkeypatch.setattr(stack, "ensure_databases", lambda backend: [])  # no PostgreSQL here
+    cfg, pipe = _up_without_servers(
+        monkeypatch, ["stack.prometheus=false", f'stack.backend="postgresql://u@127.0.0.1:{port}/x"']
+    )
+    try:
+        stack.up(cfg, pipe, say=lambda line: None)
+        assert stack.status()["postgres"]["up"] is True
+    finally:
+        listener.close()
+    assert stack.status()["postgres"]["up"] is False
+    unresolvable = PartState(name="postgres", port=5432, detail={"host": "db.invalid"})
+    assert stack.dump_status(StackState(home=str(home), parts={"postgres": unresolvable}))["postgres"]["up"] is False
+
+
 # ---- `down` never starts a Ray head and stops every part it can (stack.down, endpoint.stop) ------------------------
 
 
