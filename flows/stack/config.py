@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import ipaddress
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
 
 
 class StackConfig(BaseModel):
@@ -49,3 +57,17 @@ class StackConfig(BaseModel):
     )
     deploy: bool = Field(True, description="Deploy prefect.yaml to the Prefect server once it answers.")
     start_timeout_s: float = Field(180.0, gt=0, description="How long `up` waits for each service to answer.")
+
+    @field_validator("host")
+    @classmethod
+    def _ipv4_or_name(cls, host: str) -> str:
+        """Refused here, in one line naming stack.host: the services' URLs are written `http://{host}:{port}`, so
+        an IPv6 literal gave a bare InvalidURL (or a wrong port) deep in `up`, and no part of the stack takes one."""
+        try:
+            ipaddress.IPv4Address(host)
+            return host
+        except ValueError:
+            pass
+        if _HOST_NAME.fullmatch(host) is None:
+            raise ValueError("not an IPv4 address or a host name (IPv6 is not supported; e.g. 127.0.0.1 or 0.0.0.0)")
+        return host

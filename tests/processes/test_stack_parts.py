@@ -45,6 +45,31 @@ def test_stack_table_sits_beside_the_pipeline_sections(tmp_path):
         load_config(cfg)
 
 
+@pytest.mark.parametrize("host", ["::1", "[::1]", "::", "fe80::1%eth0", "", "bad_host", "127.0.0.1:4200"])
+def test_a_stack_host_that_is_no_ipv4_address_or_host_name_is_refused_naming_the_field(host):
+    """An IPv6 literal was accepted, then `up` failed deep inside with a bare InvalidURL."""
+    with pytest.raises(ConfigError) as err:
+        load_stack_config(None, [f"stack.host={host!r}"])
+    message = str(err.value)
+    assert "stack.host: not an IPv4 address or a host name" in message and repr(host) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost", "db-1.example.internal"])
+def test_a_stack_host_that_is_an_ipv4_address_or_host_name_is_kept(host):
+    assert load_stack_config(None, [f"stack.host={host!r}"])[0].host == host
+
+
+def test_up_refuses_an_ipv6_host_in_one_line(tmp_path, monkeypatch, capsys):
+    from flows.cli.root import main
+
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path))
+    assert main(["up", "--host", "::1"]) == 2
+    err = capsys.readouterr().err
+    assert "stack.host: not an IPv4 address or a host name" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "stack.json").exists()
+
+
 def test_dataset_source_is_absolute_existing_or_remote(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus").mkdir()
