@@ -25,7 +25,10 @@ from flows.stack.config import StackConfig
 from flows.stack.procs import Proc, StackError, is_ours, spawn, stop
 from flows.stack.state import PartState, StackState, read_state, state_path, write_state
 from infra import head, process
+from infra.config import ClusterConfig
 from infra.ray_env import ClusterError
+
+ENSURE_HEAD = head.ensure_head  # before `home` replaces it
 
 
 @pytest.fixture
@@ -422,14 +425,14 @@ def sleeper():
     proc.wait()
 
 
-def _write_head(pid: int) -> Path:
+def _write_head(pid: int, gcs_address: str = "127.0.0.1:1") -> Path:
     info = process.inspect(pid)
     assert info is not None and info.cmdline == ("sleep", "30"), info  # the sleeper, exec'd
     record = head._record()
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(
         head.HeadInfo(
-            gcs_address="127.0.0.1:1",
+            gcs_address=gcs_address,
             dashboard_url="http://127.0.0.1:2",
             pids=[pid],
             start_ticks=[info.start_ticks],
@@ -451,6 +454,28 @@ def test_down_leaves_a_head_that_replaced_the_one_up_started(home, sleeper):
     assert ray_head.stop(part) is False
     time.sleep(0.2)
     assert sleeper.poll() is None and json.loads(record.read_text())["pids"] == [sleeper.pid]
+
+
+def test_a_second_up_leaves_a_head_that_replaced_the_one_up_started_to_its_owner(home, sleeper, monkeypatch):
+    """The second `up` recorded the `shardline run`'s head as started by the stack, and `down` then stopped it."""
+    monkeypatch.setattr(head, "ensure_head", ENSURE_HEAD)  # reuses a recorded head; `ray start` stays guarded
+    gone = subprocess.Popen(["sleep", "30"])  # head A, which `up` recorded, then died
+    ticks = process.inspect(gone.pid).start_ticks
+    gone.kill()
+    gone.wait()
+    with socket.socket() as gcs:  # head B's GCS answers, so infra.head reuses B and starts none
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        _write_head(sleeper.pid, f"127.0.0.1:{gcs.getsockname()[1]}")
+        recorded = PartState(name="ray", procs=[Proc(pid=gone.pid, start_ticks=ticks)], started_by_us=True)
+        part = ray_head.start(ClusterConfig(), recorded)
+        assert [p.pid for p in part.procs] == [sleeper.pid] and part.started_by_us is False
+        assert ray_head.stop(part) is False
+        b = Proc(pid=sleeper.pid, start_ticks=process.inspect(sleeper.pid).start_ticks)
+        ours = PartState(name="ray", procs=[b], started_by_us=True)  # the head `up` started, still running
+        assert ray_head.start(ClusterConfig(), ours).started_by_us is True
+    time.sleep(0.2)
+    assert sleeper.poll() is None
 
 
 def test_down_stops_the_head_up_started(home, sleeper):
