@@ -361,3 +361,23 @@ def test_plugin_reader_unsafe_key_and_own_failure(tmp_path):
     assert shards.skipped == {"unsafe_name": 1} and shards.num_train + shards.num_val == 30
     _fails_with_one_line(config("x", out, reader=f"{__name__}:broken_reader"), out, "OSError", "/mnt/corpus/b")
     _fails_with_one_line(config("x", out, reader="no_such_module:f"), out, "data.reader='no_such_module:f'")
+
+
+@pytest.mark.parametrize("where", ["shards", "", "a/deeper"])
+def test_output_inside_the_source_is_refused_before_reading(tmp_path, where):
+    """Shards written inside the corpus would be read back as corpus by the next build (a new digest every run)."""
+    root = make_corpus(tmp_path / "c", n=10)
+    out = root / where if where else root
+    with pytest.raises(DataError) as err:
+        build_shards(config(root, out))
+    assert str(err.value) == (
+        f"data.output {out.resolve()} is inside data.source {root.resolve()}: its shard sets would be read back as "
+        "corpus; choose an output outside the source"
+    )
+    assert not (root / "shards").exists() and not (root / "_staging").exists()
+
+
+def test_output_beside_the_source_with_a_common_name_prefix_is_fine(tmp_path):
+    root = make_corpus(tmp_path / "c", n=10)
+    shards = build_shards(config(root, tmp_path / "c-out"))
+    assert shards.num_train + shards.num_val == 10

@@ -61,13 +61,31 @@ if TYPE_CHECKING:
 
 def check_locations(cfg: DataConfig) -> None:
     """DataError when data.source or data.output is not a usable location (unsupported scheme, credentials in
-    the URI); the message never repeats a credential. Call before anything logs the config."""
+    the URI, a local output inside the local source); the message never repeats a credential. Call before anything
+    logs the config."""
     for field, value in (("data.source", cfg.source if not cfg.reader else ""), ("data.output", cfg.output)):
         if value and value != "stdlib":
             try:
                 storage.parse(value)
             except storage.StorageError as err:
                 raise DataError(f"{field}: {err}") from None
+    _check_output_outside_source(cfg)
+
+
+def _check_output_outside_source(cfg: DataConfig) -> None:
+    """DataError when a local output is the local source or lies inside it: its shard sets (and _staging) would be
+    listed as corpus by the next build, so the digest would change every run."""
+    if cfg.reader or cfg.source == "stdlib" or not cfg.output:
+        return
+    source, output = storage.parse(cfg.source), storage.parse(cfg.output)
+    if source.scheme != "file" or output.scheme != "file":
+        return
+    source_path, output_path = (Path(loc.key).expanduser().resolve() for loc in (source, output))
+    if output_path.is_relative_to(source_path):
+        raise DataError(
+            f"data.output {output_path} is inside data.source {source_path}: its shard sets would be read back as "
+            "corpus; choose an output outside the source"
+        )
 
 
 def resolve_output(cfg: DataConfig) -> str:
