@@ -254,6 +254,7 @@ def test_a_config_path_that_never_ends_or_nests_too_deep_is_a_one_line_error(tmp
         ),
         (["data.source=hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"], "data.source='\\*\\*\\*' holds a token"),
         (["stack.artifacts=s3://b/p?X-Amz-Signature=abc"], "stack.artifacts='s3://b/p\\?X-Amz-Signature=\\*\\*\\*'"),
+        (["data.min_record_bytes=0"], r"data.min_record_bytes: Input should be greater than or equal to 1 \(got 0\)"),
         (
             ["data.min_record_bytes=5000", "data.max_record_bytes=10"],
             "data.min_record_bytes=5000 > data.max_record_bytes=10: no record could be kept",

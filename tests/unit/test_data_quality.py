@@ -64,3 +64,15 @@ def test_every_expectation_reports_its_count_and_example_keys():
     for head, detail in expected.items():
         line = next(line for line in lines if head in line)
         assert detail in line, line
+
+
+def test_min_record_bytes_cannot_go_below_the_suite_minimum():
+    """The suite fails any empty record whatever data.min_record_bytes says; 0 would keep one and fail the stage."""
+    from pydantic import ValidationError
+
+    suite = json.loads(SUITE_PATH.read_text())
+    non_empty = next(e for e in suite["expectations"] if e["meta"]["check"] == "records non-empty")
+    assert non_empty["kwargs"]["min_value"] == 1
+    with pytest.raises(ValidationError, match="min_record_bytes\n  Input should be greater than or equal to 1"):
+        DataConfig(min_record_bytes=0)
+    assert DataConfig(min_record_bytes=1).min_record_bytes == 1

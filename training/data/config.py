@@ -63,7 +63,12 @@ class DataConfig(BaseModel):
     max_shard_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Bytes per shard at most (a record never spans shards)."
     )
-    min_record_bytes: int = Field(1, ge=0, description="Records shorter than this are bad input (empty files).")
+    min_record_bytes: int = Field(
+        1,
+        ge=1,
+        description="Records shorter than this are bad input (empty files). At least 1: the quality gate "
+        "(expectations.json) always fails an empty record, so 0 would let one through to fail the whole stage.",
+    )
     max_record_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1,
