@@ -119,10 +119,20 @@ def test_set_without_manifest_is_not_a_dataset(tmp_path):
 
 def test_shard_byte_limit_is_respected(tmp_path):
     shards = build_shards(
-        config(make_corpus(tmp_path / "c"), tmp_path / "out", max_shard_bytes=4096, max_samples_per_shard=1000)
+        config(make_corpus(tmp_path / "c"), tmp_path / "out", max_shard_bytes=10240, max_samples_per_shard=1000)
     )
     sizes = [Path(u).stat().st_size for u in shards.train_shards]
-    assert len(sizes) > 3 and max(sizes) <= 10240  # one record per shard at most when it alone exceeds
+    assert len(sizes) > 3 and max(sizes) <= 10240
+    assert len(sizes) < shards.num_train  # the smallest bound still holds several small records a shard
+
+
+@pytest.mark.parametrize("limit", [1024, 10239])
+def test_a_shard_byte_limit_no_tar_can_meet_is_refused(limit):
+    """A tar file is whole 10240-byte records: below that every shard would break the bound."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_shard_bytes\n  Input should be greater than or equal to 10240"):
+        config("c", "out", max_shard_bytes=limit)
 
 
 def test_jsonl_source_with_text_and_key_fields(tmp_path):

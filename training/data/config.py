@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from training.data.tarwriter import TAR_RECORD
+
 Policy = Literal["fail", "skip"]
 
 
@@ -61,7 +63,10 @@ class DataConfig(BaseModel):
     seed: int = Field(0, description="Seed of the train/validation split.")
     max_samples_per_shard: int = Field(64, ge=1, description="Records per shard at most.")
     max_shard_bytes: int = Field(
-        32 * 1024 * 1024, ge=1024, description="Bytes per shard at most (a record never spans shards)."
+        32 * 1024 * 1024,
+        ge=TAR_RECORD,
+        description=f"Bytes per shard at most (a record never spans shards). At least {TAR_RECORD}: a tar file is "
+        "written in whole records of that size, so a smaller bound would be broken by every shard.",
     )
     min_record_bytes: int = Field(
         1,
