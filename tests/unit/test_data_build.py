@@ -218,3 +218,15 @@ def test_shard_read_back_counts_what_tarfile_counts_and_rejects_a_corrupt_header
     bad.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="bad tar header checksum at byte 1024"):
         count_samples(bad)
+
+
+def test_a_file_uri_source_reads_the_same_corpus_as_its_path(tmp_path):
+    """file:// is taken as a local path on the source side as on the output side (it was a relative 'file:' dir)."""
+    corpus = make_corpus(tmp_path / "c", n=20)
+    plain = build_shards(config(corpus, tmp_path / "out"))
+    uri = build_shards(config(f"file://{corpus}", f"file://{tmp_path}/out", reuse_unchanged=False))
+    assert uri.dataset_digest == plain.dataset_digest and uri.num_train + uri.num_val == 20
+    one = build_shards(
+        config(f"file://{make_jsonl(tmp_path / 'one.jsonl')}", tmp_path / "j", format="jsonl", text_field="body")
+    )
+    assert one.num_train + one.num_val == 40

@@ -42,6 +42,7 @@ from training.data.publish import (
     verify_published,
 )
 from training.data.readers import Source
+from training.data.records import local_source
 from training.data.shards import (
     MANIFEST_NAME,
     SPLITS,
@@ -80,7 +81,7 @@ def _check_output_outside_source(cfg: DataConfig) -> None:
     source, output = storage.parse(cfg.source), storage.parse(cfg.output)
     if source.scheme != "file" or output.scheme != "file":
         return
-    source_path, output_path = (Path(loc.key).expanduser().resolve() for loc in (source, output))
+    source_path, output_path = local_source(cfg.source).resolve(), Path(output.key).expanduser().resolve()
     if output_path.is_relative_to(source_path):
         raise DataError(
             f"data.output {output_path} is inside data.source {source_path}: its shard sets would be read back as "

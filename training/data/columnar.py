@@ -19,7 +19,7 @@ from typing import Any
 
 from infra import storage
 from training.data.config import DataConfig
-from training.data.records import Problem, Record, Source
+from training.data.records import Problem, Record, Source, local_source
 from training.data.shardset import DataError
 
 ROW_BATCH = 1024  # rows turned into Python objects at a time
@@ -99,7 +99,7 @@ def list_saved(cfg: DataConfig) -> Iterator[Source]:
 def _list_saved_local(cfg: DataConfig) -> Iterator[Source]:
     import datasets
 
-    root = Path(cfg.source).expanduser().resolve()
+    root = local_source(cfg.source).resolve()
     if not root.is_dir():
         raise DataError(
             f"{cfg.source}: no such directory (data.source; data.format='hf_dataset' reads a directory "

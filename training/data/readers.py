@@ -22,7 +22,7 @@ from infra import storage
 from infra.redact import first_line
 from training.data.columnar import list_saved, read_columnar
 from training.data.config import DataConfig
-from training.data.records import Problem, Record, Source, load_callable, unsafe_key
+from training.data.records import Problem, Record, Source, load_callable, local_source, unsafe_key
 from training.data.shardset import DataError
 
 # A JSON-escaped string can be up to 6x its UTF-8 size (\u00XX); longer lines are oversize without parsing.
@@ -80,7 +80,7 @@ def _include(cfg: DataConfig) -> str:
 
 
 def _list_local(cfg: DataConfig) -> Iterator[Source | Problem]:
-    root = Path(cfg.source).expanduser()
+    root = local_source(cfg.source)
     if not root.exists() and not root.is_symlink():
         raise DataError(f"{cfg.source}: no such file or directory (data.source)")
     if root.is_file():

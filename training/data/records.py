@@ -6,8 +6,10 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from infra import storage
 from training.data.config import DataConfig
 from training.data.shardset import DataError
 
@@ -20,6 +22,12 @@ POLICY_FIELD = {
     "symlink_loop": "on_symlink_loop",
     "unsafe_name": "on_unsafe_name",
 }
+
+
+def local_source(source: str) -> Path:
+    """A local data.source as a path: a bare path, or a file:// URI read through storage.parse as data.output is
+    (taken as a relative path, 'file:///data' was a directory named 'file:' that never exists)."""
+    return Path(storage.parse(source).key).expanduser()
 
 
 @dataclass(frozen=True)
