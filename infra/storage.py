@@ -187,6 +187,31 @@ def exists(uri: str, retries: int | None = None) -> bool:
     return with_retries(probe, uri, retries)
 
 
+def stat(uri: str, retries: int | None = None) -> Entry | None:
+    """The object (or regular file) at `uri` itself, with its size and change stamp; None when there is none. Unlike
+    list_prefix, which lists what lies under `uri/`, this finds a single object named by its full key."""
+    loc = parse(uri)
+    if loc.scheme == "file":
+        path = Path(loc.key)
+        return _file_entry(path) if path.is_file() else None
+    if not loc.key:
+        return None  # a bucket or container is never an object
+
+    def probe() -> Entry | None:
+        try:
+            if loc.scheme == "s3":
+                head = s3_client().head_object(Bucket=loc.bucket, Key=loc.key)
+                return Entry(uri, int(head["ContentLength"]), head.get("ETag", ""))
+            props = _blob(loc).get_blob_properties()
+            return Entry(uri, int(props.size), str(props.etag or ""))
+        except Exception as err:
+            if _not_found(err):
+                return None
+            raise
+
+    return with_retries(probe, uri, retries)
+
+
 def file_stamp(st: os.stat_result) -> str:
     """A local file's change stamp: modification and inode-change times (the latter cannot be set back)."""
     return f"{st.st_mtime_ns}-{st.st_ctime_ns}"

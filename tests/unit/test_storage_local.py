@@ -25,6 +25,14 @@ def test_parse_and_join():
         storage.parse("gs://b/x")
 
 
+def test_stat_finds_one_object_by_its_name_not_what_lies_under_it(tmp_path):
+    storage.write_bytes(str(tmp_path / "d" / "one.jsonl"), b"abcd")
+    entry = storage.stat(str(tmp_path / "d" / "one.jsonl"))
+    assert entry is not None and entry.size == 4 and entry.stamp
+    assert storage.stat(str(tmp_path / "d")) is None and storage.stat(str(tmp_path / "nope")) is None
+    assert storage.stat("s3://bucket") is None  # a bucket is never an object (no request made)
+
+
 def test_credentials_in_uri_are_refused_without_echoing_them():
     with pytest.raises(storage.StorageError) as err:
         storage.parse("s3://AKIAXX:hunter2@bucket/key")

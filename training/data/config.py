@@ -19,7 +19,8 @@ class DataConfig(BaseModel):
     source: str = Field(
         "stdlib",
         description="The corpus: 'stdlib' (the running interpreter's top-level standard-library .py files), "
-        "a local directory or .jsonl / .parquet file, 's3://bucket/prefix' or 'az://container/prefix'.",
+        "a local directory or .jsonl / .parquet file, 's3://bucket/prefix' or 'az://container/prefix' (or one "
+        "object there: 's3://bucket/data/one.jsonl').",
     )
     format: Literal["text", "jsonl", "parquet", "hf_dataset"] = Field(
         "text",

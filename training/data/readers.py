@@ -172,10 +172,14 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
     prefix = cfg.source.rstrip("/")
     try:
         entries = storage.list_prefix(prefix, retries=cfg.storage_retries)
+        single = None if entries else storage.stat(prefix, retries=cfg.storage_retries)
     except storage.StorageError as err:
         raise DataError(f"{err} (data.source)") from err
+    if single is not None:  # one object named by its key: one input, as a local single file is
+        yield _single_object(single)
+        return
     if not entries:
-        raise DataError(f"{cfg.source}: no objects under this prefix (does it exist? data.source)")
+        raise DataError(f"{cfg.source}: no objects under this prefix, nor an object of that name (data.source)")
     pattern = _include(cfg)
     matched = [e for e in entries if fnmatch.fnmatch(e.uri.rsplit("/", 1)[-1], pattern)]
     if not matched:
@@ -186,6 +190,13 @@ def _list_remote(cfg: DataConfig) -> Iterator[Source | Problem]:
             yield Problem("unsafe_name", entry.uri, f"unsafe object name {key!r} ('..', absolute, or not UTF-8)")
         else:
             yield Source(entry.uri, key, entry.size, entry.stamp)
+
+
+def _single_object(entry: storage.Entry) -> Source | Problem:
+    name = entry.uri.rsplit("/", 1)[-1]
+    if unsafe_key(name):
+        return Problem("unsafe_name", entry.uri, f"unsafe object name {name!r} ('..', absolute, or not UTF-8)")
+    return Source(entry.uri, name, entry.size, entry.stamp)
 
 
 def _read_object(item: Source, cfg: DataConfig) -> Iterator[Record | Problem]:
