@@ -95,6 +95,20 @@ def test_layout_change_gives_a_new_digest(tmp_path):
     assert a.dataset_digest != b.dataset_digest and len(b.train_shards) > len(a.train_shards)
 
 
+def test_settings_that_give_the_same_shards_reuse_the_published_set_and_never_rewrite_it(tmp_path):
+    """20 records never reach 64 or 128 a shard: both settings give one set, which the first build published."""
+    corpus, out = make_corpus(tmp_path / "c", n=20), tmp_path / "out"
+    first = build_shards(config(corpus, out, max_samples_per_shard=64))
+    manifest = Path(first.manifest_uri).read_bytes()
+    before = {p.name: p.stat().st_mtime_ns for p in Path(first.uri).iterdir()}
+    for mps in (128, 64, 128):
+        again = build_shards(config(corpus, out, max_samples_per_shard=mps))
+        assert (again.dataset_digest, again.cache_hit) == (first.dataset_digest, True)
+        assert Path(again.manifest_uri).read_bytes() == manifest  # layout.max_samples_per_shard stays 64
+        assert {p.name: p.stat().st_mtime_ns for p in Path(first.uri).iterdir()} == before
+    assert json.loads(manifest)["layout"]["max_samples_per_shard"] == 64
+
+
 def test_tampered_shard_is_not_reused_and_is_republished(tmp_path):
     corpus = make_corpus(tmp_path / "c")
     first = build_shards(config(corpus, tmp_path / "out"))

@@ -73,3 +73,14 @@ def test_damaged_set_named_by_the_index_is_rebuilt(tmp_path, built):
     again = build_shards(config(corpus, tmp_path / "out"))
     assert again.chunks > 0 and not again.cache_hit and again.dataset_digest == first.dataset_digest
     assert Path(first.val_shards[0]).exists()
+
+
+def test_an_indexed_set_whose_manifest_describes_another_layout_is_not_taken_unread(tmp_path, built, monkeypatch):
+    """What a set published over by another build's settings (or tokenizer) looks like: it verifies, but it is not
+    what this config builds, so the corpus is read and the content digest decides."""
+    corpus, first = built
+    manifest = json.loads(Path(first.manifest_uri).read_text())
+    manifest["layout"]["max_samples_per_shard"] = 1000  # no effect on a text set's digest
+    Path(first.manifest_uri).write_text(json.dumps(manifest))
+    again = build_shards(config(corpus, tmp_path / "out"))
+    assert again.chunks > 0 and again.dataset_digest == first.dataset_digest

@@ -229,12 +229,58 @@ def test_a_byte_model_and_a_bpe_model_are_scored_on_the_same_held_out_texts(tmp_
     assert as_tokens < as_bytes  # ~3 bytes a token: a blind BPE guess costs fewer bits per byte than a blind byte
 
 
-def test_a_tokenizer_that_gives_the_same_ids_republishes_the_set_with_itself(tmp_path: Path, corpus: Path) -> None:
+def test_a_tokenizer_that_gives_the_same_ids_gets_its_own_set_and_leaves_the_first(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """The ids are read back with the tokenizer a set carries: B's build must not take over A's set."""
+    from training.data.publish import load_shard_set
+
     tok = _bpe(corpus)
-    first = build_shards(config(corpus, tmp_path / "out", reuse_unchanged=False), tok)
+    first = build_shards(config(corpus, tmp_path / "out"), tok)
+    before = _files(Path(first.uri))
     other = tk.Tokenizer.from_str(tok.to_str())
     other.add_special_tokens(["<|never-seen|>"])  # one more id, never produced by this corpus: the same .ids
-    second = build_shards(config(corpus, tmp_path / "out", reuse_unchanged=False), other)
-    assert second.dataset_digest == first.dataset_digest and not second.cache_hit  # the same shards, another set
+    second = build_shards(config(corpus, tmp_path / "out"), other)
+    assert second.dataset_digest != first.dataset_digest and not second.cache_hit
     assert second.vocab_size == 321 and tk.fingerprint(tk.load(second.tokenizer_uri)) == tk.fingerprint(other)
-    assert second.tokenizer_sha256 == tk.fingerprint(other) != first.tokenizer_sha256
+    assert _files(Path(first.uri)) == before  # A's set, manifest and tokenizer untouched
+    reloaded = load_shard_set(first.uri, verify="sha256")
+    assert (reloaded.tokenizer_sha256, reloaded.vocab_size) == (tk.fingerprint(tok), 320)
+    again = build_shards(config(corpus, tmp_path / "out"), tok)
+    assert (again.cache_hit, again.dataset_digest, again.tokenizer_sha256) == (
+        True,
+        first.dataset_digest,
+        tk.fingerprint(tok),
+    )
+    same_shards = {name: data for name, data in _files(Path(second.uri)).items() if name.endswith(".tar")}
+    assert same_shards == {name: data for name, data in before.items() if name.endswith(".tar")}
+
+
+def test_a_text_only_digest_is_unchanged_and_a_tokenizer_changes_it() -> None:
+    from training.data.shards import ShardEntry, SplitEntry, dataset_digest
+
+    splits = {
+        split: SplitEntry(
+            num_samples=n, shards=[ShardEntry(name=f"{split}-000000-000000.tar", samples=n, bytes=10240, sha256=c * 64)]
+        )
+        for split, n, c in (("train", 3, "a"), ("val", 1, "b"))
+    }
+    assert dataset_digest(splits) == "fdee484d0f1a528564b269b9b1391118"  # what every text set was named before
+    assert dataset_digest(splits, "c" * 64) not in (dataset_digest(splits), dataset_digest(splits, "d" * 64))
+
+
+def test_a_set_published_before_the_tokenizer_joined_the_digest_still_loads(tmp_path: Path, corpus: Path) -> None:
+    import json
+    import shutil
+
+    from training.data.publish import load_shard_set
+    from training.data.shards import dataset_digest
+
+    shards = build_shards(config(corpus, tmp_path / "out"), _bpe(corpus))
+    manifest = json.loads(Path(shards.manifest_uri).read_text())
+    legacy = dataset_digest(Manifest.model_validate(manifest).splits)
+    manifest["dataset_digest"] = legacy
+    old = tmp_path / "out" / legacy
+    shutil.copytree(shards.uri, old)
+    (old / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert load_shard_set(str(old), verify="sha256").tokenizer_sha256 == shards.tokenizer_sha256

@@ -51,6 +51,7 @@ from training.data.shards import (
     Manifest,
     ShardEntry,
     SplitEntry,
+    layout_of,
     manifest_of,
 )
 from training.data.shardset import DataError, ShardSet
@@ -148,7 +149,7 @@ def _build_with(
     spool = work / "listing.jsonl"  # the corpus is listed once: fingerprinted, then planned from the spool
     layout = tokens.layout if tokens else None
     listing_key = listing_index.fingerprint(cfg, spool, pool.listed, layout) if cfg.reuse_unchanged else None
-    if listing_key and (found := _indexed(output, listing_key, cfg)) is not None:
+    if listing_key and (found := _indexed(output, listing_key, cfg, layout_of(cfg, layout))) is not None:
         return found
     listing = None
     if listing_key:
@@ -201,17 +202,26 @@ def _build_with(
                 pass  # the store is down; _staging is never read as a dataset
 
 
-def _indexed(output: str, key: str, cfg: DataConfig) -> ShardSet | None:
-    """The set the listing index names for `key`, verified; None when there is none or it does not verify."""
+def _indexed(output: str, key: str, cfg: DataConfig, layout: dict[str, Any]) -> ShardSet | None:
+    """The set the listing index names for `key`, verified and of this build's `layout`; None when there is none,
+    it does not verify, or its manifest describes another layout: the same shards published by other settings, or a
+    set of another tokenizer (published before the tokenizer was part of the digest). The corpus is then read and
+    the content digest decides."""
     entry = listing_index.lookup(output, key, cfg.storage_retries)
     if entry is None:
         return None
     final = storage.join(output, entry["dataset_digest"])
-    if not storage.exists(storage.join(final, MANIFEST_NAME), cfg.storage_retries):
+    manifest_uri = storage.join(final, MANIFEST_NAME)
+    if not storage.exists(manifest_uri, cfg.storage_retries):
+        return None
+    try:
+        manifest = Manifest.model_validate_json(storage.read_bytes(manifest_uri, cfg.storage_retries))
+    except ValueError:
+        return None  # damaged: build from the corpus, which republishes it
+    if manifest.layout != layout:
         return None
     if verify_published(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
         return None  # damaged or replaced: build from the corpus, which republishes it
-    manifest = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME), cfg.storage_retries))
     tally = Tally()
     tally.merge({str(k): int(v) for k, v in dict(entry.get("skipped") or {}).items()}, [])
     return shard_set_of(final, manifest, True, tally)

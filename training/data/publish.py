@@ -12,7 +12,15 @@ from pathlib import Path
 from infra import storage
 from training.data.config import DataConfig
 from training.data.corpus import Tally
-from training.data.shards import MANIFEST_NAME, SPLITS, TOKENIZER_NAME, VALIDATION_NAME, Manifest, dataset_digest
+from training.data.shards import (
+    MANIFEST_NAME,
+    SPLITS,
+    TOKENIZER_NAME,
+    VALIDATION_NAME,
+    Manifest,
+    dataset_digest,
+    digest_of,
+)
 from training.data.shardset import DataError, ShardSet
 
 STAGING = "_staging"
@@ -44,8 +52,9 @@ def shard_set_of(
 
 
 def reusable(final: str, expected: Manifest, cfg: DataConfig) -> bool:
-    """True when `final` holds a manifest equal to `expected` and every shard verifies (size, and sha256 unless
-    data.verify_existing='size'). A manifest that does not verify is deleted so no reader trusts it."""
+    """True when `final` holds a manifest of `expected`'s shards and every shard verifies (size, and sha256 unless
+    data.verify_existing='size'); its layout may be another build's that gave the same set, and is kept. A manifest
+    that does not verify is deleted so no reader trusts it (the damaged set is then published again)."""
     r = cfg.storage_retries
     manifest_uri = storage.join(final, MANIFEST_NAME)
     if not storage.exists(manifest_uri, r):
@@ -64,12 +73,14 @@ def verify_published(final: str, expected: Manifest | None, mode: str, retries: 
         published = Manifest.model_validate_json(storage.read_bytes(storage.join(final, MANIFEST_NAME), retries))
     except ValueError as err:
         return f"manifest does not parse ({str(err).splitlines()[0]})"
-    if dataset_digest(published.splits) != published.dataset_digest or not final.endswith(published.dataset_digest):
+    # a tokenized set published before its tokenizer was part of the digest still names its shards alone
+    digests = {digest_of(published.splits, published.layout), dataset_digest(published.splits)}
+    if published.dataset_digest not in digests or not final.endswith(published.dataset_digest):
         return "manifest digest does not match its shards or its location"
     if expected is not None and published.splits != expected.splits:
         return "manifest lists different shards"
-    if expected is not None and published.layout != expected.layout:  # e.g. a tokenizer that gives the same ids
-        return "manifest describes another layout"
+    # Another layout is not damage: the digest names the shards and the tokenizer, so the same digest from other
+    # settings (a max_samples_per_shard the corpus never reaches) is the same set; it is reused, never rewritten.
     sizes = {e.uri: e.size for e in storage.list_prefix(final, retries)}
     if storage.join(final, VALIDATION_NAME) not in sizes:
         return f"{VALIDATION_NAME} missing"

@@ -82,12 +82,21 @@ class Manifest(BaseModel):
         return (json.dumps(self.model_dump(), indent=1, sort_keys=True) + "\n").encode()
 
 
-def dataset_digest(splits: dict[str, SplitEntry]) -> str:
-    """32 hex chars over every shard's name, count, size and sha256: the content and its layout."""
-    canon = [SHARD_FORMAT] + [
-        [split, s.name, s.samples, s.bytes, s.sha256] for split in SPLITS for s in splits[split].shards
-    ]
+def dataset_digest(splits: dict[str, SplitEntry], tokenizer_sha256: str = "") -> str:
+    """32 hex chars over every shard's name, count, size and sha256: the content and its layout; for a tokenized
+    set also over its tokenizer's sha256. Two tokenizers can give the same ids on a corpus (one a superset of the
+    other), and a set's ids are read back with the tokenizer it carries: without it, a build with the second
+    published over the first's set under the same name. A text-only set's digest is unchanged."""
+    canon: list[Any] = [SHARD_FORMAT]
+    if tokenizer_sha256:
+        canon.append(["tokenizer_sha256", tokenizer_sha256])
+    canon += [[split, s.name, s.samples, s.bytes, s.sha256] for split in SPLITS for s in splits[split].shards]
     return hashlib.sha256(json.dumps(canon, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def digest_of(splits: dict[str, SplitEntry], layout: dict[str, Any]) -> str:
+    """The dataset digest of a set with this manifest layout (its tokenizer, if any)."""
+    return dataset_digest(splits, str(layout.get("tokenizer_sha256", "")))
 
 
 def layout_of(cfg: DataConfig, tokens: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -118,7 +127,7 @@ class Written:
 def manifest_of(splits: dict[str, SplitEntry], cfg: DataConfig, tokens: dict[str, Any] | None = None) -> Manifest:
     total = sum(s.bytes for split in SPLITS for s in splits[split].shards)
     layout = layout_of(cfg, tokens)
-    return Manifest(dataset_digest=dataset_digest(splits), splits=splits, total_bytes=total, layout=layout)
+    return Manifest(dataset_digest=digest_of(splits, layout), splits=splits, total_bytes=total, layout=layout)
 
 
 class _SplitWriter:
