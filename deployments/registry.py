@@ -102,8 +102,11 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
 
     Idempotent: a version of `name` with the same source and run id, or made from the same checkpoint (its
     `shardline.checkpoint_uri` tag: a rerun after a crash validates and logs the reused checkpoint again), is
-    reused; its tags are (re)applied, but for a version the canary rejected (TAG_REJECTED): its tags keep
-    describing the run that was judged. A version of the same checkpoint whose model carries something else (a
+    reused. A version whose source is `model_uri` (a retried promote) gets its tags (re)applied. A version matched
+    by its checkpoint only keeps its lineage tags: its source stays the first run's logged model, and tags naming
+    this run's model, validation run and flow run would describe a model it was not registered from; the rerun is
+    recorded under TAG_REVALIDATED_BY instead. A version the canary rejected (TAG_REJECTED) gets neither: its tags
+    keep describing the run that was judged. A version of the same checkpoint whose model carries something else (a
     changed chat template: infra.names.VERSION_CONTENT_TAGS) is not that model: a new version is registered, so
     no version's tags describe a model other than its source.
     """
@@ -114,7 +117,7 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
         mlflow.set_tracking_uri(client.tracking_uri)
     ensure_registered_model(client, name)
     tags = {k: str(v)[:_MAX_TAG_VALUE] for k, v in (tags or {}).items() if v not in (None, "")}
-    from infra.names import TAG_CHECKPOINT_URI, VERSION_CONTENT_TAGS
+    from infra.names import TAG_CHECKPOINT_URI, TAG_REVALIDATED_BY, VERSION_CONTENT_TAGS
 
     checkpoint = tags.get(TAG_CHECKPOINT_URI)
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
@@ -123,11 +126,29 @@ def register_version(client: Any, name: str, model_uri: str, run_id: str, tags: 
         if mv.source == model_uri or (same and all(have.get(k, "") == tags.get(k, "") for k in VERSION_CONTENT_TAGS)):
             if have.get(TAG_REJECTED):  # a rerun reused a rejected version: its lineage stays what was judged
                 return str(mv.version)
-            for key, value in tags.items():
-                client.set_model_version_tag(name, mv.version, key, value)
+            if mv.source == model_uri:
+                for key, value in tags.items():
+                    client.set_model_version_tag(name, mv.version, key, value)
+            else:  # the same checkpoint, another logged model: its lineage stays its source's
+                client.set_model_version_tag(name, mv.version, TAG_REVALIDATED_BY, _revalidation(model_uri, tags))
             return str(mv.version)
     mv = client.create_model_version(name, source=model_uri, run_id=run_id, tags=tags, model_id=model_id_of(model_uri))
     return str(mv.version)
+
+
+def _revalidation(model_uri: str, tags: dict[str, str]) -> str:
+    """What a rerun that reused a version by its checkpoint produced (TAG_REVALIDATED_BY's value, JSON): its own
+    flow run, validation run and logged model, kept apart from the version's lineage tags."""
+    import json
+
+    from infra.names import TAG_FLOW_RUN_ID, TAG_VALIDATION_RUN_ID
+
+    rerun = {
+        "prefect_flow_run_id": tags.get(TAG_FLOW_RUN_ID, ""),
+        "validation_run_id": tags.get(TAG_VALIDATION_RUN_ID, ""),
+        "model_uri": model_uri,
+    }
+    return json.dumps(rerun, sort_keys=True)[:_MAX_TAG_VALUE]
 
 
 def version_tags(

@@ -29,6 +29,9 @@ TAG_VALIDATION_RUN_ID = "shardline.validation_run_id"
 TAG_MODEL_URI = "shardline.model_uri"
 TAG_MODEL_VERSION = "shardline.model_version"
 TAG_GIT_COMMIT = "shardline.git_commit"
+# on a version a rerun reused by its checkpoint (deployments.registry.register_version): that rerun's flow run,
+# validation run and logged model, as JSON; the version's lineage tags keep naming the model it was registered from
+TAG_REVALIDATED_BY = "shardline.revalidated_by"
 TAG_CLUSTER_ADDRESS = "shardline.ray_address"
 TAG_NETWORK = "shardline.network"
 

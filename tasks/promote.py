@@ -55,7 +55,8 @@ def promote_model(
 
     A rerun that reuses a version an earlier canary rejected (the same checkpoint: training was reused) gets that
     version back with decision "rejected": no alias moves to it (a `challenger` one left on it is removed) and its
-    lineage tags are left as they were when it was judged.
+    lineage tags are left as they were when it was judged. Any other version reused by its checkpoint keeps the
+    lineage of the logged model it was registered from; this run is recorded as its revalidation (register_version).
 
     Args:
         cfg: the registered model's name.

@@ -140,6 +140,7 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
         if client.search_registered_models(f"name = '{name}'")
         else None
     )
+    registered_before = bool(client.search_model_versions(f"name = '{name}'"))
 
     summary = _run(home, stage, api_url)
     assert summary["model_version"] == "1" and summary["decision"] == "first-champion"
@@ -178,7 +179,12 @@ def test_sigkill_at_a_stage_then_rerun_completes_and_registers_once(stage, tmp_p
         assert version_tags["shardline.validation_run_id"] == validated_before[0].info.run_id
     else:  # validated in the rerun (the killed validation never returned; or the champion changed since)
         assert [r.info.status for r in rerun_validated] == ["FINISHED"]
-        assert version_tags["shardline.validation_run_id"] == rerun_validated[0].info.run_id
+        if registered_before:  # the killed promote registered it from its own model: its lineage stays that one's
+            assert version_tags["shardline.validation_run_id"] == validated_before[0].info.run_id
+            revalidated = json.loads(version_tags["shardline.revalidated_by"])
+            assert revalidated["validation_run_id"] == rerun_validated[0].info.run_id
+        else:
+            assert version_tags["shardline.validation_run_id"] == rerun_validated[0].info.run_id
     # The killed run's MLflow runs did not stay RUNNING: the rerun found their process gone and ended them.
     every_run = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [r.info.run_name for r in every_run if r.info.status == "RUNNING"] == []

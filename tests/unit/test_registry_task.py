@@ -224,6 +224,50 @@ def test_a_rerun_that_reuses_a_rejected_version_does_not_make_it_challenger_agai
     assert run_outcome(again, canary) == ("rejected", again.reason, "1")
 
 
+def test_a_rerun_that_reuses_a_version_by_its_checkpoint_leaves_its_lineage_naming_its_source(lineage, lineage_for):
+    """Run B reuses run A's training (the same train run and checkpoint) and validation logs another model: B gets
+    A's version back, whose source is A's model. Its lineage tags keep naming A's model, validation and flow run
+    (the champion's tags describe what it was registered from); B is recorded apart, under revalidated_by. A
+    retried promote of A (the same source) still re-applies its tags and registers no second version."""
+    import json
+
+    from prefect.logging import disable_run_logger
+
+    from infra.names import TAG_MODEL_URI, TAG_REVALIDATED_BY
+    from tasks.promote import promote_model
+
+    cfg = RegistryConfig(model_name="m")
+    client = client_for(lineage.tracking_uri)
+    validated_a, trained_a, shards = _products(lineage, 1)
+    with disable_run_logger():
+        first = promote_model.fn(cfg, validated_a, trained_a, shards, lineage)
+    registered = client.get_model_version("m", first.version).tags
+
+    run_b = lineage_for("flow-run-2")
+    validated_b, _, _ = _products(run_b, 1)  # the same checkpoint /ck/1, a new validation run and logged model
+    with disable_run_logger():
+        rerun = promote_model.fn(cfg, validated_b, trained_a, shards, run_b)
+    assert rerun.version == first.version == "1"
+    mv = client.get_model_version("m", "1")
+    assert mv.source == validated_a.model_uri
+    assert {k: v for k, v in mv.tags.items() if k != TAG_REVALIDATED_BY} == registered
+    assert mv.tags[TAG_MODEL_URI] == validated_a.model_uri
+    assert mv.tags[TAG_VALIDATION_RUN_ID] == validated_a.validation_run_id
+    assert mv.tags[TAG_FLOW_RUN_ID] == "flow-run-1"
+    assert json.loads(mv.tags[TAG_REVALIDATED_BY]) == {
+        "prefect_flow_run_id": "flow-run-2",
+        "validation_run_id": validated_b.validation_run_id,
+        "model_uri": validated_b.model_uri,
+    }
+
+    # a retried promote of run A: the same source, its tags (re)applied, still one version
+    with disable_run_logger():
+        assert promote_model.fn(cfg, validated_a, trained_a, shards, lineage).version == "1"
+    assert client.get_model_version("m", "1").tags[TAG_FLOW_RUN_ID] == "flow-run-1"
+    assert len(client.search_model_versions("name = 'm'")) == 1
+    assert read_aliases(client, "m") == {"champion": "1", "challenger": "1"}
+
+
 def test_a_rerun_on_the_champions_checkpoint_reports_the_decisions_reason(lineage, lineage_for):
     """A rerun that reuses the champion's checkpoint is 'first-champion' because the candidate is the champion
     already; the run's summary says that, not 'no champion existed'."""
