@@ -11,18 +11,41 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.redact import find_credential
 
+# what a registered model name may not hold: MLflow's own refusals (/ :), its filter strings' quotes and escape
+# (' " ` \\) and a models:/ URI's query mark (?)
+_MODEL_NAME_REFUSED = ("'", '"', "`", "\\", "/", ":", "?")
+
 
 class RegistryConfig(BaseModel):
     """Where runs and models are tracked, and the registered model's name."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a NaN bound never fails a check
 
-    model_name: str = Field("shardline-gpt", min_length=1, description="Registered model name in MLflow.")
+    model_name: str = Field(
+        "shardline-gpt",
+        min_length=1,
+        description="Registered model name in MLflow; no quotes, backquote, backslash, '/', ':' or '?'.",
+    )
     tracking_uri: str = Field(
         "",
         description="MLflow tracking server; empty uses $MLFLOW_TRACKING_URI, else SQLite in $SHARDLINE_HOME.",
     )
     experiment: str = Field("shardline", min_length=1, description="MLflow experiment holding the run tree.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _a_name_filters_and_uris_carry(cls, name: str) -> str:
+        """A name MLflow registers but its filter strings (`name = '...'`, quoted with ' " or `) or a
+        `models:/<name>/<version>` URI (split at '/', a '?' starts its query) cannot carry would register the model,
+        then fail every promotion; ':' and '/' MLflow itself refuses (utils.validation._validate_model_name), as it
+        does a name that is a path of its own ('.', '..'). Refused at load, with the field named."""
+        bad = sorted({c for c in name if c in _MODEL_NAME_REFUSED or not c.isprintable()})
+        if bad or name.strip() != name or name in (".", ".."):
+            raise ValueError(  # the caller's message names the field and quotes the value
+                f"not a registered model name MLflow's filter strings and models:/ URIs carry: no "
+                f"{' '.join(_MODEL_NAME_REFUSED)}, control characters or surrounding spaces"
+            )
+        return name
 
     @field_validator("tracking_uri")
     @classmethod

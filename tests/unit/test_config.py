@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,25 @@ def test_a_tracking_uri_mlflow_cannot_parse_is_named_at_load(uri):
         "config (with --set): registry.tracking_uri: not a server address MLflow can reach: its host or port does "
         f"not parse (an IPv6 host is written in brackets, a port is a number up to 65535) (got '{uri}')"
     )
+
+
+@pytest.mark.parametrize("name", ["bob's-gpt", 'say-"hi"', "a`b", "team/gpt", "gpt:2", "a\\b", "a?b", " gpt", ".."])
+def test_a_model_name_mlflow_filters_or_uris_cannot_carry_is_named_at_load(name):
+    """`bob's-gpt` registered the model, then every promotion failed: the registry's filter strings quote the name
+    with '; a '/' or '?' splits its models:/ URI."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"registry.model_name={json.dumps(name)}"])
+    assert str(e.value) == (
+        "config (with --set): registry.model_name: not a registered model name MLflow's filter strings and "
+        "models:/ URIs carry: no ' \" ` \\ / : ?, control characters or surrounding spaces "
+        f"(got {name!r})"
+    )
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_name_with_spaces_at_signs_or_other_letters_loads():
+    for name in ("shardline-gpt", "team gpt@2.1", "modèle_ß-1"):
+        assert load_config(None, [f"registry.model_name={json.dumps(name)}"]).registry.model_name == name
 
 
 def test_a_tracking_uri_with_a_password_is_refused_as_one_whatever_its_password_holds():
