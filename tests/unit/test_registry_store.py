@@ -24,6 +24,7 @@ from infra.names import (
     TAG_CHAT_TOKENS,
     TAG_CHECKPOINT_URI,
     TAG_DATASET_DIGEST,
+    TAG_MANIFEST_URI,
     TAG_TRAIN_RUN_ID,
 )
 
@@ -189,6 +190,27 @@ def test_a_rejected_version_with_no_champion_left_is_skipped_as_rejected_not_as_
     assert why == "version 2 was already rejected: error rate 0.2 > 0.01; no champion to serve"
     client.set_registered_model_alias(NAME, "champion", "2")  # an operator made it champion anyway: it serves
     assert "first run" in skip_reason(client, CanaryConfig(), NAME, "2", "2")
+
+
+def test_canarying_a_version_the_registry_does_not_have_is_a_one_line_expected_failure(store):
+    """`shardline canary --version 3` of a model or version that does not exist logged MLflow's traceback."""
+    from flows.canary_version import held_out_manifest
+    from flows.config import ConfigError
+    from flows.log_hygiene import is_expected
+
+    _, client, exp = store
+    train, model, _ = _train_run_and_model(client, exp)
+    register_version(client, NAME, model, train, {TAG_MANIFEST_URI: "/s/manifest.json"})
+    assert held_out_manifest(client, NAME, "1") == "/s/manifest.json"
+    for name, version, message in (
+        ("not-registered", "3", "model 'not-registered' has no version 3"),
+        (NAME, "3", f"model '{NAME}' has no version 3"),
+        (NAME, "champion", f"version 'champion' of model '{NAME}': not a version number"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            held_out_manifest(client, name, version)
+        assert str(e.value) == message and is_expected(e.value)
+        assert e.value.__cause__ is None and (e.value.__suppress_context__ or e.value.__context__ is None)
 
 
 def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_text(store):
