@@ -29,7 +29,13 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
     """Resolve a version (or alias) and return its chain: flow run -> data run/digest -> training run -> version.
 
     The dataset digest is read twice, from the version's tag and from the data run's logged dataset input,
-    and `consistent` says whether they agree.
+    and `consistent` says whether they agree. A run the chain names but the tracking store no longer has (deleted
+    and purged by `mlflow gc`, or from another store) is a missing link, not an error: the chain is still shown,
+    what that run would have told is left empty, `missing` names it, and `consistent` is false, as the digest
+    cannot be read twice.
+
+    Raises:
+        LineageError: the model, version or alias does not exist.
     """
     from mlflow.exceptions import MlflowException
 
@@ -45,11 +51,10 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         raise LineageError(f"model {model_name!r} {version_or_alias!r}: {e.message.splitlines()[0]}") from None
     tags = mv.tags
     data_run_id = tags.get(TAG_DATA_RUN_ID, "")
-    logged_digests: list[str] = []
-    if data_run_id:
-        data_run = client.get_run(data_run_id)
-        logged_digests = [d.dataset.digest for d in data_run.inputs.dataset_inputs]
-    train_run = client.get_run(mv.run_id) if mv.run_id else None
+    missing: list[str] = []
+    data_run = _run_if_stored(client, data_run_id, "data run", missing)
+    logged_digests = [d.dataset.digest for d in data_run.inputs.dataset_inputs] if data_run else []
+    train_run = _run_if_stored(client, mv.run_id or "", "train run", missing)
     return {
         "model": model_name,
         "version": str(mv.version),
@@ -68,4 +73,22 @@ def describe_lineage(model_name: str, version_or_alias: str, tracking_uri: str =
         "prefect_flow_run_id": tags.get(TAG_FLOW_RUN_ID, ""),
         "git_commit": tags.get(TAG_GIT_COMMIT, ""),
         "consistent": bool(logged_digests) and tags.get(TAG_DATASET_DIGEST) in logged_digests,
+        "missing": ", ".join(missing),  # runs the chain names that the store does not have ("" for none)
     }
+
+
+def _run_if_stored(client: Any, run_id: str, role: str, missing: list[str]) -> Any:
+    """The run `run_id`, or None when there is none: no id, or one the store does not have (then `role` and the id
+    are appended to `missing`). Any other failure (a server that did not answer) is raised: that is no answer
+    about the chain."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return None
+    try:
+        return client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        missing.append(f"{role} {run_id}")
+        return None

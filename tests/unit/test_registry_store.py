@@ -226,6 +226,32 @@ def test_lineage_reads_chat_tokens_as_an_object_and_keeps_a_malformed_tag_as_tex
     assert describe_lineage(NAME, register_version(client, NAME, model2, train2), uri)["chat_tokens"] == {}
 
 
+def test_lineage_shows_a_purged_run_as_a_missing_link_not_a_raw_mlflow_error(store):
+    """A data run deleted and purged by `mlflow gc` (or a training run likewise) made `shardline lineage` fail on
+    MLflow's bare 'Run with id=... not found'; the chain is shown, the link named missing and not consistent."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from deployments.lineage import describe_lineage
+    from infra.names import TAG_DATA_RUN_ID
+
+    uri, client, exp = store
+    train, model, _ = _train_run_and_model(client, exp)
+    data = client.create_run(exp, run_name="shard_dataset").info.run_id
+    tags = {TAG_DATA_RUN_ID: data, TAG_DATASET_DIGEST: "a" * 32, TAG_CHECKPOINT_URI: "/ck/1"}
+    version = register_version(client, NAME, model, train, tags)
+    purge = SqlAlchemyStore(uri, client.get_experiment(exp).artifact_location)
+    for run_id in (data, train):
+        client.delete_run(run_id)
+        purge._hard_delete_run(run_id)  # what `mlflow gc` does to a deleted run
+    chain = describe_lineage(NAME, version, uri)
+    assert (chain["data_run_id"], chain["train_run_id"], chain["parent_run_id"]) == (data, train, "")
+    assert (chain["dataset_digest"], chain["checkpoint_uri"]) == ("a" * 32, "/ck/1")  # the version's own tags
+    assert chain["consistent"] is False
+    assert chain["missing"] == f"data run {data}, train run {train}"
+    train2, model2, _ = _train_run_and_model(client, exp)
+    assert describe_lineage(NAME, register_version(client, NAME, model2, train2), uri)["missing"] == ""
+
+
 def test_a_champion_that_does_not_load_is_refused_with_the_fix_and_validation_does_not_retry_it(store):
     from prefect.states import Failed
 
