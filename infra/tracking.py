@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from infra.names import TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_PARENT, TAG_STAGE
+from infra.names import TAG_ENDED_BY, TAG_FLOW_RUN_ID, TAG_GIT_COMMIT, TAG_PARENT, TAG_STAGE
 from infra.paths import quiet_telemetry, shardline_home
 from infra.redact import redact
 from infra.run_owner import TAG_OWNER, current_owner, end_orphaned_runs
@@ -113,6 +113,7 @@ def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_r
     if found is not None:
         run_id = found.info.run_id
         client.set_tag(run_id, TAG_OWNER, current_owner())
+        _forget_ended_by(client, found)
         if found.info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")
     else:
@@ -131,6 +132,13 @@ def open_parent_run(tracking_uri: str, experiment: str, flow_run_id: str, flow_r
                 "ended %d MLflow run(s) whose process died (KILLED): %s", len(ended), ", ".join(ended)
             )
     return run_id
+
+
+def _forget_ended_by(client: Any, run: Any) -> None:
+    """Drop TAG_ENDED_BY from a run taken over again: it was ended as KILLED when its process was gone, and a retry
+    resumes it; left, the tag would say a run that then finishes was killed."""
+    if TAG_ENDED_BY in (run.data.tags or {}):
+        client.delete_tag(run.info.run_id, TAG_ENDED_BY)
 
 
 def close_run(tracking_uri: str, run_id: str, ok: bool) -> None:
@@ -152,6 +160,7 @@ def child_run_id(tracking_uri: str, parent_run_id: str, stage: str) -> str:
         f"tags.`{TAG_PARENT}` = '{parent_run_id}' and tags.`{TAG_STAGE}` = '{stage}'",
     )
     if found is not None:
+        _forget_ended_by(client, found)
         return found.info.run_id
     tags = {TAG_PARENT: parent_run_id, TAG_STAGE: stage}
     flow_run = parent.data.tags.get(TAG_FLOW_RUN_ID)

@@ -97,3 +97,25 @@ def test_a_retried_flow_run_takes_its_parent_run_over(mlflow_store):
     run = client.get_run(again)
     assert again == first and run.info.status == "RUNNING" and run.data.tags[TAG_OWNER] == current_owner()
     assert os.getpid() == int(run.data.tags[TAG_OWNER].split("/")[2])
+
+
+def test_a_run_taken_over_after_it_was_ended_as_killed_no_longer_says_it_was(mlflow_store):
+    """The next flow ended the dead run and its running stage as KILLED, with shardline.ended_by; Prefect's retry
+    of that flow run then resumed both and finished: FINISHED runs still said their owner process was gone."""
+    from infra.tracking import Lineage, close_run, stage_run
+
+    uri, experiment_id = mlflow_store
+    client = mlflow.MlflowClient(uri)
+    parent = open_parent_run(uri, "shardline-test", "flow-run-k", "k")
+    train = _stage(client, experiment_id, parent, "train_fsdp")
+    client.set_tag(parent, TAG_OWNER, _dead_owner())  # its process was SIGKILLed during training
+    open_parent_run(uri, "shardline-test", "flow-run-other", "other")  # ends both as KILLED
+    assert [client.get_run(r).data.tags.get(TAG_ENDED_BY, "") != "" for r in (parent, train)] == [True, True]
+
+    assert open_parent_run(uri, "shardline-test", "flow-run-k", "k") == parent  # the retried flow run
+    with stage_run(Lineage(tracking_uri=uri, experiment="shardline-test", parent_run_id=parent), "train_fsdp") as run:
+        assert run == train
+    close_run(uri, parent, True)
+    for run_id in (parent, train):
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and TAG_ENDED_BY not in run.data.tags
