@@ -17,7 +17,7 @@ import socket
 from typing import Any
 
 from infra import process
-from infra.names import TAG_ENDED_BY, TAG_OWNER, TAG_PARENT, TAG_STAGE  # noqa: F401 - TAG_OWNER re-exported
+from infra.names import TAG_ENDED_BY, TAG_OWNER, TAG_PARENT  # noqa: F401 - TAG_OWNER re-exported
 
 SCAN_LIMIT = 200  # RUNNING parent runs looked at per call: a bound on the cost of opening a run
 
@@ -43,12 +43,16 @@ def owner_alive(owner: str) -> bool | None:
 
 def end_orphaned_runs(client: Any, experiment_id: str, found_by: str) -> list[str]:
     """End as KILLED the RUNNING parent runs of `experiment_id` whose owner died on this host, and their RUNNING
-    stage runs; return the ids ended. `found_by` names the run that noticed (tagged on each)."""
+    stage runs; return the ids ended. `found_by` names the run that noticed (tagged on each).
+
+    A parent run is any run with an owner tag (only parent runs get one), whatever its stage tag: a command run
+    outside a flow (`shardline shard`) retags its parent's stage with the command's name (flows.run_context), and
+    selecting stage 'pipeline' only left such a run RUNNING forever once its process was killed."""
     ended: list[str] = []
     parents = client.search_runs(
         [experiment_id],
         max_results=SCAN_LIMIT,
-        filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_STAGE}` = 'pipeline'",
+        filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_OWNER}` LIKE '%'",
     )
     for parent in parents:
         owner = parent.data.tags.get(TAG_OWNER, "")

@@ -119,3 +119,29 @@ def test_a_run_taken_over_after_it_was_ended_as_killed_no_longer_says_it_was(mlf
     for run_id in (parent, train):
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED" and TAG_ENDED_BY not in run.data.tags
+
+
+def test_a_dead_commands_parent_run_is_ended_whatever_its_stage_tag(mlflow_store):
+    """`shardline shard` retags its parent's stage with the command's name; a SIGKILLed one stayed RUNNING for good,
+    as only parents tagged 'pipeline' were looked at."""
+    uri, experiment_id = mlflow_store
+    client = mlflow.MlflowClient(uri)
+    dead = _dead_owner()
+    shard = client.create_run(
+        experiment_id, run_name="shardline-shard", tags={TAG_STAGE: "shardline-shard", TAG_OWNER: dead}
+    ).info.run_id
+    shard_stage = _stage(client, experiment_id, shard, "shard_dataset")
+    untagged = client.create_run(experiment_id, run_name="stageless", tags={TAG_OWNER: dead}).info.run_id
+    unowned = client.create_run(experiment_id, run_name="x", tags={TAG_STAGE: "shardline-shard"}).info.run_id
+
+    new = open_parent_run(uri, "shardline-test", "flow-run-after-shard", "after")
+
+    status = {r: client.get_run(r).info.status for r in (shard, shard_stage, untagged, unowned, new)}
+    assert status == {
+        shard: "KILLED",
+        shard_stage: "KILLED",
+        untagged: "KILLED",
+        unowned: "RUNNING",
+        new: "RUNNING",
+    }
+    assert client.get_run(shard).data.tags[TAG_ENDED_BY] == f"run {new}: owner process {dead} is gone"
