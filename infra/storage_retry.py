@@ -22,7 +22,16 @@ BACKOFF_MAX_S = 8.0
 
 
 class StorageError(OSError):
-    """A storage call failed for good (not found, denied, or still failing after all retries)."""
+    """A storage call failed for good (not found, denied, or still failing after all retries). `transient` is True
+    only when the calls kept failing for a reason worth retrying later (the endpoint down, throttling): a stage task
+    retries those (tasks/retry.py), never a denial, a missing bucket or a bad URI, which fail the same way again."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+    def __reduce__(self) -> tuple[Any, ...]:  # from a Ray worker to the task, `transient` included
+        return (type(self), (str(self), self.transient))
 
 
 def is_transient(err: BaseException) -> bool:
@@ -88,7 +97,7 @@ def with_retries(fn: Callable[[], T], what: str, retries: int | None = None) -> 
             if not is_transient(err) or attempt == retries:
                 reason = one_line(err)
                 tail = f" after {attempt + 1} attempts" if attempt else ""
-                raise StorageError(f"{what}: {reason}{tail}") from err
+                raise StorageError(f"{what}: {reason}{tail}", transient=is_transient(err)) from err
             time.sleep(backoff_s(attempt) * (0.8 + 0.4 * random.random()))
     raise AssertionError("unreachable")
 
@@ -125,7 +134,9 @@ class ResumableReader(io.RawIOBase):
                 return data
             except Exception as err:
                 if not is_transient(err) or attempt == self._retries:
-                    raise StorageError(f"{self.uri}: {one_line(err)} at byte {self._received}") from err
+                    raise StorageError(
+                        f"{self.uri}: {one_line(err)} at byte {self._received}", transient=is_transient(err)
+                    ) from err
                 time.sleep(backoff_s(attempt))
                 try:
                     self._close()

@@ -7,10 +7,16 @@ from typing import Any
 
 
 def retry_unless(*final: type[BaseException]) -> Callable[[Any, Any, Any], bool]:
-    """A Prefect `retry_condition_fn` that refuses to retry when the task failed with one of `final`."""
+    """A Prefect `retry_condition_fn` that refuses to retry when the task failed with one of `final`, or with what
+    no stage retries: missing credentials, or a storage error the storage layer judged final (denied, not found, a
+    bad URI; it already retried the transient ones). Both are OSErrors, which a stage otherwise retries."""
+    from infra.credentials import CredentialsError
+    from infra.storage_retry import StorageError
 
     def should_retry(task: Any, task_run: Any, state: Any) -> bool:
         exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+        if isinstance(exc, CredentialsError) or (isinstance(exc, StorageError) and not exc.transient):
+            return False
         return not isinstance(exc, final)
 
     return should_retry

@@ -132,5 +132,35 @@ def test_opening_a_wrong_shard_set_is_not_retried_but_a_storage_outage_is(tmp_pa
     assert retried(empty.value) is False
     assert retried(missing.value) is False
     assert retried(ConfigError("bad")) is False
-    assert retried(StorageError("s3: 503 Slow Down, still failing after 5 tries")) is True
+    assert retried(StorageError("s3: 503 Slow Down, still failing after 5 tries", transient=True)) is True
     assert retried(ConnectionError("tracking server restarting")) is True
+
+
+def test_a_stage_does_not_retry_missing_credentials_or_a_storage_error_the_storage_layer_judged_final():
+    """Both are OSErrors, which stages retry: `az://` without credentials, or an AccessDenied the storage layer
+    already gave up on at once, failed the same way twice more (three attempts of a stage that may hold a lock)."""
+    import pickle
+
+    from prefect.states import Failed
+
+    from flows.release import open_shard_set
+    from infra.credentials import CredentialsError
+    from infra.storage_retry import StorageError, with_retries
+    from tasks.data import shard_dataset
+    from tasks.train import train_fsdp
+
+    def fails(err: Exception):
+        def call():
+            raise err
+
+        with pytest.raises(StorageError) as raised:
+            with_retries(call, "s3://bucket/shards/x", retries=0)
+        return raised.value
+
+    denied, down = fails(PermissionError("AccessDenied")), fails(ConnectionError("endpoint down"))
+    assert not denied.transient and down.transient
+    assert pickle.loads(pickle.dumps(down)).transient  # as it comes back from a Ray worker
+    no_credentials = CredentialsError("az://: no credentials: set AZURE_STORAGE_CONNECTION_STRING")
+    for task in (open_shard_set, shard_dataset, train_fsdp):
+        retried = [task.retry_condition_fn(None, None, Failed(data=err)) for err in (denied, no_credentials, down)]
+        assert retried == [False, False, True], task.name
