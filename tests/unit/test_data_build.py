@@ -285,37 +285,3 @@ def test_an_s3_source_naming_one_object_is_read_like_a_local_file(tmp_path, mock
         str(err.value)
         == "s3://bkt/data/none.jsonl: no objects under this prefix, nor an object of that name (data.source)"
     )
-
-
-def _keys(client) -> list[str]:
-    return sorted(o["Key"] for o in client.list_objects_v2(Bucket="bkt").get("Contents", []))
-
-
-@pytest.mark.parametrize("lost_answer", [False, True])
-def test_a_failed_s3_publish_leaves_no_partial_set_and_a_committed_one_stays(
-    tmp_path, mock_s3, monkeypatch, lost_answer
-):
-    """The manifest's write fails: what was uploaded goes, or, when the write landed and only its answer was lost,
-    the committed set stays whole."""
-    from infra import storage
-
-    real = storage.write_bytes
-
-    def failing_manifest(uri, data, retries=None):
-        if uri.endswith("/manifest.json") and "/_index/" not in uri:
-            if lost_answer:
-                real(uri, data, retries)
-            raise storage.StorageError(f"{uri}: ConnectionError: endpoint down after 6 attempts")
-        return real(uri, data, retries)
-
-    monkeypatch.setattr(storage, "write_bytes", failing_manifest)
-    corpus = make_corpus(tmp_path / "c", n=20)
-    with pytest.raises(storage.StorageError, match="endpoint down"):
-        build_shards(config(corpus, "s3://bkt/out"))
-    published = [k for k in _keys(mock_s3) if not k.startswith("out/_staging/")]
-    if lost_answer:
-        assert any(k.endswith("/manifest.json") for k in published) and len(published) > 3
-        monkeypatch.setattr(storage, "write_bytes", real)
-        assert load_shard_set(f"s3://bkt/{published[0].rsplit('/', 1)[0]}", verify="sha256").num_train > 0
-    else:
-        assert published == []

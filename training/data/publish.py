@@ -156,8 +156,7 @@ def publish_remote(local: Path | None, stage: str, manifest: Manifest, output: s
     and verifies, so shards may be written straight to their final names. Built here (`local`), they are uploaded
     there directly: no staging copy, no server-side copy, so a private Azure account needs no SAS. Written by Ray
     tasks on other machines into `stage` (the digest is known only once every chunk is done), they are copied
-    server-side (Azure: Copy Blob with a short-lived read SAS). The caller deletes `stage`; a failure before the
-    manifest is written deletes what was written under {output}/{digest} (`_remove_uncommitted`).
+    server-side (Azure: Copy Blob with a short-lived read SAS). The caller deletes `stage`.
     """
     final = storage.join(output, manifest.dataset_digest)
     names = [
@@ -165,32 +164,12 @@ def publish_remote(local: Path | None, stage: str, manifest: Manifest, output: s
         VALIDATION_NAME,
         *([TOKENIZER_NAME] if manifest.layout.get("tokenizer_sha256") else []),
     ]
-    written: list[str] = []
-    try:
-        for name in names:
-            written.append(storage.join(final, name))
-            if local is not None:
-                storage.upload_file(local / name, written[-1], retries)
-            else:
-                storage.copy(storage.join(stage, name), written[-1], retries)
-        storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
-    except BaseException:
-        _remove_uncommitted(final, written)
-        raise
-
-
-def _remove_uncommitted(final: str, written: list[str]) -> None:
-    """Delete what a failed publish wrote under `final`, unless a manifest is there: then the set is committed (the
-    manifest's write succeeded but its answer was lost, or an identical build published it meanwhile) and its
-    objects are the set's. A partial set is invisible to readers, but it would stay in the store for good: a corpus
-    that changes before the next run never publishes that digest again. Best effort: the store may be the failure."""
-    try:
-        if storage.exists(storage.join(final, MANIFEST_NAME), retries=1):
-            return
-        for uri in written:
-            storage.delete(uri, retries=1)
-    except storage.StorageError:
-        pass
+    for name in names:
+        if local is not None:
+            storage.upload_file(local / name, storage.join(final, name), retries)
+        else:
+            storage.copy(storage.join(stage, name), storage.join(final, name), retries)
+    storage.write_bytes(storage.join(final, MANIFEST_NAME), manifest.to_bytes(), retries)
 
 
 def load_shard_set(uri: str, verify: str = "size", retries: int = 5) -> ShardSet:
