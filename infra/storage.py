@@ -99,8 +99,9 @@ def _readable_url(source: Any, minutes: int = 60) -> str:
 
 def _not_found(err: BaseException) -> bool:
     code = ""
-    if hasattr(err, "response"):
-        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", ""))
+    response = getattr(err, "response", None)
+    if isinstance(response, dict):  # botocore's; an Azure error's `response` is its HTTP response (status_code below)
+        code = str(response.get("Error", {}).get("Code", ""))
     status = getattr(err, "status_code", None)
     return code in ("NoSuchKey", "404", "NoSuchBucket") or status == 404 or isinstance(err, FileNotFoundError)
 
