@@ -181,6 +181,12 @@ class TrainConfig(BaseModel):
                 f"train.min_lr={self.min_lr:g} > train.lr={self.lr:g}: the cosine decay would raise the rate past its "
                 "peak; set train.min_lr at most train.lr"
             )
+        if self.use_gpu and self.resources_per_worker and self.resources_per_worker.get("GPU", 0) <= 0:
+            # training.trainer.worker_resources would refuse it only in train_fsdp, after the data stage
+            raise ValueError(
+                f"train.resources_per_worker={dict(self.resources_per_worker)}: train.use_gpu needs a GPU per worker, "
+                "e.g. 'GPU': 1"
+            )
         if self.cpu_offload and self.parallelism != "fsdp":
             raise ValueError("train.cpu_offload is FSDP2's; with train.parallelism='ddp' set it false")
         if self.cpu_offload and not self.use_gpu:

@@ -73,3 +73,14 @@ def test_where_workers_run_does_not_change_which_training_a_rerun_continues():
 
     here, there = TrainConfig(), TrainConfig(resources_per_worker={"CPU": 1, "trainer": 1})
     assert request_key(here, "d" * 32) == request_key(there, "d" * 32)
+
+
+def test_use_gpu_without_a_gpu_per_worker_is_refused_with_the_config_not_after_the_data_stage():
+    """The Prefect form took it, and train_fsdp refused it only after sharding and provisioning (hours)."""
+    from pydantic import ValidationError
+
+    from flows.config import PipelineConfig
+
+    with pytest.raises(ValidationError, match=r"train.use_gpu needs a GPU per worker"):
+        PipelineConfig.model_validate({"train": {"use_gpu": True, "resources_per_worker": {"CPU": 4}}})
+    assert TrainConfig(use_gpu=True, resources_per_worker={"CPU": 4, "GPU": 1}).use_gpu
