@@ -9,7 +9,7 @@ from prefect import flow
 from deployments.registry import CHAMPION, PromotionResult, client_for, read_aliases
 from deployments.release_lock import release_lock
 from flows.config import ConfigError, PipelineConfig
-from flows.release import FLOW_TIMEOUT_S, open_shard_set
+from flows.release import CANARY_TIMEOUT_S, open_shard_set
 from flows.run_context import shardline_run
 from infra.names import TAG_MANIFEST_URI
 from tasks.canary import canary_deploy
@@ -20,13 +20,14 @@ def challenge(model_name: str, version: str, aliases: dict[str, str]) -> Promoti
     """The promotion result the canary expects, for an existing version against today's champion.
 
     Raises:
-        ValueError: no champion to compare against, or the version is the champion already.
+        ConfigError: no champion to compare against, or the version is the champion already (the caller's
+            argument: one line, not a traceback).
     """
     champion = aliases.get(CHAMPION)
     if champion is None:
-        raise ValueError(f"{model_name} has no champion; there is nothing to canary version {version} against")
+        raise ConfigError(f"{model_name} has no champion; there is nothing to canary version {version} against")
     if champion == version:
-        raise ValueError(f"{model_name} version {version} is the champion already")
+        raise ConfigError(f"{model_name} version {version} is the champion already")
     return PromotionResult(
         model_name=model_name,
         version=version,
@@ -45,7 +46,7 @@ def held_out_manifest(client: Any, model_name: str, version: str) -> str:
 
     Raises:
         ConfigError: `version` is not a version number, or `model_name` has no such version.
-        ValueError: the version has no manifest tag.
+        ConfigError: the version has no manifest tag (not one the pipeline registered).
     """
     from mlflow.exceptions import MlflowException
 
@@ -59,13 +60,13 @@ def held_out_manifest(client: Any, model_name: str, version: str) -> str:
         raise ConfigError(f"model {model_name!r} has no version {version}") from None
     manifest = str((mv.tags or {}).get(TAG_MANIFEST_URI, ""))
     if not manifest:
-        raise ValueError(
+        raise ConfigError(
             f"{model_name} version {version} has no {TAG_MANIFEST_URI} tag; its held-out shards are unknown"
         )
     return manifest
 
 
-@flow(name="shardline-canary", log_prints=True, timeout_seconds=FLOW_TIMEOUT_S)
+@flow(name="shardline-canary", log_prints=True, timeout_seconds=CANARY_TIMEOUT_S)
 def canary_version(version: str, config: PipelineConfig = PipelineConfig()) -> dict:  # noqa: B008 - Prefect's form default; never mutated
     """Ramp traffic from the champion to `version` and promote it or roll it back, by the canary's gates.
 

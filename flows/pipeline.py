@@ -17,10 +17,11 @@ from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.data import shard_dataset
 from tasks.promote import promote_model
+from tasks.retry import TIMEOUT_S, flow_timeout_s
 from tasks.train import train_fsdp
 from tasks.validate import cached as validate_cached
 
-FLOW_TIMEOUT_S = 72 * 3600  # every stage's own bound (tasks/retry.TIMEOUT_S) with their retries fits well inside
+FLOW_TIMEOUT_S = flow_timeout_s(*TIMEOUT_S)  # one attempt of every stage (tasks/retry.TIMEOUT_S), with room
 Decision = Literal["first-champion", "promoted", "rejected", "inconclusive", "aborted", "registered"]
 
 

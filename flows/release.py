@@ -9,28 +9,32 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from deployments.release_lock import release_lock
-from flows.config import PipelineConfig, chat_template_of
+from flows.config import ConfigError, PipelineConfig, chat_template_of
 from flows.run_context import shardline_run
 from infra.names import TAG_DATASET_DIGEST, TAG_MANIFEST_URI, TAG_TOKENIZER_SHA256
 from infra.tracking import Lineage, stage_run
 from tasks.canary import canary_deploy
 from tasks.cluster import provision_cluster
 from tasks.promote import promote_model
-from tasks.retry import retry_unless
+from tasks.retry import flow_timeout_s, retry_unless
 from tasks.train import train_fsdp
 from tasks.validate import cached as validate_cached
 from training.data import ShardSet
 
 # Bounds, so a hung stage frees its concurrency slot instead of holding the deployment forever.
-FLOW_TIMEOUT_S = 12 * 3600
 OPEN_TIMEOUT_S = 600
+# a release trains, so it is bounded like the pipeline: one attempt of each stage it runs, with room
+FLOW_TIMEOUT_S = flow_timeout_s(
+    "provision_cluster", "train_fsdp", "validate_checkpoint", "promote_model", "canary_deploy", opened_s=OPEN_TIMEOUT_S
+)
+CANARY_TIMEOUT_S = 12 * 3600  # canary-version: provision and canary (6.5 h), and the release lock's wait (2 h)
 
 
 def shard_set_prefix(uri: str) -> str:
     """The shard-set prefix for a prefix or a manifest URI ('.../DIGEST' or '.../DIGEST/manifest.json')."""
     uri = uri.strip().rstrip("/")
     if not uri:
-        raise ValueError("shard_set is empty; give the shard set's prefix or manifest URI")
+        raise ConfigError("shard_set is empty; give the shard set's prefix or manifest URI")
     return uri.removesuffix("/manifest.json")
 
 
@@ -42,6 +46,8 @@ def unused_tokenizer(config: PipelineConfig, shards: ShardSet) -> str:
         return ""
     if wanted.kind == "train" and shards.tokenizer_sha256 and wanted.vocab_size == shards.vocab_size:
         return ""  # a BPE of that size, trained when the set was built
+    if wanted.kind == "file" and shards.tokenizer_sha256 and _fingerprint_of(wanted.path) == shards.tokenizer_sha256:
+        return ""  # the set's own tokenizer: its chat template (beside it) is the new version's
     held = (
         f"token ids of tokenizer {shards.tokenizer_sha256[:12]} ({shards.vocab_size} ids)"
         if shards.tokenizer_sha256
@@ -51,6 +57,16 @@ def unused_tokenizer(config: PipelineConfig, shards: ShardSet) -> str:
         f"tokenizer: kind={wanted.kind!r} is not used: shard set {shards.dataset_digest[:12]} holds {held}, which "
         "this release trains on (build a set with that tokenizer with `shardline shard` to train on its ids)"
     )
+
+
+def _fingerprint_of(path: str) -> str:
+    """The fingerprint of the tokenizer.json at `path`; "" when it cannot be read (the warning then stands)."""
+    from training import tokenizer as tk
+
+    try:
+        return tk.fingerprint(tk.load(path))
+    except tk.TokenizerError:
+        return ""
 
 
 @task(

@@ -32,3 +32,10 @@ TIMEOUT_S = {
     "promote_model": 15 * 60,
     "canary_deploy": 6 * 3600,
 }
+
+
+def flow_timeout_s(*stages: str, opened_s: int = 0) -> int:
+    """A flow's own bound: one attempt of each stage it runs (TIMEOUT_S) plus `opened_s` of its own steps, with a
+    quarter more for the work between stages; a retry beyond that is bounded by the flow. A fixed flow bound below a
+    stage's (release-from-shards' 12 h against train_fsdp's 48 h) killed a long training the pipeline would allow."""
+    return int(1.25 * (sum(TIMEOUT_S[stage] for stage in stages) + opened_s))

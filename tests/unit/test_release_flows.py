@@ -164,3 +164,43 @@ def test_a_stage_does_not_retry_missing_credentials_or_a_storage_error_the_stora
     for task in (open_shard_set, shard_dataset, train_fsdp):
         retried = [task.retry_condition_fn(None, None, Failed(data=err)) for err in (denied, no_credentials, down)]
         assert retried == [False, False, True], task.name
+
+
+def test_a_tokenizer_file_that_is_the_set_s_own_is_used_and_its_chat_template_is_carried(tmp_path):
+    """kind='file' naming the very tokenizer the set's ids came from was warned about as unused, and the chat
+    template beside it was left out: the released version could not answer /v1/chat/completions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from flows.config import chat_template_of
+    from training import tokenizer as tk
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    own = PipelineConfig(tokenizer=TokenizerConfig(kind="file", path=str(tmp_path / "tokenizer.json")))
+    base = {"uri": "u", "manifest_uri": "m", "train_shards": [], "val_shards": [], "num_train": 0, "num_val": 0}
+    ids = ShardSet(dataset_digest="a" * 32, total_bytes=0, cache_hit=False, **base).model_copy(
+        update={"tokenizer_sha256": tk.fingerprint(tok), "vocab_size": 3, "token_dtype": "<u2"}
+    )
+    assert unused_tokenizer(own, ids) == ""
+    assert chat_template_of(own, discover=True).template  # what the release now carries
+    other = ids.model_copy(update={"tokenizer_sha256": "f" * 64})
+    assert unused_tokenizer(own, other).startswith("tokenizer: kind='file' is not used")
+    missing = PipelineConfig(tokenizer=TokenizerConfig(kind="file", path=str(tmp_path / "gone.json")))
+    assert unused_tokenizer(missing, ids).startswith("tokenizer: kind='file' is not used")
+
+
+def test_every_flow_outlasts_one_attempt_of_each_stage_it_runs_and_its_release_lock_wait():
+    """release-from-shards was bounded at 12 h while its train_fsdp may take 48 h: a long training the pipeline
+    allows was killed by the flow's own timeout."""
+    from deployments.config import CanaryConfig
+    from flows.canary_version import canary_version
+    from flows.pipeline import shardline_pipeline
+    from flows.release import release_from_shards
+    from tasks.retry import TIMEOUT_S
+
+    lock = CanaryConfig().lock_timeout_s
+    assert shardline_pipeline.timeout_seconds >= sum(TIMEOUT_S.values()) + lock
+    assert release_from_shards.timeout_seconds >= sum(TIMEOUT_S.values()) - TIMEOUT_S["shard_dataset"] + lock
+    assert canary_version.timeout_seconds >= TIMEOUT_S["provision_cluster"] + TIMEOUT_S["canary_deploy"] + lock
