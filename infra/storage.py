@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,15 +144,47 @@ def open_read(uri: str, retries: int | None = None) -> IO[bytes]:
     return io.BufferedReader(ResumableReader(uri, open_at, retries), buffer_size=1 << 16)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (/proc), so no other thread's file is ever
+    created under a momentarily cleared umask."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _replace_local(path: Path, fill: Callable[[str], object]) -> None:
+    """Have `fill` write a temp file of this call's own next to `path`, then rename it into place.
+
+    A name of its own (mkstemp), not one per process: two threads writing one path renamed each other's
+    half-written file and a reader saw a torn object. A failed write removes its temp file, which otherwise stayed
+    under the prefix for good. The file gets the mode a plain open() would give it (mkstemp makes it 0600), so
+    other users of shared storage can still read it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+        finally:
+            os.close(fd)
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_bytes(uri: str, data: bytes, retries: int | None = None) -> None:
     """Write (replace) an object; a local file is written to a temp name and renamed into place."""
     loc = parse(uri)
     if loc.scheme == "file":
-        path = Path(loc.key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        _replace_local(Path(loc.key), lambda tmp: Path(tmp).write_bytes(data))
     elif loc.scheme == "s3":
         with_retries(lambda: s3_client().put_object(Bucket=loc.bucket, Key=loc.key, Body=data), uri, retries)
     else:
@@ -159,11 +192,11 @@ def write_bytes(uri: str, data: bytes, retries: int | None = None) -> None:
 
 
 def upload_file(path: str | Path, uri: str, retries: int | None = None) -> None:
-    """Copy a local file to `uri` (single request per attempt; shards are bounded by max_shard_bytes)."""
+    """Copy a local file to `uri` (single request per attempt; shards are bounded by max_shard_bytes). A local
+    target is filled under a temp name and renamed, like write_bytes: a reader never sees half a copy."""
     loc = parse(uri)
     if loc.scheme == "file":
-        Path(loc.key).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, loc.key)
+        _replace_local(Path(loc.key), lambda tmp: shutil.copyfile(path, tmp))
         return
     data = Path(path).read_bytes()
     write_bytes(uri, data, retries)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat as stat_module
+from pathlib import Path
+
 import pytest
 from azure.core.exceptions import HttpResponseError, ResourceNotFoundError, ServiceRequestError
 from botocore.exceptions import ClientError, EndpointConnectionError
@@ -113,3 +118,55 @@ def test_gives_up_after_the_configured_retries(monkeypatch):
     with pytest.raises(storage.StorageError, match="after 4 attempts"):
         storage_retry.with_retries(down, "az://c/k", retries=3)
     assert len(calls) == 4
+
+
+def test_local_writes_of_one_path_do_not_share_a_temp_file(tmp_path, monkeypatch):
+    """Another writer of the same path (another thread) renames its file in between this one's write and rename:
+    with one temp name per process it took this writer's half-written file and this rename failed."""
+    target = str(tmp_path / "index.json")
+    real_replace = os.replace
+    calls = []
+
+    def replace_after_another_writer(src, dst):
+        if not calls:
+            calls.append(src)
+            storage.write_bytes(target, b"B" * 1000)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_another_writer)
+    storage.write_bytes(target, b"A" * 1000)
+    assert storage.read_bytes(target) == b"A" * 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json"]
+
+
+def test_a_failed_local_write_leaves_no_temp_file_and_keeps_the_old_object(tmp_path, monkeypatch):
+    target = tmp_path / "d" / "shard-0.tar"
+    storage.write_bytes(str(target), b"old")
+    assert stat_module.S_IMODE(target.stat().st_mode) == 0o666 & ~_current_umask()  # not mkstemp's 0600
+    real_write = Path.write_bytes
+
+    def disk_full_write(self, data):
+        real_write(self, data[:3])
+        raise OSError(28, "No space left on device")
+
+    def disk_full_copy(src, dst):
+        Path(dst).write_bytes(b"hal")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full_write)
+    with pytest.raises(OSError, match="No space"):
+        storage.write_bytes(str(target), b"new content")
+    monkeypatch.setattr(Path, "write_bytes", real_write)
+    source = tmp_path / "src.bin"
+    source.write_bytes(b"new content")
+    monkeypatch.setattr(shutil, "copyfile", disk_full_copy)
+    with pytest.raises(OSError, match="No space"):
+        storage.upload_file(source, str(target))
+    assert target.read_bytes() == b"old"
+    assert [e.uri for e in storage.list_prefix(str(tmp_path / "d"))] == [str(target)]
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
