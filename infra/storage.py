@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from infra.credentials import azure_service, s3_client
+from infra.redact import redact
 from infra.storage_retry import ResumableReader, StorageError, with_retries
 
 SCHEMES = ("s3", "az")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")  # RFC 3986
 
 
 @dataclass(frozen=True)
@@ -38,21 +41,27 @@ class Entry:
 
 
 def parse(uri: str) -> Location:
-    """Split a URI into scheme, bucket/container and key; a bare path (or file://) is local."""
+    """Split a URI into scheme, bucket/container and key; a bare path (or file://) is local.
+
+    Errors quote the URI only through redact(): a refused URI is often a presigned or user:password@ one pasted
+    from elsewhere (https://key:secret@minio/..., ?X-Amz-Signature=...), and these errors reach logs and the CLI.
+    """
     if "://" not in uri:
         return Location("file", "", uri)
     scheme, rest = uri.split("://", 1)
     if scheme == "file":
         return Location("file", "", rest)
     if scheme not in SCHEMES:
-        raise StorageError(f"{uri}: unsupported scheme {scheme!r} (use a local path, s3:// or az://)")
+        if not _SCHEME.fullmatch(scheme):  # `user:secret@host://...`: not a URI redact() knows, so not quoted
+            raise StorageError("<redacted>: what precedes '://' is not a URI scheme (use a local path, s3:// or az://)")
+        raise StorageError(f"{redact(uri)}: unsupported scheme {scheme!r} (use a local path, s3:// or az://)")
     bucket, _, key = rest.partition("/")
     if "@" in bucket or ":" in bucket:
         raise StorageError(
             f"{scheme}://<redacted>: credentials or endpoints do not belong in URIs; use the environment"
         )
     if not bucket:
-        raise StorageError(f"{uri}: missing bucket/container name")
+        raise StorageError(f"{redact(uri)}: missing bucket/container name")
     return Location(scheme, bucket, key)
 
 
@@ -331,7 +340,7 @@ def copy(src: str, dst: str, retries: int | None = None) -> None:
     """Server-side copy within one store (S3 CopyObject, Azure Copy Blob); local files are copied."""
     s, d = parse(src), parse(dst)
     if s.scheme != d.scheme:
-        raise StorageError(f"{src} -> {dst}: copy across stores is not supported")
+        raise StorageError(f"{redact(src)} -> {redact(dst)}: copy across stores is not supported")
     if s.scheme == "file":
         upload_file(s.key, dst)
     elif s.scheme == "s3":

@@ -170,3 +170,21 @@ def _current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [
+        ("https://AKIAEXAMPLE:hunter2@minio.local/bucket/key", "unsupported scheme 'https'"),
+        ("gs://user:hunter2@bucket/corpus", "unsupported scheme 'gs'"),
+        ("S3://hunter2@bucket/key", "unsupported scheme 'S3'"),
+        ("s3:///key?X-Amz-Signature=hunter2", "missing bucket/container name"),
+        ("az:///k?sv=2022&sig=hunter2", "missing bucket/container name"),
+        ("user:hunter2@host://x", "not a URI scheme"),
+    ],
+)
+def test_refused_uris_are_quoted_without_their_credentials(uri, says):
+    """parse()'s errors reach logs and the CLI (`data.source: ...`): the URI they quote is masked."""
+    with pytest.raises(storage.StorageError) as err:
+        storage.parse(uri)
+    assert says in str(err.value) and "hunter2" not in str(err.value) and "\n" not in str(err.value)
