@@ -175,10 +175,13 @@ WORKER_SECRETS_ENV = "SHARDLINE_WORKER_SECRETS"
 NO_SECRETS = "-"  # the variable's value when there is no file (an empty value may be dropped by Ray)
 # secret by name: too narrow puts an API key in a runtime env Ray logs in clear; too wide keeps a plain setting from
 # a remote cluster's job (only plain settings travel there): AZURE_AUTHORITY_HOST and MLFLOW_TRACKING_AUTH (a plugin
-# name) are plain, PREFECT_API_KEY, PREFECT_API_AUTH_STRING and AZURE_STORAGE_KEY are not
+# name) are plain, PREFECT_API_KEY, PREFECT_API_AUTH_STRING and AZURE_STORAGE_KEY are not; PASSPHRASE is not a
+# PASSWORD (MLFLOW_CRYPTO_KEK_PASSPHRASE, the key to MLflow's encrypted secrets, went to the runtime env in clear)
 _SECRET_NAME = (
     "SECRET",
     "PASSWORD",
+    "PASSPHRASE",
+    "PRIVATE_KEY",
     "TOKEN",
     "ACCESS_KEY",
     "API_KEY",

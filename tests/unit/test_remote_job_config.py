@@ -119,6 +119,7 @@ def test_job_runtime_env_carries_code_and_plain_settings_but_no_secret(monkeypat
     planted = "planted-secret-41d7"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", planted)
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", planted)
+    monkeypatch.setenv("MLFLOW_CRYPTO_KEK_PASSPHRASE", planted)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName=a;AccountKey={planted}")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
     env = job_runtime_env(ClusterConfig(mode="remote", address="http://h:8265"))

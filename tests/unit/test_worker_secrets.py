@@ -67,3 +67,15 @@ def test_files_of_drivers_that_died_are_removed(tmp_path, monkeypatch):
     dead.write_text("{}")
     write_worker_secrets({"K": "v"})
     assert not dead.exists()
+
+
+def test_a_passphrase_or_private_key_is_a_secret_though_not_named_password():
+    plain, secret = split_secrets(
+        {
+            "MLFLOW_CRYPTO_KEK_PASSPHRASE": "correct horse battery staple 42",
+            "SNOWFLAKE_PRIVATE_KEY": "-----BEGIN PRIVATE KEY-----",
+            "MLFLOW_TRACKING_INSECURE_TLS": "false",
+        }
+    )
+    assert sorted(secret) == ["MLFLOW_CRYPTO_KEK_PASSPHRASE", "SNOWFLAKE_PRIVATE_KEY"]
+    assert plain == {"MLFLOW_TRACKING_INSECURE_TLS": "false"}
