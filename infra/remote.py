@@ -13,7 +13,10 @@ from pathlib import Path
 from infra.config import ClusterConfig
 
 SHARED_SCHEMES = ("s3", "az")  # what infra.storage and Ray Train (infra.credentials) both read and write
-SERVER_SCHEMES = ("http", "https", "postgresql", "mysql", "mssql", "databricks")
+SERVER_SCHEMES = ("http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+# MLflow's tracking URIs for Databricks with the default profile carry no '://': in a tracking URI field these are a
+# server, not a relative folder (in train.storage_path a folder named "databricks" is still a local path)
+TRACKING_SERVERS = ("databricks", "databricks-uc")
 
 
 class RemoteConfigError(ValueError):
@@ -66,6 +69,8 @@ def check_remote_config(
         # SQLAlchemy names a driver after the dialect: postgresql+psycopg2:// is a postgresql server
         scheme = value.partition("://")[0].partition("+")[0] if "://" in value else ""
         if scheme in SHARED_SCHEMES or scheme in SERVER_SCHEMES:
+            continue
+        if field.endswith("tracking_uri") and value in TRACKING_SERVERS:
             continue
         path = _local_path(value or default)
         if path is not None and _is_shared(path, cluster.shared_paths):

@@ -64,6 +64,23 @@ def test_object_storage_and_a_tracking_server_pass():
     assert cfg.cluster.job_server
 
 
+@pytest.mark.parametrize("tracking", ["databricks", "databricks-uc", "databricks://prof", "databricks-uc://prof"])
+def test_databricks_tracking_uris_are_servers_not_local_paths(tracking):
+    """MLflow's bare `databricks` and `databricks-uc` name the workspace of the default profile, not a folder."""
+    cfg = load_config(
+        "configs/debug.toml",
+        [
+            *JOB_SERVER,
+            "train.storage_path=s3://bucket/ckpt",
+            "data.output=az://container/shards",
+            f"registry.tracking_uri={tracking}",
+        ],
+    )
+    assert cfg.registry.tracking_uri == tracking
+    # elsewhere the same word is a relative folder on the driver
+    assert "data.output='databricks'" in _error([*JOB_SERVER, "train.storage_path=s3://b/c", "data.output=databricks"])
+
+
 def test_paths_under_a_declared_shared_mount_pass(home):
     cfg = load_config("configs/debug.toml", [*JOB_SERVER, f'cluster.shared_paths=["{home.parent}"]'])
     assert cfg.cluster.shared_paths == [str(home.parent)]
