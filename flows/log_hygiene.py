@@ -26,6 +26,7 @@ def expected_failures() -> tuple[type[BaseException], ...]:
     from flows.config import ConfigError
     from infra.cluster import ClusterError
     from infra.credentials import CredentialsError
+    from infra.remote import RemoteConfigError
     from training.checkpoint import CheckpointError
     from training.data import DataError
     from training.evaluate import GateFailed
@@ -41,6 +42,7 @@ def expected_failures() -> tuple[type[BaseException], ...]:
         LockTimeout,
         CredentialsError,
         ClusterError,
+        RemoteConfigError,
     )
 
 

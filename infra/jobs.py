@@ -111,12 +111,46 @@ def job_folder(storage_root: str, job_id: str) -> str:
     return storage.join(storage_root, "shardline-jobs", job_id)
 
 
+def _credential_in(value: Any, field: str = "") -> tuple[str, str, str] | None:
+    """(field, what, masked value) of the first input value that holds a credential, depth first; None if none."""
+    from infra.redact import find_credential, redact
+
+    if isinstance(value, dict):
+        items: Iterator[tuple[str, Any]] = ((f"{field}.{k}" if field else str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{field}[{i}]", v) for i, v in enumerate(value))
+    else:
+        what = find_credential(value) if isinstance(value, str) else None
+        return (field, what, redact(value)) if what else None
+    for name, item in items:
+        found = _credential_in(item, name)
+        if found:
+            return found
+    return None
+
+
 def submit(
     client: Any, cfg: ClusterConfig, job_id: str, inputs: dict[str, Any], storage_root: str, metadata: dict[str, str]
 ) -> None:
-    """Write the job's inputs next to its result-to-be and submit `python -m training.job_entry <inputs>`."""
-    from infra import storage
+    """Write the job's inputs next to its result-to-be and submit `python -m training.job_entry <inputs>`.
 
+    Raises:
+        infra.remote.RemoteConfigError: an input holds a credential (a postgresql://user:password@ tracking URI from
+            $MLFLOW_TRACKING_URI): inputs.json lies in clear on shared storage every reader of the bucket sees, so
+            nothing is written. The job's workers take credentials from the cluster's environment or from
+            cluster.job_secrets_file (training.job_entry adopts that file before it reads its inputs).
+    """
+    from infra import storage
+    from infra.remote import RemoteConfigError
+
+    found = _credential_in(inputs)
+    if found:
+        field, what, shown = found
+        raise RemoteConfigError(
+            f"job input {field}={shown!r} holds {what}, and the job's inputs are stored in clear on shared storage; "
+            "drop the credential from it and give it to the cluster's own environment or cluster.job_secrets_file "
+            "(PostgreSQL reads PGUSER and PGPASSWORD)"
+        )
     inputs_uri = storage.join(job_folder(storage_root, job_id), "inputs.json")
     storage.write_bytes(inputs_uri, json.dumps(inputs, sort_keys=True).encode())
     deadline = time.monotonic() + SUBMIT_WAIT_S

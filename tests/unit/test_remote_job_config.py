@@ -179,3 +179,42 @@ def test_a_database_tracking_uri_from_the_environment_passes_with_its_driver_and
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "mysqlx://u:hunter2@db/mlflow")  # not a server MLflow speaks
     message = _error([*JOB_SERVER, *stored])
     assert "registry.tracking_uri='mysqlx://u:***@db/mlflow'" in message and "hunter2" not in message
+
+
+class _RecordingJobClient:
+    def __init__(self):
+        self.submitted = []
+
+    def submit_job(self, **kw):
+        self.submitted.append(kw)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "field"),
+    [
+        ({"tracking_uri": "postgresql://mlflow:hunter2@db:5432/mlflow", "train_run_id": "r1"}, "tracking_uri"),
+        ({"tracking_uri": "http://m:5000", "worker_env": {"HF_ENDPOINT": "https://x/?token=hunter2"}}, "worker_env."),
+        ({"shards": {"train_shards": ["s3://b/s-0.tar?X-Amz-Signature=hunter2"]}}, "shards.train_shards[0]"),
+    ],
+)
+def test_a_job_input_holding_a_credential_is_refused_and_never_written(tmp_path, inputs, field):
+    """inputs.json lies in clear on shared storage: a password from $MLFLOW_TRACKING_URI must not be put there."""
+    from flows.log_hygiene import is_expected
+    from infra.config import ClusterConfig
+    from infra.jobs import job_folder, submit
+    from infra.remote import RemoteConfigError
+
+    client = _RecordingJobClient()
+    cluster = ClusterConfig(mode="remote", address="http://head:8265")
+    with pytest.raises(RemoteConfigError) as err:
+        submit(client, cluster, "job1", inputs, str(tmp_path), {})
+    message = str(err.value)
+    assert f"job input {field}" in message and "cluster.job_secrets_file" in message
+    assert "hunter2" not in message and len(message.splitlines()) == 1
+    assert not (tmp_path / "shardline-jobs").exists() and not client.submitted
+    assert is_expected(err.value) and isinstance(err.value, ValueError)  # one line in the logs, not retried
+    # without the credential the same inputs are written and the job submitted
+    submit(client, cluster, "job2", {"tracking_uri": "postgresql://db/mlflow"}, str(tmp_path), {})
+    written = json.loads((tmp_path / "shardline-jobs" / "job2" / "inputs.json").read_text())
+    assert written == {"tracking_uri": "postgresql://db/mlflow"} and len(client.submitted) == 1
+    assert job_folder(str(tmp_path), "job2").endswith("job2")
