@@ -236,7 +236,7 @@ def stat(uri: str, retries: int | None = None) -> Entry | None:
     loc = parse(uri)
     if loc.scheme == "file":
         path = Path(loc.key)
-        return _file_entry(path) if path.is_file() else None
+        return _file_entry(path, join(uri)) if path.is_file() else None
     if not loc.key:
         return None  # a bucket or container is never an object
 
@@ -260,21 +260,25 @@ def file_stamp(st: os.stat_result) -> str:
     return f"{st.st_mtime_ns}-{st.st_ctime_ns}"
 
 
-def _file_entry(path: Path) -> Entry:
+def _file_entry(path: Path, uri: str) -> Entry:
     st = path.stat()
-    return Entry(str(path), st.st_size, file_stamp(st))
+    return Entry(uri, st.st_size, file_stamp(st))
 
 
 def list_prefix(uri: str, retries: int | None = None) -> list[Entry]:
-    """Every object under `uri` (recursively, sorted by URI); [] when there are none."""
+    """Every object under `uri` (recursively, sorted by URI); [] when there are none.
+
+    Each entry is named `join(uri, name under it)`, for local files too: str(Path) dropped file:// and a leading
+    ./, so `join(base, name) in listing` failed and a shard set could not be opened by its file:// URI.
+    """
     loc = parse(uri)
     if loc.scheme == "file":
         root = Path(loc.key)
         if root.is_file():
-            return [_file_entry(root)]
+            return [_file_entry(root, join(uri))]
         if not root.is_dir():
             return []
-        found = [_file_entry(p) for p in root.rglob("*") if p.is_file()]
+        found = [_file_entry(p, join(uri, p.relative_to(root).as_posix())) for p in root.rglob("*") if p.is_file()]
         return sorted(found, key=lambda e: e.uri)
     prefix = loc.key.rstrip("/") + "/" if loc.key else ""
     base = f"{loc.scheme}://{loc.bucket}/"

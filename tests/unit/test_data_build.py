@@ -26,6 +26,14 @@ def _files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.name != "validation.json"}
 
 
+def test_a_local_shard_set_loads_by_its_file_uri_and_a_relative_path(tmp_path, monkeypatch):
+    """Verifying a set looks its shards up as join(set URI, name) in the listing of the set's folder."""
+    built = build_shards(config(make_corpus(tmp_path / "corpus"), tmp_path / "out"))
+    assert load_shard_set(f"file://{built.uri}", verify="sha256").num_train == built.num_train
+    monkeypatch.chdir(tmp_path)
+    assert load_shard_set("./" + str(Path(built.uri).relative_to(tmp_path))).num_train == built.num_train
+
+
 def test_split_is_seeded_and_order_free():
     keys = [f"k{i}" for i in range(2000)]
     first = {k: assign_split(k, 7, 0.2) for k in keys}

@@ -188,3 +188,13 @@ def test_refused_uris_are_quoted_without_their_credentials(uri, says):
     with pytest.raises(storage.StorageError) as err:
         storage.parse(uri)
     assert says in str(err.value) and "hunter2" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_local_listing_names_entries_as_join_does(tmp_path, monkeypatch):
+    """Entries are `join(uri, name)`: `join(base, name) in listing` holds for file:// and ./relative bases too."""
+    monkeypatch.chdir(tmp_path)
+    for base in (f"file://{tmp_path}/store", "./rel", "rel/"):
+        storage.write_bytes(storage.join(base, "d/x.bin"), b"abc")
+        assert [e.uri for e in storage.list_prefix(base)] == [storage.join(base, "d/x.bin")]
+        one = storage.join(base, "d/x.bin")
+        assert [e.uri for e in storage.list_prefix(one)] == [one] and storage.stat(one).uri == one
