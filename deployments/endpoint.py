@@ -258,7 +258,7 @@ def _move_behind_gateway(
     if state is None or not state.get("config"):
         raise EndpointConflict(
             f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
-            "not answer; remove it with `shardline serve --down` for its model"
+            "not answer; remove it with `shardline serve --stop` for its model"
         )
     log.info("moving %s behind the gateway", app_name)
     router = RouterConfig.model_validate(state["config"]).model_copy(update={"gateway": gateway_name(serve)})

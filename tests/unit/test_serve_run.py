@@ -48,3 +48,24 @@ def test_any_other_error_is_raised_at_once():
     with pytest.raises(RuntimeError, match="replica failed"):
         serve_run(build, "shardline-x", None)
     assert calls == [1]
+
+
+# ---- the endpoint's control side (deployments/endpoint.py) with Serve replaced by a dict of applications ----
+
+
+def test_an_unanswering_holder_of_the_prefix_names_the_flag_that_removes_it(monkeypatch):
+    """The conflict tells the operator what to run: the command it names must be one the CLI takes."""
+    import re
+
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.gateway_control import EndpointConflict
+    from flows.cli.root import build_parser
+
+    monkeypatch.setattr(endpoint, "read_state", lambda app: None)
+    with pytest.raises(EndpointConflict, match="held by 'shardline-old'") as raised:
+        endpoint._move_behind_gateway("shardline-old", ServeConfig(), "sqlite:///x.db", None)
+    command = re.search(r"`shardline ([^`]+)`", str(raised.value))
+    assert command is not None and "\n" not in str(raised.value)
+    args = build_parser().parse_args(command.group(1).split())  # an unknown flag exits 2
+    assert args.command == "serve" and args.stop
