@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.redact import find_credential
 
+# the smallest request body around a prompt ({"prompt":""}): a prompt whose body cannot fit in serve.max_request_bytes
+# gets the body's 413 before serve.max_prompt_bytes is ever looked at
+PROMPT_ENVELOPE_BYTES = len(b'{"prompt":""}')
 # what a registered model name may not hold: MLflow's own refusals (/ :), its filter strings' quotes and escape
 # (' " ` \\) and a models:/ URI's query mark (?)
 _MODEL_NAME_REFUSED = ("'", '"', "`", "\\", "/", ":", "?")
@@ -144,7 +147,11 @@ class ServeConfig(BaseModel):
         gt=0,
         description="A request body not received whole within this gets 408 (a trickling client).",
     )
-    max_prompt_bytes: int = Field(4096, ge=1, description="Largest prompt or scored text, in UTF-8 bytes.")
+    max_prompt_bytes: int = Field(
+        4096,
+        ge=1,
+        description="Largest prompt or scored text, in UTF-8 bytes; at least 14 under serve.max_request_bytes.",
+    )
     max_tokens_cap: int = Field(256, ge=1, description="Largest max_tokens a completion request may ask for.")
     chat_template: str = Field(
         "",
@@ -219,6 +226,19 @@ class ServeConfig(BaseModel):
         if not prefix.startswith("/") or (len(prefix) > 1 and prefix.endswith("/")):
             raise ValueError(f"serve.route_prefix must start with '/' and not end with one, got {prefix!r}")
         return prefix
+
+    @model_validator(mode="after")
+    def _prompt_limit_fits_the_body_limit(self) -> ServeConfig:
+        # a prompt one byte over max_prompt_bytes must still arrive in a body the gateway reads, or its 400 (which
+        # says which limit) never answers: every prompt past the body limit is a bare 413 instead
+        most = self.max_request_bytes - PROMPT_ENVELOPE_BYTES - 1
+        if self.max_prompt_bytes > most:
+            raise ValueError(
+                f"serve.max_prompt_bytes={self.max_prompt_bytes} does not fit in serve.max_request_bytes="
+                f"{self.max_request_bytes}: a longer prompt gets the body's 413, never its own 400; set "
+                f"serve.max_prompt_bytes to at most {most} or raise serve.max_request_bytes"
+            )
+        return self
 
 
 class PromQLGate(BaseModel):

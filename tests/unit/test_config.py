@@ -180,6 +180,20 @@ def test_serve_section_overrides():
         load_config(None, ["canary.min_paired=1"])  # one pair has no spread to bound
 
 
+def test_a_prompt_limit_the_body_limit_leaves_no_room_for_is_refused_naming_both():
+    """A prompt one byte over serve.max_prompt_bytes in the smallest body ({"prompt":"..."}) must fit in
+    serve.max_request_bytes, or the prompt's own 400 never answers (every such request is a 413)."""
+    for overrides in (["serve.max_prompt_bytes=65536"], ["serve.max_request_bytes=4096"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        assert "serve.max_prompt_bytes=" in str(e.value) and "serve.max_request_bytes=" in str(e.value)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="at most 65522"):
+        load_config(None, ["serve.max_prompt_bytes=65523"])
+    fits = load_config(None, ["serve.max_prompt_bytes=65522"]).serve  # a 65523-byte prompt: 65536-byte body, a 400
+    assert len(b'{"prompt":""}') + fits.max_prompt_bytes + 1 == fits.max_request_bytes
+
+
 def test_canary_steps_must_ascend():
     with pytest.raises(ConfigError, match="canary.steps"):
         load_config(None, ["canary.steps=[50, 10]"])
