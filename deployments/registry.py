@@ -347,6 +347,24 @@ def mark_serving(client: Any, name: str, gateway: str, error: str = "") -> None:
         client.delete_registered_model_tag(name, TAG_SERVE_ERROR)
 
 
+def unmark_serving(client: Any, name: str) -> bool:
+    """Forget that a gateway serves the model (its served-by tag and last serving error): `shardline serve --stop`
+    removed its application, and a model still marked would be served again by the next `shardline serve` of any
+    other model (serving.reconcile_others). False when there was no mark (or no such model)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = client.get_registered_model(name).tags or {}
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    for tag in (TAG_SERVED_BY, TAG_SERVE_ERROR):
+        if tag in tags:
+            client.delete_registered_model_tag(name, tag)
+    return TAG_SERVED_BY in tags
+
+
 def served_champions(client: Any, gateway: str | None = None) -> dict[str, dict[str, str]]:
     """Models marked as served (by `gateway`, or by any) that have a champion: name -> {"champion", "error"}."""
     out = {}

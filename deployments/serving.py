@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any
 
 from deployments.config import ServeConfig
 from deployments.http_io import TOKEN_SPACE
+
+log = logging.getLogger(__name__)
 
 
 def api_token(serve: ServeConfig) -> str:
@@ -138,7 +141,9 @@ def reconcile_others(
 def serve_down(config: Any) -> dict[str, Any]:
     """Remove the model's application; stop the local Ray head if this $SHARDLINE_HOME started one.
 
-    On a remote cluster only the application is removed: Serve itself and other applications stay.
+    On a remote cluster only the application is removed: Serve itself and other applications stay. The model is
+    no longer marked as served in the registry, or the next `shardline serve` of another model would serve it
+    again (reconcile_others); a registry that does not answer leaves the mark (`unmarked` False, a warning).
     """
     from infra.head import read_head, stop_head
 
@@ -155,6 +160,29 @@ def serve_down(config: Any) -> dict[str, Any]:
             removed = remove(config.serve, config.registry.model_name)
         finally:
             teardown(info)
+    unmarked = _unmark(config)
     if config.cluster.mode != "remote":
         head_stopped = stop_head()
-    return {"app_removed": removed, "head_stopped": head_stopped}
+    return {"app_removed": removed, "head_stopped": head_stopped, "unmarked": unmarked}
+
+
+def _unmark(config: Any) -> bool:
+    """Drop the model's served-by mark; False when the registry did not answer (logged with why: the application is
+    removed all the same, and `shardline serve --stop` again drops the mark once it answers)."""
+    from deployments.registry import client_for, unmark_serving
+    from infra.redact import first_line
+    from infra.tracking import resolve_tracking_uri
+
+    name = config.registry.model_name
+    try:
+        unmark_serving(client_for(resolve_tracking_uri(config.registry.tracking_uri)), name)
+    except Exception as e:  # noqa: BLE001 - the registry down: removing the application still stands
+        log.warning(
+            "%s stays marked as served in the registry (%s: %s): the next `shardline serve` of another model "
+            "serves it again; run `shardline serve --stop` again once the registry answers",
+            name,
+            type(e).__name__,
+            first_line(e),
+        )
+        return False
+    return True

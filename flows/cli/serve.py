@@ -29,7 +29,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out), flush=True)
     elif args.stop:
-        print(f"application removed: {out['app_removed']}; local Ray head stopped: {out['head_stopped']}")
+        print(
+            f"application removed: {out['app_removed']}; local Ray head stopped: {out['head_stopped']}; "
+            f"unmarked as served in the registry: {out['unmarked']}"
+        )
     elif out["champion"] is None:
         print(f"{config.registry.model_name} has no champion yet: nothing to serve (run the pipeline first)")
     else:

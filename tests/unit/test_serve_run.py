@@ -69,3 +69,118 @@ def test_an_unanswering_holder_of_the_prefix_names_the_flag_that_removes_it(monk
     assert command is not None and "\n" not in str(raised.value)
     args = build_parser().parse_args(command.group(1).split())  # an unknown flag exits 2
     assert args.command == "serve" and args.stop
+
+
+class FakeServe:
+    """Ray Serve as the control side sees it: applications by name, each with its router's config and the versions
+    it has a deployment for. `apply` deploys what it is given at once; deleting an application is recorded."""
+
+    def __init__(self) -> None:
+        self.apps: dict[str, dict] = {}
+        self.versions: dict[str, list[str]] = {}
+        self.deleted: list[str] = []
+
+    def apply(self, spec, serve, runtime_env=None, timeout_s=300.0) -> None:
+        self.apps[spec.app_name] = spec.router.model_dump()
+        self.versions[spec.app_name] = sorted(spec.versions)
+
+    def delete(self, name: str, _blocking: bool = True) -> None:
+        self.deleted.append(name)
+        self.apps.pop(name, None)
+        self.versions.pop(name, None)
+
+
+@pytest.fixture
+def fake_serve(monkeypatch) -> FakeServe:
+    import types
+
+    import ray.serve
+
+    from deployments import endpoint
+
+    fake = FakeServe()
+    state = lambda app: {"config": fake.apps[app], "inflight": {}} if app in fake.apps else None  # noqa: E731
+    monkeypatch.setattr(endpoint, "read_state", state)
+    monkeypatch.setattr(endpoint, "served_versions", lambda app: fake.versions.get(app, []))
+    monkeypatch.setattr(endpoint, "apply", fake.apply)
+    monkeypatch.setattr(endpoint, "drain", lambda *a: None)
+    monkeypatch.setattr(endpoint, "prefix_holder", lambda serve: None)
+    monkeypatch.setattr(endpoint, "ensure_gateway", lambda *a: "shardline-gateway")
+    monkeypatch.setattr(endpoint, "endpoint_url", lambda serve: "http://127.0.0.1:8000")
+    monkeypatch.setattr(endpoint, "drop_stale_serve_client", lambda: None)
+    monkeypatch.setattr(endpoint, "remove_gateway_if_unused", lambda serve: False)
+    monkeypatch.setattr(ray.serve, "status", lambda: types.SimpleNamespace(applications=dict.fromkeys(fake.apps)))
+    monkeypatch.setattr(ray.serve, "delete", fake.delete)
+    return fake
+
+
+def _champions(uri: str, *names: str) -> None:
+    """Each model registered with version 1 as its champion."""
+    from deployments.registry import client_for
+
+    client = client_for(uri)
+    for name in names:
+        client.create_registered_model(name)
+        client.create_model_version(name, source="/tmp/nowhere")
+        client.set_registered_model_alias(name, "champion", "1")
+
+
+def _cli_config(uri: str, model: str, serve=None):
+    """What serve_down reads of a loaded config, on a remote cluster already connected (nothing to start or stop)."""
+    import types
+
+    from deployments.config import ServeConfig
+
+    return types.SimpleNamespace(
+        cluster=types.SimpleNamespace(mode="remote"),
+        serve=serve or ServeConfig(),
+        registry=types.SimpleNamespace(model_name=model, tracking_uri=uri),
+    )
+
+
+def test_serve_stop_of_a_model_is_not_undone_by_serving_another(mlflow_store, fake_serve, monkeypatch):
+    """`shardline serve --stop` for A, then `shardline serve` for B: B's run serves every other model still marked
+    as served; A must no longer be, or its application comes straight back."""
+    import ray
+
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.registry import client_for, served_champions
+    from deployments.serving import reconcile_others, serve_down
+    from infra.names import TAG_SERVE_ERROR, TAG_SERVED_BY
+
+    uri, _ = mlflow_store
+    _champions(uri, "A", "B")
+    serve = ServeConfig()
+    endpoint.reconcile(serve, "A", uri)
+    endpoint.reconcile(serve, "B", uri)
+    client_for(uri).set_registered_model_tag("A", TAG_SERVE_ERROR, "EndpointError: an earlier failure")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+
+    out = serve_down(_cli_config(uri, "A", serve))
+    assert out == {"app_removed": True, "head_stopped": False, "unmarked": True}
+    tags = client_for(uri).get_registered_model("A").tags
+    assert TAG_SERVED_BY not in tags and TAG_SERVE_ERROR not in tags
+    assert list(served_champions(client_for(uri))) == ["B"]
+    assert reconcile_others(serve, "B", uri, "", None) == {}
+    assert sorted(fake_serve.apps) == ["shardline-B"]
+    assert serve_down(_cli_config(uri, "A", serve))["unmarked"]  # again: nothing to remove, nothing marked
+    assert serve_down(_cli_config(uri, "never-registered", serve))["unmarked"]
+
+
+def test_a_registry_that_does_not_answer_leaves_the_mark_and_says_so(mlflow_store, fake_serve, monkeypatch, caplog):
+    import ray
+
+    from deployments import registry
+    from deployments.serving import serve_down
+
+    uri, _ = mlflow_store
+
+    def down(client, name):
+        raise ConnectionError("connection refused\nand a second line")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(registry, "unmark_serving", down)
+    assert serve_down(_cli_config(uri, "A"))["unmarked"] is False
+    warned = [r.getMessage() for r in caplog.records if "stays marked as served" in r.getMessage()]
+    assert len(warned) == 1 and "ConnectionError: connection refused" in warned[0] and "\n" not in warned[0]
