@@ -130,7 +130,8 @@ class ServeConfig(BaseModel):
     app_name: str = Field(
         "",
         description="Serve application of this model (behind the gateway); empty derives "
-        "'shardline-<registry.model_name>'. A name not starting with 'shardline-' is refused.",
+        "'shardline-<registry.model_name>' (characters Serve refuses replaced, and a hash of the name added when any "
+        "were). A name not starting with 'shardline-' is refused.",
     )
     gateway_replicas: int = Field(1, ge=1, description="Replicas of the gateway (the HTTP ingress of every model).")
     max_queued_requests: int = Field(

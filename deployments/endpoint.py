@@ -13,6 +13,7 @@ Ray must be initialised (the driver is connected to the cluster) before any of t
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel
 from deployments.config import ServeConfig
 from deployments.gateway_control import (
     GATEWAY_APP,
+    MODEL_APP_PREFIX,
     QUIET,
     EndpointConflict,
     drop_stale_serve_client,
@@ -188,6 +190,7 @@ def reconcile(
     if champion is None:
         return Reconciled(app_name=app_name, url="", champion=None, action="no champion in the registry")
     state = read_state(app_name)
+    _refuse_another_models(app_name, state, model_name)
     current = state["config"] if state else None
     existing = served_versions(app_name) if state else []
     target = router_config(serve, model_name, champion, token_sha256)
@@ -218,6 +221,7 @@ def reconcile(
         mark_serving(client, model_name, gateway_name(serve), f"{type(e).__name__}: {e}")
         raise
     mark_serving(client, model_name, gateway_name(serve))
+    _retire_unhashed_app(serve, model_name)
     return Reconciled(
         app_name=app_name,
         url=endpoint_url(serve),
@@ -225,6 +229,18 @@ def reconcile(
         removed=stale,
         action=action + (f"; removed {', '.join('v' + v for v in stale)}" if stale else ""),
     )
+
+
+def _refuse_another_models(app_name: str, state: dict[str, Any] | None, model_name: str) -> None:
+    """EndpointConflict when the application's router serves another model: acting on it would replace that model's
+    versions with this one's, or delete them (serve.app_name set to another model's application, or a model whose
+    name is another's application name with its hash)."""
+    other = ((state or {}).get("config") or {}).get("model_name")
+    if other is not None and other != model_name:
+        raise EndpointConflict(
+            f"application {app_name!r} serves model {other!r}, not registry.model_name={model_name!r}; "
+            "set serve.app_name to an application of its own"
+        )
 
 
 def _serve_champion(
@@ -243,7 +259,14 @@ def _serve_champion(
     else:
         apply(spec, serve, runtime_env)
         action = f"serving v{champion} at 100%"
-    if holder is not None and holder != app_name:
+    if holder is not None and holder.startswith(GATEWAY_APP):
+        # the gateway of an older shardline on this prefix, named before a prefix changed by serve_safe got its
+        # hash: it gives the prefix up to this one's (the models behind it move as each is reconciled)
+        from ray import serve as rs
+
+        log.warning("replacing %s on %s by %s", holder, serve.route_prefix, gateway_name(serve))
+        rs.delete(holder, _blocking=True)
+    elif holder is not None and holder != app_name:
         _move_behind_gateway(holder, serve, spec.tracking_uri, runtime_env)
     ensure_gateway(serve, token_sha256, runtime_env)
     return action
@@ -269,15 +292,36 @@ def _move_behind_gateway(
     )
 
 
+def _retire_unhashed_app(serve: ServeConfig, model_name: str) -> bool:
+    """Delete this model's application under the name an older shardline gave it, 'shardline-' and its name with
+    the characters Serve dislikes replaced but no hash (serve_build.app_name_for), when its router serves this
+    model: the gateway would see the model twice. Another model's application of that name is left alone."""
+    from ray import serve as rs
+
+    old = MODEL_APP_PREFIX + re.sub(r"[^A-Za-z0-9_-]", "-", model_name)
+    if serve.app_name or old == app_name_for(serve, model_name):
+        return False
+    state = read_state(old)
+    if state is None or (state.get("config") or {}).get("model_name") != model_name:
+        return False
+    log.info("removing %s, %s's application under its name before the hash", old, model_name)
+    rs.delete(old, _blocking=True)
+    return True
+
+
 def remove(serve: ServeConfig, model_name: str) -> bool:
-    """Delete this model's application, and the gateway once no model is left behind it (never Serve itself or an
-    application shardline did not start)."""
+    """Delete this model's application, and the gateway once no model is left behind it (never Serve itself, an
+    application shardline did not start, or one whose router serves another model: EndpointConflict)."""
     from ray import serve as rs
 
     app_name = app_name_for(serve, model_name)
     drop_stale_serve_client()
+    retired = _retire_unhashed_app(serve, model_name)
     if app_name not in rs.status().applications:
-        return False
+        if retired:
+            remove_gateway_if_unused(serve)
+        return retired
+    _refuse_another_models(app_name, read_state(app_name), model_name)
     rs.delete(app_name, _blocking=True)
     remove_gateway_if_unused(serve)
     return True

@@ -8,6 +8,7 @@ start, or a port held by a process that is not Ray Serve, is an EndpointConflict
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
@@ -36,10 +37,20 @@ class EndpointConflict(ValueError):
     """The endpoint's route prefix or port is held by something shardline did not start (one line; not retried)."""
 
 
+def serve_safe(name: str) -> str:
+    """`name` with the characters Serve dislikes in an application's name replaced, and, where that changed it,
+    a short hash of `name` appended: 'team.gpt' and 'team gpt' would both read 'team-gpt', the name of another
+    model (the route prefixes '/a/b' and '/a-b' likewise), and each would take over or delete the other's
+    application. A name that needed no change is kept as it is, as shardline always named it."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    return safe if safe == name else f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def gateway_name(serve: ServeConfig) -> str:
-    """'shardline-gateway' on the prefix '/', 'shardline-gateway-<prefix>' on another."""
+    """'shardline-gateway' on the prefix '/', 'shardline-gateway-<prefix>' on another (serve_safe: '/' within a
+    prefix adds a hash)."""
     prefix = serve.route_prefix.strip("/")
-    return GATEWAY_APP + ("-" + re.sub(r"[^A-Za-z0-9_-]", "-", prefix) if prefix else "")
+    return GATEWAY_APP + ("-" + serve_safe(prefix) if prefix else "")
 
 
 def is_shardline_app(name: str) -> bool:

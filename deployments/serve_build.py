@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from typing import Any
 
 from pydantic import BaseModel
 
 from deployments.code_files import code_hash
 from deployments.config import ServeConfig
-from deployments.gateway_control import gateway_name
+from deployments.gateway_control import MODEL_APP_PREFIX, gateway_name, serve_safe
 from deployments.router_config import ROUTER, RouterConfig
 
 # the modules whose classes run in a model application's replicas (deployments/code_files.py follows their imports)
@@ -34,8 +33,9 @@ class AppSpec(BaseModel):
 
 
 def app_name_for(serve: ServeConfig, model_name: str) -> str:
-    """`serve.app_name`, or 'shardline-<model name>' with characters Serve dislikes replaced."""
-    return serve.app_name or "shardline-" + re.sub(r"[^A-Za-z0-9_-]", "-", model_name)
+    """`serve.app_name`, or 'shardline-<model name>', with a hash of the name where characters Serve dislikes were
+    replaced (gateway_control.serve_safe): 'team.gpt' and 'team-gpt' are two models, with two applications."""
+    return serve.app_name or MODEL_APP_PREFIX + serve_safe(model_name)
 
 
 def code_version(tracking_uri: str, serve: ServeConfig) -> str:

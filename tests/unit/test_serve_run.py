@@ -184,3 +184,83 @@ def test_a_registry_that_does_not_answer_leaves_the_mark_and_says_so(mlflow_stor
     assert serve_down(_cli_config(uri, "A"))["unmarked"] is False
     warned = [r.getMessage() for r in caplog.records if "stays marked as served" in r.getMessage()]
     assert len(warned) == 1 and "ConnectionError: connection refused" in warned[0] and "\n" not in warned[0]
+
+
+def test_names_serve_rewrites_get_a_hash_and_names_it_keeps_stay_as_they_were():
+    """Two models (or route prefixes) whose names read alike once Serve's characters are replaced have two
+    applications; a name that needed no change keeps the application name every earlier shardline gave it."""
+    from deployments.config import ServeConfig
+    from deployments.gateway_control import gateway_name
+    from deployments.serve_build import app_name_for
+
+    serve = ServeConfig()
+    assert app_name_for(serve, "shardline-gpt") == "shardline-shardline-gpt"
+    assert app_name_for(serve, "team-gpt") == "shardline-team-gpt"
+    names = {app_name_for(serve, m) for m in ("team.gpt", "team-gpt", "team gpt", "team/gpt", "team_gpt")}
+    assert len(names) == 5 and all(n.startswith("shardline-team") for n in names)
+    assert app_name_for(ServeConfig(app_name="shardline-prod"), "team.gpt") == "shardline-prod"
+    assert gateway_name(ServeConfig()) == "shardline-gateway"
+    assert gateway_name(ServeConfig(route_prefix="/a-b")) == "shardline-gateway-a-b"
+    prefixes = ("/a/b", "/a-b", "/a.b", "/a b")
+    assert len({gateway_name(ServeConfig(route_prefix=p)) for p in prefixes}) == len(prefixes)
+
+
+def test_one_model_never_takes_over_or_removes_an_application_serving_another(mlflow_store, fake_serve):
+    """serve.app_name set to another model's application, or an application under a name an older shardline gave
+    another model: reconcile and remove refuse it in one line naming both models, and it keeps serving."""
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.gateway_control import EndpointConflict
+
+    uri, _ = mlflow_store
+    _champions(uri, "team.gpt", "team-gpt")
+    serve = ServeConfig()
+    endpoint.reconcile(serve, "team.gpt", uri)
+    endpoint.reconcile(serve, "team-gpt", uri)
+    assert sorted(fake_serve.apps) == ["shardline-team-gpt", "shardline-team-gpt-b2e3a34e"]
+    assert {a: c["model_name"] for a, c in fake_serve.apps.items()} == {
+        "shardline-team-gpt": "team-gpt",
+        "shardline-team-gpt-b2e3a34e": "team.gpt",
+    }
+    taken = ServeConfig(app_name="shardline-team-gpt")
+    for act in (lambda: endpoint.reconcile(taken, "team.gpt", uri), lambda: endpoint.remove(taken, "team.gpt")):
+        with pytest.raises(EndpointConflict) as e:
+            act()
+        assert str(e.value) == (
+            "application 'shardline-team-gpt' serves model 'team-gpt', not registry.model_name='team.gpt'; "
+            "set serve.app_name to an application of its own"
+        )
+    assert fake_serve.apps["shardline-team-gpt"]["model_name"] == "team-gpt" and fake_serve.deleted == []
+    assert endpoint.remove(serve, "team.gpt") and fake_serve.deleted == ["shardline-team-gpt-b2e3a34e"]
+
+
+def test_a_model_s_application_under_its_name_before_the_hash_is_replaced_not_kept_beside(mlflow_store, fake_serve):
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.serve_build import router_config
+
+    uri, _ = mlflow_store
+    _champions(uri, "team.gpt")
+    serve = ServeConfig()
+    fake_serve.apps["shardline-team-gpt"] = router_config(serve, "team.gpt", "1").model_dump()  # an older shardline's
+    fake_serve.versions["shardline-team-gpt"] = ["1"]
+    endpoint.reconcile(serve, "team.gpt", uri)
+    assert sorted(fake_serve.apps) == ["shardline-team-gpt-b2e3a34e"] and fake_serve.deleted == ["shardline-team-gpt"]
+    fake_serve.apps["shardline-team-gpt"] = router_config(serve, "team.gpt", "1").model_dump()
+    assert endpoint.remove(serve, "team.gpt") and fake_serve.apps == {}  # `serve --stop` removes both
+
+
+def test_an_older_shardline_s_gateway_on_the_prefix_gives_it_up_to_the_hashed_one(
+    mlflow_store, fake_serve, monkeypatch
+):
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+
+    uri, _ = mlflow_store
+    _champions(uri, "m")
+    serve = ServeConfig(route_prefix="/team/a")
+    monkeypatch.setattr(endpoint, "prefix_holder", lambda s: "shardline-gateway-team-a")
+    fake_serve.apps["shardline-gateway-team-a"] = {}
+    endpoint.reconcile(serve, "m", uri)
+    assert fake_serve.deleted == ["shardline-gateway-team-a"]
+    assert fake_serve.apps["shardline-m"]["gateway"] == "shardline-gateway-team-a-65f838a2"
