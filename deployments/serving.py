@@ -138,29 +138,44 @@ def reconcile_others(
     return out
 
 
-def serve_down(config: Any) -> dict[str, Any]:
+def serve_down(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
     """Remove the model's application; stop the local Ray head if this $SHARDLINE_HOME started one.
 
     On a remote cluster only the application is removed: Serve itself and other applications stay. The model is
     no longer marked as served in the registry, or the next `shardline serve` of another model would serve it
     again (reconcile_others); a registry that does not answer leaves the mark (`unmarked` False, a warning).
-    """
-    from infra.head import read_head, stop_head
+    Both under the model's release lock: a canary or promotion in progress owns the application (removing it
+    mid-ramp would fail that release on an application that vanished, or be undone by its promotion).
 
+    Raises:
+        EndpointError: a release of the model holds its lock beyond `wait_for_lock_s`; nothing was removed.
+    """
+    from deployments.endpoint import EndpointError
+    from deployments.release_lock import LockTimeout, release_lock
+    from infra.head import read_head, stop_head
+    from infra.tracking import resolve_tracking_uri
+
+    name = config.registry.model_name
     removed = False
     head_stopped = False
-    if config.cluster.mode == "remote" or read_head() is not None:
-        import ray
+    try:
+        with release_lock(name, resolve_tracking_uri(config.registry.tracking_uri), wait_for_lock_s):
+            if config.cluster.mode == "remote" or read_head() is not None:
+                import ray
 
-        from deployments.endpoint import remove
-        from infra.cluster import provision, teardown
+                from deployments.endpoint import remove
+                from infra.cluster import provision, teardown
 
-        info = provision(config.cluster) if not ray.is_initialized() else None
-        try:
-            removed = remove(config.serve, config.registry.model_name)
-        finally:
-            teardown(info)
-    unmarked = _unmark(config)
+                info = provision(config.cluster) if not ray.is_initialized() else None
+                try:
+                    removed = remove(config.serve, name)
+                finally:
+                    teardown(info)
+            unmarked = _unmark(config)
+    except LockTimeout:
+        raise EndpointError(
+            f"a release of {name} is in progress (its canary or promotion); try again when it ends"
+        ) from None
     if config.cluster.mode != "remote":
         head_stopped = stop_head()
     return {"app_removed": removed, "head_stopped": head_stopped, "unmarked": unmarked}

@@ -264,3 +264,28 @@ def test_an_older_shardline_s_gateway_on_the_prefix_gives_it_up_to_the_hashed_on
     endpoint.reconcile(serve, "m", uri)
     assert fake_serve.deleted == ["shardline-gateway-team-a"]
     assert fake_serve.apps["shardline-m"]["gateway"] == "shardline-gateway-team-a-65f838a2"
+
+
+def test_serve_stop_waits_for_a_release_in_progress_and_then_refuses_in_one_line(mlflow_store, fake_serve, monkeypatch):
+    """A canary mid-ramp holds the model's release lock: `serve --stop` removed its application under it."""
+    import ray
+
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.endpoint import EndpointError
+    from deployments.registry import client_for
+    from deployments.release_lock import release_lock
+    from deployments.serving import serve_down
+    from infra.names import TAG_SERVED_BY
+
+    uri, _ = mlflow_store
+    _champions(uri, "m")
+    endpoint.reconcile(ServeConfig(), "m", uri)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    with release_lock("m", uri, 1.0):  # the canary's
+        with pytest.raises(EndpointError) as e:
+            serve_down(_cli_config(uri, "m"), wait_for_lock_s=0.2)
+    assert str(e.value) == "a release of m is in progress (its canary or promotion); try again when it ends"
+    assert sorted(fake_serve.apps) == ["shardline-m"] and fake_serve.deleted == []
+    assert TAG_SERVED_BY in client_for(uri).get_registered_model("m").tags
+    assert serve_down(_cli_config(uri, "m"), wait_for_lock_s=0.2)["app_removed"]  # the release ended
