@@ -163,7 +163,8 @@ class Reconciled(BaseModel):
     app_name: str
     url: str
     champion: str | None
-    removed: list[str] = []
+    removed: list[str] = []  # every version taken out: replaced champions and orphaned challengers
+    orphaned: list[str] = []  # of those, challengers a canary left routed (it died undecided): only these were canaried
     action: str
 
 
@@ -227,6 +228,7 @@ def reconcile(
         url=endpoint_url(serve),
         champion=champion,
         removed=stale,
+        orphaned=[v for v in stale if current is not None and v == current.get("challenger")],
         action=action + (f"; removed {', '.join('v' + v for v in stale)}" if stale else ""),
     )
 

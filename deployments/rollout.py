@@ -113,7 +113,7 @@ def run_rollout(
     """
     client = client_for(tracking_uri)
     found = reconcile(serve, model_name, tracking_uri, token_sha256, runtime_env)  # removes a dead canary's orphan
-    tag_abandoned(client, model_name, [v for v in found.removed if v != challenger])  # a rerun may retry it
+    tag_abandoned(client, model_name, [v for v in found.orphaned if v != challenger])  # a rerun may retry it
     if found.champion != champion:
         raise AliasChanged(f"{model_name}: the registry's champion is {found.champion}, the canary expected {champion}")
     control = canary_control.DriverControl(client, cfg, model_name, challenger, uuid.uuid4().hex)

@@ -79,7 +79,7 @@ def serve_up(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
     try:
         with release_lock(name, tracking_uri, wait_for_lock_s):
             done = reconcile(config.serve, name, tracking_uri, token, env)
-            tag_abandoned(client_for(tracking_uri), name, done.removed)
+            tag_abandoned(client_for(tracking_uri), name, done.orphaned)  # not a replaced champion: never canaried
             start_proxy(config.serve)
             if done.champion is None:  # the gateway answers "waiting for a first model" until there is one
                 ensure_gateway(config.serve, token, env)

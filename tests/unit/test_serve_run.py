@@ -289,3 +289,32 @@ def test_serve_stop_waits_for_a_release_in_progress_and_then_refuses_in_one_line
     assert sorted(fake_serve.apps) == ["shardline-m"] and fake_serve.deleted == []
     assert TAG_SERVED_BY in client_for(uri).get_registered_model("m").tags
     assert serve_down(_cli_config(uri, "m"), wait_for_lock_s=0.2)["app_removed"]  # the release ended
+
+
+def test_only_a_challenger_a_dead_canary_left_is_reported_orphaned_not_a_replaced_champion(mlflow_store, fake_serve):
+    """serve_up tags what reconcile reports orphaned as an abandoned canary; a champion the operator replaced (a
+    first champion, never canaried) was tagged so too."""
+    from deployments import endpoint
+    from deployments.config import ServeConfig
+    from deployments.registry import client_for
+    from deployments.rollout import tag_abandoned
+    from deployments.serve_build import router_config
+    from infra.names import TAG_CANARY_DECISION
+
+    uri, _ = mlflow_store
+    _champions(uri, "m")
+    client = client_for(uri)
+    for _ in range(2):
+        client.create_model_version("m", source="/tmp/nowhere")
+    serve = ServeConfig()
+    endpoint.reconcile(serve, "m", uri)
+    client.set_registered_model_alias("m", "champion", "2")  # the operator's move: v1 retires
+    done = endpoint.reconcile(serve, "m", uri)
+    assert (done.removed, done.orphaned) == (["1"], [])
+    fake_serve.apps["shardline-m"] = router_config(serve, "m", "2", challenger="3", challenger_percent=10).model_dump()
+    fake_serve.versions["shardline-m"] = ["2", "3"]  # a canary of v3 whose driver died
+    done = endpoint.reconcile(serve, "m", uri)
+    assert (done.removed, done.orphaned) == (["3"], ["3"])
+    tag_abandoned(client, "m", done.orphaned)
+    decided = {v: client.get_model_version("m", v).tags.get(TAG_CANARY_DECISION) for v in ("1", "3")}
+    assert decided == {"1": None, "3": "abandoned"}
