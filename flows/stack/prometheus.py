@@ -16,8 +16,8 @@ import yaml
 
 from flows.stack.config import StackConfig
 from flows.stack.procs import is_ours, port_open
-from flows.stack.service import ensure_service, service_env, stop_part
-from flows.stack.state import PartState, part_up
+from flows.stack.service import comes_up, ensure_service, service_env, stop_part
+from flows.stack.state import PartState
 
 # Ray's file name (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE), not imported: `up` may run without
 # Ray imported, and the name is part of Ray's documented Prometheus set-up.
@@ -116,7 +116,7 @@ def start(cfg: StackConfig, home: Path, recorded: PartState | None, serve) -> Pa
         "ray_discovery": str(discovery),
         "health_url": f"{url}/-/ready",
     }
-    if recorded is not None and recorded.url == url and part_up(recorded):
+    if recorded is not None and recorded.url == url and comes_up(recorded, cfg.start_timeout_s):
         if changed and recorded.started_by_us:
             reload(recorded)
         return recorded.model_copy(update={"detail": {**recorded.detail, **detail}})

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
-from flows.stack.procs import StackError, http_ok, port_open, spawn, stop, wait_until
+from flows.stack.procs import StackError, http_ok, is_ours, port_open, spawn, stop, wait_until
 from flows.stack.state import PartState, part_up
 
 
@@ -30,6 +31,22 @@ def service_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def comes_up(part: PartState, timeout_s: float) -> bool:
+    """Whether a recorded part is up, or comes up within `timeout_s` while the processes this stack started for it
+    run: a server that is merely slow (a loaded machine, a Prometheus loading its TSDB) is waited for as a new one
+    would be, not taken for hung and stopped, which broke every run connected to it."""
+    if part_up(part):
+        return True
+    if not (part.started_by_us and part.procs and all(is_ours(p) for p in part.procs)):
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(is_ours(p) for p in part.procs):
+        time.sleep(0.5)
+        if part_up(part):
+            return True
+    return False
+
+
 def ensure_service(
     name: str,
     recorded: PartState | None,
@@ -51,7 +68,7 @@ def ensure_service(
         StackError: the port is taken by something that does not answer like this service, or it did not start.
     """
     detail = {**(detail or {}), "health_url": health_url}
-    if recorded is not None and recorded.url == url and part_up(recorded):
+    if recorded is not None and recorded.url == url and comes_up(recorded, timeout_s):
         return recorded
     if recorded is not None:
         # moved to another port or host, or hung (alive, not answering): the old server of this stack is not left

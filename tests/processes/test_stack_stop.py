@@ -206,6 +206,20 @@ def test_a_hung_server_this_stack_started_is_stopped_before_its_replacement_star
     assert _gone(old) and part.started_by_us and part.procs != [old] and is_ours(part.procs[0])
 
 
+def test_a_slow_server_this_stack_started_is_waited_for_and_kept(spawned, tmp_path):
+    """A server of this stack that answers a few seconds late (a loaded machine, a Prometheus loading its TSDB) was
+    taken for hung by a second `up`, stopped and replaced, which broke every run connected to it."""
+    port = _free_port()
+    serve = f"exec {sys.executable} -m http.server {port} --bind 127.0.0.1 --directory {tmp_path}"
+    slow = spawned(["sh", "-c", f"sleep 2; {serve}"])  # exec: the same process, answering from 2 s on
+    url = f"http://127.0.0.1:{port}"
+    recorded = PartState(
+        name="prefect", url=url, port=port, procs=[slow], started_by_us=True, detail={"health_url": f"{url}/"}
+    )
+    part = _ensure_http(recorded, "127.0.0.1", port, tmp_path)
+    assert part.procs == [slow] and is_ours(slow)
+
+
 def test_a_moved_part_this_stack_did_not_start_is_left_running(spawned, tmp_path):
     port = _free_port()
     foreign = spawned(["sleep", "30"])
