@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -145,39 +146,43 @@ def serve_down(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
     no longer marked as served in the registry, or the next `shardline serve` of another model would serve it
     again (reconcile_others); a registry that does not answer leaves the mark (`unmarked` False, a warning).
     Both under the model's release lock: a canary or promotion in progress owns the application (removing it
-    mid-ramp would fail that release on an application that vanished, or be undone by its promotion).
+    mid-ramp would fail that release on an application that vanished, or be undone by its promotion). A lock whose
+    store does not answer (the Prefect server or PostgreSQL down) is warned about and the stop goes on without it:
+    `--stop` must work when the stack around it is down, and it stops the local Ray head either way.
 
     Raises:
         EndpointError: a release of the model holds its lock beyond `wait_for_lock_s`; nothing was removed.
     """
     from deployments.endpoint import EndpointError
+    from deployments.http_io import failure_line
     from deployments.release_lock import LockTimeout, release_lock
     from infra.head import read_head, stop_head
     from infra.tracking import resolve_tracking_uri
 
     name = config.registry.model_name
     removed = False
-    head_stopped = False
-    try:
-        with release_lock(name, resolve_tracking_uri(config.registry.tracking_uri), wait_for_lock_s):
-            if config.cluster.mode == "remote" or read_head() is not None:
-                import ray
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(release_lock(name, resolve_tracking_uri(config.registry.tracking_uri), wait_for_lock_s))
+        except LockTimeout:
+            raise EndpointError(
+                f"a release of {name} is in progress (its canary or promotion); try again when it ends"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - the lock's store (Prefect, PostgreSQL) down: stopping must still work
+            log.warning("stopping %s without its release lock: its store did not answer (%s)", name, failure_line(e))
+        if config.cluster.mode == "remote" or read_head() is not None:
+            import ray
 
-                from deployments.endpoint import remove
-                from infra.cluster import provision, teardown
+            from deployments.endpoint import remove
+            from infra.cluster import provision, teardown
 
-                info = provision(config.cluster) if not ray.is_initialized() else None
-                try:
-                    removed = remove(config.serve, name)
-                finally:
-                    teardown(info)
-            unmarked = _unmark(config)
-    except LockTimeout:
-        raise EndpointError(
-            f"a release of {name} is in progress (its canary or promotion); try again when it ends"
-        ) from None
-    if config.cluster.mode != "remote":
-        head_stopped = stop_head()
+            info = provision(config.cluster) if not ray.is_initialized() else None
+            try:
+                removed = remove(config.serve, name)
+            finally:
+                teardown(info)
+        unmarked = _unmark(config)
+    head_stopped = stop_head() if config.cluster.mode != "remote" else False
     return {"app_removed": removed, "head_stopped": head_stopped, "unmarked": unmarked}
 
 

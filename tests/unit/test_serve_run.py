@@ -318,3 +318,21 @@ def test_only_a_challenger_a_dead_canary_left_is_reported_orphaned_not_a_replace
     tag_abandoned(client, "m", done.orphaned)
     decided = {v: client.get_model_version("m", v).tags.get(TAG_CANARY_DECISION) for v in ("1", "3")}
     assert decided == {"1": None, "3": "abandoned"}
+
+
+def test_serve_stop_goes_on_without_the_release_lock_when_its_store_does_not_answer(tmp_path, monkeypatch, caplog):
+    """The lock's store down (here a lock file that cannot be made; a Prefect server or PostgreSQL that does not
+    answer alike): `serve --stop` raised out of it and stopped nothing, not even the local Ray head."""
+    from deployments import serving
+    from infra import head
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # the lock file's folder is a file
+    monkeypatch.setenv("SHARDLINE_HOME", str(tmp_path / "home"))
+    stopped = []
+    monkeypatch.setattr(head, "stop_head", lambda: stopped.append(True) or True)
+    config = _cli_config(f"sqlite:///{blocked / 'mlflow.db'}", "m")
+    config.cluster.mode = "local"  # no head recorded: nothing to remove, the head is stopped all the same
+    out = serving.serve_down(config, wait_for_lock_s=0.2)
+    assert out == {"app_removed": False, "head_stopped": True, "unmarked": False} and stopped == [True]
+    assert "stopping m without its release lock: its store did not answer (FileExistsError" in caplog.text
