@@ -75,12 +75,18 @@ def test_damaged_set_named_by_the_index_is_rebuilt(tmp_path, built):
     assert Path(first.val_shards[0]).exists()
 
 
-def test_an_indexed_set_whose_manifest_describes_another_layout_is_not_taken_unread(tmp_path, built, monkeypatch):
-    """What a set published over by another build's settings (or tokenizer) looks like: it verifies, but it is not
-    what this config builds, so the corpus is read and the content digest decides."""
+def test_an_indexed_set_of_other_settings_is_taken_unread_but_not_one_of_another_tokenizer(tmp_path, built):
+    """A set that other settings published with the same shards is this build's content: requiring its whole layout
+    equal re-read the corpus on every later run of those settings, for good. One whose manifest names another
+    tokenizer (published before the tokenizer was part of the digest) is not what this config builds: the corpus is
+    read and the content digest decides."""
     corpus, first = built
     manifest = json.loads(Path(first.manifest_uri).read_text())
     manifest["layout"]["max_samples_per_shard"] = 1000  # no effect on a text set's digest
+    Path(first.manifest_uri).write_text(json.dumps(manifest))
+    again = build_shards(config(corpus, tmp_path / "out"))
+    assert again.cache_hit and again.chunks == 0 and again.dataset_digest == first.dataset_digest
+    manifest["layout"]["tokenizer_sha256"] = "f" * 64
     Path(first.manifest_uri).write_text(json.dumps(manifest))
     again = build_shards(config(corpus, tmp_path / "out"))
     assert again.chunks > 0 and again.dataset_digest == first.dataset_digest

@@ -202,11 +202,15 @@ def _build_with(
                 pass  # the store is down; _staging is never read as a dataset
 
 
+TOKEN_LAYOUT_KEYS = ("tokenizer_sha256", "token_dtype", "vocab_size")  # what reads a set's ids back
+
+
 def _indexed(output: str, key: str, cfg: DataConfig, layout: dict[str, Any]) -> ShardSet | None:
-    """The set the listing index names for `key`, verified and of this build's `layout`; None when there is none,
-    it does not verify, or its manifest describes another layout: the same shards published by other settings, or a
-    set of another tokenizer (published before the tokenizer was part of the digest). The corpus is then read and
-    the content digest decides."""
+    """The set the listing index names for `key`, verified and of this build's tokenizer; None when there is none, it
+    does not verify, or its manifest names another tokenizer (a set published before the tokenizer was part of the
+    digest): the corpus is then read and the content digest decides. Other layout settings may differ: a set that
+    other settings published with the same shards is this build's content (the digest names every shard), and
+    requiring them equal re-read the whole corpus on every later run of those settings, for good."""
     entry = listing_index.lookup(output, key, cfg.storage_retries)
     if entry is None:
         return None
@@ -218,7 +222,7 @@ def _indexed(output: str, key: str, cfg: DataConfig, layout: dict[str, Any]) -> 
         manifest = Manifest.model_validate_json(storage.read_bytes(manifest_uri, cfg.storage_retries))
     except ValueError:
         return None  # damaged: build from the corpus, which republishes it
-    if manifest.layout != layout:
+    if any(manifest.layout.get(k) != layout.get(k) for k in TOKEN_LAYOUT_KEYS):
         return None
     if verify_published(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
         return None  # damaged or replaced: build from the corpus, which republishes it
