@@ -101,8 +101,17 @@ def canary(mlflow_store, monkeypatch):
     return start
 
 
-def _later(seconds: float, act: Any) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(seconds), act()))
+def _once(ready: Any, act: Any, within_s: float = 30.0) -> threading.Thread:
+    """Run `act` in a thread as soon as `ready()` holds (the driver got as far as the test needs): no fixed delay
+    that a loaded machine could outrun or fall behind."""
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + within_s
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        act()
+
+    thread = threading.Thread(target=wait_then_act)
     thread.start()
     return thread
 
@@ -118,8 +127,8 @@ def test_a_command_given_while_a_step_is_judged_acts_before_the_weight_moves_on(
     def on_step(index: int, step: Any) -> None:  # the operator acts while the 10% step is being judged
         if index == 0:
             command(action)
-            if action == "pause":
-                resumed.append(_later(1.0, lambda: command("resume")))
+            if action == "pause":  # resumed once the driver acted on the pause (one command tag: not before)
+                resumed.append(_once(lambda: len(ramp.control.applied) == 1, lambda: command("resume")))
 
     ended_by, stopped, paused_out = _ramp_up(ramp, ramp.cfg, "1", "2", steps, on_step)
     acted = ramp.control.applied[0]
@@ -153,10 +162,11 @@ def test_a_promote_given_in_the_last_poll_interval_before_the_approval_deadline_
     """The wait for approval ended at its deadline without a last read: a promote written after the last poll was
     lost and the canary aborted as timed out."""
     ramp, _, command, _ = canary(
-        steps=[10, 100], approval="manual", approval_timeout_s=1.5, control_poll_s=30.0, lease_s=60.0
+        steps=[10, 100], approval="manual", approval_timeout_s=3.0, control_poll_s=30.0, lease_s=60.0
     )
     ramp.percent = 10
-    operator = _later(0.5, lambda: command("promote"))  # after the wait's first poll, long before its next
+    # after the wait's first poll (which sets the next one 30 s on): only a last read at the deadline can see it
+    operator = _once(lambda: ramp.control.next_poll > 0, lambda: command("promote"))
     got = ramp.await_approval()
     operator.join()
     assert got is not None and got.action == "promote"
