@@ -180,7 +180,8 @@ def serve_down(config: Any, wait_for_lock_s: float = 5.0) -> dict[str, Any]:
             try:
                 removed = remove(config.serve, name)
             finally:
-                teardown(info)
+                if info is not None:  # only the connection made here: a caller's own stays (and its cluster)
+                    teardown(info)
         unmarked = _unmark(config)
     head_stopped = stop_head() if config.cluster.mode != "remote" else False
     return {"app_removed": removed, "head_stopped": head_stopped, "unmarked": unmarked}
