@@ -8,7 +8,7 @@ import time
 
 import boto3
 import pytest
-from support.data_helpers import config, make_corpus
+from support.data_helpers import config, make_corpus, make_jsonl
 
 from infra import storage
 from training.config import TrainConfig
@@ -124,6 +124,22 @@ def test_jsonl_source_in_store(tmp_path, store):
     storage.write_bytes(storage.join(store, "j", "part-0.jsonl"), ("\n".join(rows) + "\n").encode())
     shards = build_shards(config(storage.join(store, "j"), tmp_path / "out", format="jsonl"))
     assert shards.num_train + shards.num_val == 40
+
+
+def test_a_source_naming_one_object_is_read_like_a_local_file(tmp_path, store):
+    """A source that is one object, not a prefix, lists nothing under itself: it is the corpus' one input."""
+    src = make_jsonl(tmp_path / "one.jsonl")
+    storage.upload_file(src, storage.join(store, "data", "one.jsonl"))
+    storage.write_bytes(storage.join(store, "data", "one.jsonl.bak"), b"not this")  # a sibling with the same prefix
+    local = build_shards(config(src, tmp_path / "out", format="jsonl", text_field="body"))
+    remote = build_shards(
+        config(storage.join(store, "data", "one.jsonl"), tmp_path / "out2", format="jsonl", text_field="body")
+    )
+    assert remote.dataset_digest == local.dataset_digest and remote.num_train + remote.num_val == 40
+    missing = storage.join(store, "data", "none.jsonl")
+    with pytest.raises(DataError) as err:
+        build_shards(config(missing, tmp_path / "out3", format="jsonl", text_field="body"))
+    assert str(err.value) == f"{missing}: no objects under this prefix, nor an object of that name (data.source)"
 
 
 def test_nonexistent_source_prefix(tmp_path, store):

@@ -1,4 +1,4 @@
-"""build_shards on local directories (and moto's in-process S3): determinism, manifest, cache hits, atomic
+"""build_shards on local directories: determinism, manifest, cache hits, atomic
 publishing, the quality gate."""
 
 from __future__ import annotations
@@ -253,43 +253,3 @@ def test_a_file_uri_source_reads_the_same_corpus_as_its_path(tmp_path):
         config(f"file://{make_jsonl(tmp_path / 'one.jsonl')}", tmp_path / "j", format="jsonl", text_field="body")
     )
     assert one.num_train + one.num_val == 40
-
-
-@pytest.fixture
-def mock_s3(monkeypatch):
-    """moto's in-process S3 (no server), bucket 'bkt'; the variables that could point boto3 elsewhere are unset."""
-    from moto import mock_aws
-
-    for key in (
-        "AWS_ENDPOINT_URL",
-        "AWS_ENDPOINT_URL_S3",
-        "AWS_PROFILE",
-        "AWS_SESSION_TOKEN",
-        "SHARDLINE_S3_SECRET_BLOCK",
-    ):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing")):
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with mock_aws():
-        import boto3
-
-        client = boto3.client("s3", region_name="us-east-1")
-        client.create_bucket(Bucket="bkt")
-        yield client
-
-
-def test_an_s3_source_naming_one_object_is_read_like_a_local_file(tmp_path, mock_s3):
-    """A source that is one object, not a prefix, lists nothing under itself: it is the corpus' one input."""
-    src = make_jsonl(tmp_path / "one.jsonl")
-    mock_s3.upload_file(str(src), "bkt", "data/one.jsonl")
-    mock_s3.put_object(Bucket="bkt", Key="data/one.jsonl.bak", Body=b"not this")  # a sibling with the same prefix
-    local = build_shards(config(src, tmp_path / "out", format="jsonl", text_field="body"))
-    remote = build_shards(config("s3://bkt/data/one.jsonl", tmp_path / "out2", format="jsonl", text_field="body"))
-    assert remote.dataset_digest == local.dataset_digest and remote.num_train + remote.num_val == 40
-    with pytest.raises(DataError) as err:
-        build_shards(config("s3://bkt/data/none.jsonl", tmp_path / "out3", format="jsonl", text_field="body"))
-    assert (
-        str(err.value)
-        == "s3://bkt/data/none.jsonl: no objects under this prefix, nor an object of that name (data.source)"
-    )
