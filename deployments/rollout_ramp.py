@@ -146,6 +146,22 @@ class Collected(NamedTuple):
     paused_out: bool = False
 
 
+def take_observations(
+    got: dict[str, Any], replica: str, cursor: int, seen: dict[tuple[str, int], dict[str, Any]]
+) -> tuple[str, int]:
+    """Add one read of the router's observations (`got`: replica_id, items from `cursor` on, next) to `seen`, keyed
+    by (replica, seq); the (replica, cursor) the next read asks with. A restarted router replica numbers from 0 again:
+    a read that asked it past its first observations (the old replica's cursor) is dropped and the next asks from 0,
+    or those were never read; what was seen of the old replica is kept."""
+    if got["replica_id"] != replica:
+        asked, replica = cursor, got["replica_id"]
+        if asked:
+            return replica, 0
+    for ob in got["items"]:
+        seen[(replica, ob["seq"])] = ob
+    return replica, got["next"]
+
+
 class Ramp:
     """The application's state during one canary: both versions deployed, the router's weight, epoch and lease."""
 
@@ -230,13 +246,7 @@ class Ramp:
                     .get_observations.remote(self.canary_id, self.epoch, cursor)
                     .result(timeout_s=30)
                 )
-                if got["replica_id"] != replica:  # a restarted router starts counting again; keep what we saw
-                    asked, replica, cursor = cursor, got["replica_id"], 0
-                    if asked:  # read past the new replica's first observations: read it again from its start
-                        got = {"items": [], "next": 0}
-                for ob in got["items"]:
-                    seen[(replica, ob["seq"])] = ob
-                cursor = got["next"]
+                replica, cursor = take_observations(got, replica, cursor, seen)
             except Exception as e:  # noqa: BLE001 - a router restarting mid-step; its user_config survives
                 log.warning("reading the router's observations: %s: %s", type(e).__name__, e)
             paused_out = paused_at is not None and time.monotonic() - paused_at >= cfg.pause_timeout_s

@@ -316,3 +316,115 @@ def test_a_pause_nobody_resumes_rolls_back_when_it_times_out(world, capsys, monk
     assert paused["percent"] == 30 and paused["failures"] == []
     assert paused["inconclusive"][0] == "paused for longer than canary.pause_timeout_s=4 s: not judged"
     assert_aborted_back_to(world, load, base, ver)
+
+
+class JudgingOperator(Driver):
+    """A Driver whose operator gives `action` while step `at` is being judged (after its evidence is in, before the
+    next weight or the verdict is set: as if its PromQL gates took a while), without waiting for it to be acted on."""
+
+    def __init__(self, world, cfg: CanaryConfig, champion: str, challenger: str, action: str, at: int):
+        super().__init__(world, cfg, champion, challenger)
+        self.action, self.at = action, at
+
+    def run(self) -> None:
+        from deployments.canary_control import CommandRefused, send_command
+
+        def on_step(index: int, step) -> None:
+            self.steps.append(step)
+            if index == self.at:
+                try:  # written at once; acted on only once this step's judgement returns
+                    send_command(self.client, NAME, self.action, "seen on the dashboards", "dee", wait_s=0)
+                except CommandRefused:
+                    pass
+
+        try:
+            self.result = run_rollout(*self.args, run_id=self.run_id, log_decision=self.log_decision, on_step=on_step)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+def _commands(driver: Driver) -> list[tuple[str, int]]:
+    decision = json.loads(open(driver.client.download_artifacts(driver.run_id, "canary_decision.json")).read())
+    return [(c["action"], c["percent"]) for c in decision["commands"]]
+
+
+@pytest.mark.parametrize("action", ["pause", "abort"])
+def test_a_command_given_while_a_step_is_judged_acts_before_the_weight_moves_on(world, capsys, action):
+    """Commands were read only while a step collected evidence: a pause or abort given while the 10% step was
+    judged took effect once 50% had been applied."""
+    client = world["client"]
+    base, ver = release_candidate(world, "good", f"good-judged-{action}")
+    cfg = CFG.model_copy(update={"bake_seconds": 2.0, "pause_timeout_s": 120.0})
+    app = serve_build.app_name_for(world["serve"], NAME)
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = JudgingOperator(world, cfg, base, ver, action, at=0)
+        driver.start()
+        if action == "pause":
+            wait_for(lambda: read_status(client, NAME).state == "paused", 150, "the pause", driver)
+            assert read_status(client, NAME).percent == 10 and endpoint.read_state(app)["effective_percent"] == 10
+            code, _, err = shardline_canary(capsys, world, "resume", "--reason", "fine")
+            assert code == 0, err
+        driver.join(timeout=180)
+    assert driver.error is None, driver.error
+    if action == "abort":  # decided at 10%: the challenger never got 50%
+        assert driver.result.decision == "aborted" and [s["percent"] for s in driver.result.steps] == [10]
+        assert _commands(driver) == [("abort", 10)]
+        assert_aborted_back_to(world, load, base, ver)
+    else:  # held at 10% until the resume, then on through 50% and 100%
+        assert driver.result.decision == "promoted" and [s["percent"] for s in driver.result.steps] == [10, 50, 100]
+        assert _commands(driver) == [("pause", 10), ("resume", 10)] and not load.failed, load.failed[:5]
+
+
+def test_an_abort_given_while_the_last_step_is_judged_decides_instead_of_a_promotion(world):
+    base, ver = release_candidate(world, "good", "good-last-judged")
+    cfg = CFG.model_copy(update={"steps": [10, 100], "bake_seconds": 2.0})
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = JudgingOperator(world, cfg, base, ver, "abort", at=1)
+        driver.start()
+        driver.join(timeout=180)
+    assert driver.error is None, driver.error
+    assert driver.result.decision == "aborted" and [s["percent"] for s in driver.result.steps] == [10, 100]
+    assert _commands(driver) == [("abort", 100)]
+    assert_aborted_back_to(world, load, base, ver)
+
+
+def test_a_pause_given_between_steps_that_outlasts_its_timeout_rolls_back(world):
+    base, ver = release_candidate(world, "good", "good-paused-between")
+    cfg = CFG.model_copy(update={"steps": [10, 100], "bake_seconds": 2.0, "pause_timeout_s": 3.0})
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = JudgingOperator(world, cfg, base, ver, "pause", at=0)
+        driver.start()
+        driver.join(timeout=180)
+    assert driver.error is None, driver.error
+    assert driver.result.decision == "aborted" and driver.result.reason.startswith(
+        "paused for longer than canary.pause_timeout_s=3 s at 10%; rolled back"
+    ), driver.result.reason
+    assert [s["percent"] for s in driver.result.steps] == [10] and _commands(driver) == [("pause", 10)]
+    assert_aborted_back_to(world, load, base, ver)
+
+
+def test_a_promote_given_after_the_approval_wait_s_last_poll_is_taken_at_its_deadline(world, capsys):
+    """The wait for approval ended at its deadline without a last read: a promote written after its last poll (here
+    its only one: canary.control_poll_s is longer than the wait) was lost and the canary aborted as timed out."""
+    client = world["client"]
+    base, ver = release_candidate(world, "good", "good-late-approval")
+    cfg = CFG.model_copy(
+        update={
+            "steps": [30, 100],
+            "approval": "manual",
+            "approval_timeout_s": 8.0,
+            "control_poll_s": 60.0,
+            "bake_seconds": 2.0,
+        }
+    )
+    with Load(world["url"], world["texts"], rps=6.0, max_seconds=240) as load:
+        driver = Driver(world, cfg, base, ver)
+        driver.start()
+        wait_for(lambda: read_status(client, NAME).state == "awaiting-approval", 150, "awaiting-approval", driver)
+        code, _, err = shardline_canary(capsys, world, "promote", "--reason", "just in time")
+        assert code == 0, err
+        driver.join(timeout=120)
+    assert driver.error is None, driver.error
+    assert driver.result.decision == "promoted" and "at 30% (awaiting-approval): just in time" in driver.result.reason
+    assert not load.failed, load.failed[:5]
+    assert read_aliases(client, NAME)["champion"] == ver
