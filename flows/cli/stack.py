@@ -59,7 +59,7 @@ def summary_lines(status: dict) -> list[str]:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from flows.stack.postgres import BackendError, parse_backend
+    from flows.stack.postgres import BackendError
     from flows.stack.procs import StackError
     from flows.stack.stack import status, up
     from flows.stack.state import StackBusy
@@ -71,8 +71,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return 2
     print("shardline up:", flush=True)
     try:
-        if stack_cfg.backend:
-            parse_backend(stack_cfg.backend)  # a bad backend is refused before anything starts, so in one line
         up(stack_cfg, pipeline_cfg, say=lambda line: print(line, flush=True))
     except (StackBusy, BackendError) as e:  # nothing started: no note about what is recorded
         print(f"shardline: {redact(e)}", file=sys.stderr)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from flows.stack import deploy, endpoint, mlflow_server, prefect_server, prometheus, ray_head, worker
 from flows.stack.config import StackConfig
-from flows.stack.postgres import ensure_databases, parse_backend
+from flows.stack.postgres import Backend, ensure_databases, parse_backend
 from flows.stack.procs import StackError, is_ours
 from flows.stack.service import stop_part
 from flows.stack.state import (
@@ -58,19 +58,7 @@ def _up(cfg: StackConfig, pipeline_config, say: Callable[[str], None]) -> StackS
 
     backend = parse_backend(cfg.backend) if cfg.backend else None
     if backend is not None:
-        created = ensure_databases(backend)
-        record(
-            PartState(
-                name="postgres",
-                url=backend.display,
-                port=backend.port,
-                detail={
-                    "host": backend.host,  # with port: what `status` dials to tell whether the server is up
-                    "databases": ",".join(backend.databases.values()),
-                    "created": ",".join(created) or "none",
-                },
-            )
-        )
+        record(postgres_part(backend, ensure_databases(backend)))
     else:
         state.parts.pop("postgres", None)
     prefect = record(prefect_server.start(cfg, home, state.parts.get("prefect"), backend))
@@ -92,6 +80,20 @@ def _up(cfg: StackConfig, pipeline_config, say: Callable[[str], None]) -> StackS
         write_state(state)
         say(f"  deployed  prefect.yaml at commit {commit[:12]} to pool {cfg.work_pool!r}")
     return state
+
+
+def postgres_part(backend: Backend, created: list[str]) -> PartState:
+    """The record of the PostgreSQL backend: no process of the stack's, so `status` dials its host and port."""
+    return PartState(
+        name="postgres",
+        url=backend.display,
+        port=backend.port,
+        detail={
+            "host": backend.host,
+            "databases": ",".join(backend.databases.values()),
+            "created": ",".join(created) or "none",
+        },
+    )
 
 
 def forget_unless_running(state: StackState, name: str, say: Callable[[str], None]) -> None:
