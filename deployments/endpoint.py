@@ -274,6 +274,15 @@ def _serve_champion(
     return action
 
 
+def unanswering_holder(serve: ServeConfig, app_name: str) -> EndpointConflict:
+    """The conflict of a shardline application holding the route prefix whose router does not answer, naming the
+    command that removes it."""
+    return EndpointConflict(
+        f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
+        "not answer; remove it with `shardline serve --stop` for its model"
+    )
+
+
 def _move_behind_gateway(
     app_name: str, serve: ServeConfig, tracking_uri: str, runtime_env: dict[str, Any] | None
 ) -> None:
@@ -281,10 +290,7 @@ def _move_behind_gateway(
     from before the gateway). Its models are assumed to be in this stack's registry, `tracking_uri`."""
     state = read_state(app_name)
     if state is None or not state.get("config"):
-        raise EndpointConflict(
-            f"serve.route_prefix={serve.route_prefix}: held by {app_name!r}, whose router does "
-            "not answer; remove it with `shardline serve --stop` for its model"
-        )
+        raise unanswering_holder(serve, app_name)
     log.info("moving %s behind the gateway", app_name)
     router = RouterConfig.model_validate(state["config"]).model_copy(update={"gateway": gateway_name(serve)})
     apply(

@@ -53,20 +53,18 @@ def test_any_other_error_is_raised_at_once():
 # ---- the endpoint's control side (deployments/endpoint.py) with Serve replaced by a dict of applications ----
 
 
-def test_an_unanswering_holder_of_the_prefix_names_the_flag_that_removes_it(monkeypatch):
+def test_an_unanswering_holder_of_the_prefix_names_the_flag_that_removes_it():
     """The conflict tells the operator what to run: the command it names must be one the CLI takes."""
     import re
 
     from deployments import endpoint
     from deployments.config import ServeConfig
-    from deployments.gateway_control import EndpointConflict
     from flows.cli.root import build_parser
 
-    monkeypatch.setattr(endpoint, "read_state", lambda app: None)
-    with pytest.raises(EndpointConflict, match="held by 'shardline-old'") as raised:
-        endpoint._move_behind_gateway("shardline-old", ServeConfig(), "sqlite:///x.db", None)
-    command = re.search(r"`shardline ([^`]+)`", str(raised.value))
-    assert command is not None and "\n" not in str(raised.value)
+    raised = endpoint.unanswering_holder(ServeConfig(), "shardline-old")
+    assert "held by 'shardline-old'" in str(raised)
+    command = re.search(r"`shardline ([^`]+)`", str(raised))
+    assert command is not None and "\n" not in str(raised)
     args = build_parser().parse_args(command.group(1).split())  # an unknown flag exits 2
     assert args.command == "serve" and args.stop
 
