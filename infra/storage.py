@@ -12,13 +12,13 @@ import io
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from infra.credentials import azure_service, s3_client
+from infra.paths import replace_file
 from infra.redact import redact
 from infra.storage_retry import ResumableReader, StorageError, with_retries
 
@@ -153,47 +153,11 @@ def open_read(uri: str, retries: int | None = None) -> IO[bytes]:
     return io.BufferedReader(ResumableReader(uri, open_at, retries), buffer_size=1 << 16)
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux allows (/proc), so no other thread's file is ever
-    created under a momentarily cleared umask."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _replace_local(path: Path, fill: Callable[[str], object]) -> None:
-    """Have `fill` write a temp file of this call's own next to `path`, then rename it into place.
-
-    A name of its own (mkstemp), not one per process: two threads writing one path renamed each other's
-    half-written file and a reader saw a torn object. A failed write removes its temp file, which otherwise stayed
-    under the prefix for good. The file gets the mode a plain open() would give it (mkstemp makes it 0600), so
-    other users of shared storage can still read it.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())
-        finally:
-            os.close(fd)
-        fill(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_bytes(uri: str, data: bytes, retries: int | None = None) -> None:
     """Write (replace) an object; a local file is written to a temp name and renamed into place."""
     loc = parse(uri)
     if loc.scheme == "file":
-        _replace_local(Path(loc.key), lambda tmp: Path(tmp).write_bytes(data))
+        replace_file(Path(loc.key), lambda tmp: Path(tmp).write_bytes(data))
     elif loc.scheme == "s3":
         with_retries(lambda: s3_client().put_object(Bucket=loc.bucket, Key=loc.key, Body=data), uri, retries)
     else:
@@ -205,7 +169,7 @@ def upload_file(path: str | Path, uri: str, retries: int | None = None) -> None:
     target is filled under a temp name and renamed, like write_bytes: a reader never sees half a copy."""
     loc = parse(uri)
     if loc.scheme == "file":
-        _replace_local(Path(loc.key), lambda tmp: shutil.copyfile(path, tmp))
+        replace_file(Path(loc.key), lambda tmp: shutil.copyfile(path, tmp))
         return
     data = Path(path).read_bytes()
     write_bytes(uri, data, retries)

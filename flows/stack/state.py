@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from flows.stack.procs import Proc, StackError, http_ok, is_ours, port_open
-from infra.paths import shardline_home
+from infra.paths import replace_file, shardline_home
 
 PARTS = ("postgres", "prefect", "mlflow", "worker", "ray", "endpoint", "prometheus")
 
@@ -69,15 +67,8 @@ def write_state(state: StackState) -> None:
     atomic): with one shared name, two writers truncated and renamed each other's file, and one of them failed
     with FileNotFoundError or a reader saw a damaged record.
     """
-    path = state_path()
-    fd, tmp = tempfile.mkstemp(prefix=".stack.", suffix=".json.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(state.model_dump_json(indent=2))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = state.model_dump_json(indent=2)
+    replace_file(state_path(), lambda tmp: Path(tmp).write_text(text))
 
 
 @contextmanager
