@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from infra.paths import shardline_home
+from infra.tracking import sqlite_path
 
 
 class LockTimeout(TimeoutError):
@@ -61,8 +62,8 @@ def release_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterat
 
 @contextlib.contextmanager
 def _file_lock(model_name: str, tracking_uri: str, timeout_s: float) -> Iterator[str]:
-    if tracking_uri.startswith("sqlite:///"):
-        path = Path(tracking_uri[len("sqlite:///") :].split("?", 1)[0] + f".release-{_slug(model_name)}.lock")
+    if (database := sqlite_path(tracking_uri)) is not None:
+        path = Path(f"{database}.release-{_slug(model_name)}.lock")
     else:
         path = shardline_home() / "locks" / f"release-{_slug(model_name)}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -34,6 +35,13 @@ def registry_client(tracking_uri: str) -> Any:
     import mlflow
 
     return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///PATH` tracking URI (its query dropped); None for any other URI."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///").partition("?")[0])
 
 
 def resolve_tracking_uri(configured: str = "") -> str:

@@ -88,14 +88,11 @@ def missing_store(tracking_uri: str) -> str:
     """Why `tracking_uri` names no registry to read: a SQLite file that does not exist (a mistyped path; MLflow
     would create an empty registry there and every canary would read as none); '' when it may. shardline's own
     store ($SHARDLINE_HOME/mlflow.db) is created on first use, as `shardline run` would."""
-    from pathlib import Path
-
     from infra.paths import shardline_home
+    from infra.tracking import sqlite_path
 
-    if not tracking_uri.startswith("sqlite:///"):
-        return ""
-    path = Path(tracking_uri.removeprefix("sqlite:///").partition("?")[0])
-    if path.exists() or path.absolute() == (shardline_home() / "mlflow.db").absolute():
+    path = sqlite_path(tracking_uri)
+    if path is None or path.exists() or path.absolute() == (shardline_home() / "mlflow.db").absolute():
         return ""
     return (
         f"no MLflow database at {path}: check registry.tracking_uri or $MLFLOW_TRACKING_URI "
