@@ -13,7 +13,6 @@ Ray must be initialised (the driver is connected to the cluster) before any of t
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
@@ -30,6 +29,7 @@ from deployments.gateway_control import (
     gateway_name,
     prefix_holder,
     remove_gateway_if_unused,
+    sanitised,
     serve_run,
 )
 from deployments.registry import CHAMPION, client_for, mark_serving, read_aliases
@@ -306,7 +306,7 @@ def _retire_unhashed_app(serve: ServeConfig, model_name: str) -> bool:
     model: the gateway would see the model twice. Another model's application of that name is left alone."""
     from ray import serve as rs
 
-    old = MODEL_APP_PREFIX + re.sub(r"[^A-Za-z0-9_-]", "-", model_name)
+    old = MODEL_APP_PREFIX + sanitised(model_name)
     if serve.app_name or old == app_name_for(serve, model_name):
         return False
     state = read_state(old)

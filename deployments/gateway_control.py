@@ -42,8 +42,14 @@ def serve_safe(name: str) -> str:
     a short hash of `name` appended: 'team.gpt' and 'team gpt' would both read 'team-gpt', the name of another
     model (the route prefixes '/a/b' and '/a-b' likewise), and each would take over or delete the other's
     application. A name that needed no change is kept as it is, as shardline always named it."""
-    safe = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    safe = sanitised(name)
     return safe if safe == name else f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def sanitised(name: str) -> str:
+    """`name` with every character Serve dislikes in an application's name replaced by '-' (how shardline named
+    applications before serve_safe added its hash)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", name)
 
 
 def gateway_name(serve: ServeConfig) -> str:
