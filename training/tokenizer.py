@@ -112,11 +112,14 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
+LAYOUT_KEYS = ("tokenizer_sha256", "token_dtype", "vocab_size")  # shard_layout's: what reads a set's ids back
+
+
 def shard_layout(tok: Tokenizer) -> dict[str, Any]:
     """What a tokenized shard set records of its tokenizer (manifest layout, listing-index key): the ids can be read
-    back only with these."""
+    back only with these (LAYOUT_KEYS)."""
     vocab = id_count(tok)
-    return {"tokenizer_sha256": fingerprint(tok), "token_dtype": id_dtype(vocab).str, "vocab_size": vocab}
+    return dict(zip(LAYOUT_KEYS, (fingerprint(tok), id_dtype(vocab).str, vocab), strict=True))
 
 
 def batch_encoder(tokenizer_json: str) -> Callable[[list[bytes]], list[bytes]]:

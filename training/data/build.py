@@ -56,6 +56,7 @@ from training.data.shards import (
 )
 from training.data.shardset import DataError, ShardSet
 from training.data.worker import ChunkJob, ChunkResult
+from training.tokenizer import LAYOUT_KEYS
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -202,9 +203,6 @@ def _build_with(
                 pass  # the store is down; _staging is never read as a dataset
 
 
-TOKEN_LAYOUT_KEYS = ("tokenizer_sha256", "token_dtype", "vocab_size")  # what reads a set's ids back
-
-
 def _indexed(output: str, key: str, cfg: DataConfig, layout: dict[str, Any]) -> ShardSet | None:
     """The set the listing index names for `key`, verified and of this build's tokenizer; None when there is none, it
     does not verify, or its manifest names another tokenizer (a set published before the tokenizer was part of the
@@ -222,7 +220,7 @@ def _indexed(output: str, key: str, cfg: DataConfig, layout: dict[str, Any]) -> 
         manifest = Manifest.model_validate_json(storage.read_bytes(manifest_uri, cfg.storage_retries))
     except ValueError:
         return None  # damaged: build from the corpus, which republishes it
-    if any(manifest.layout.get(k) != layout.get(k) for k in TOKEN_LAYOUT_KEYS):
+    if any(manifest.layout.get(k) != layout.get(k) for k in LAYOUT_KEYS):
         return None
     if verify_published(final, None, cfg.verify_existing, cfg.storage_retries) is not None:
         return None  # damaged or replaced: build from the corpus, which republishes it
