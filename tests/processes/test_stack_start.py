@@ -161,6 +161,7 @@ def test_a_slow_server_this_stack_started_is_waited_for_and_kept(spawned, tmp_pa
         name="prefect", url=url, port=port, procs=[slow], started_by_us=True, detail={"health_url": f"{url}/"}
     )
     part = _ensure_http(recorded, "127.0.0.1", port, tmp_path)
+    spawned.all.extend(p for p in part.procs if p != slow)  # a replacement, where one was started, is stopped too
     assert part.procs == [slow] and is_ours(slow)
 
 
